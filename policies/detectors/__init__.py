@@ -1,0 +1,45 @@
+"""Detectors: pure functions of the telemetry stream, one small class per kind of trouble.
+
+Every detector takes its config (a frozen pydantic model declared next to it) in the
+constructor, does no I/O and never reads the clock; ``observe(...) -> Finding | None`` is its
+verdict and ``state_dict()`` / ``load_state_dict()`` round-trip it through JSON mid-stream.
+
+================  ===================  ===========================================
+detector          observes             finding
+================  ===================  ===========================================
+LossSpike         StepRecord           LOSS_SPIKE: WARNING at onset, CRITICAL if it persists
+NonFinite         StepRecord           NONFINITE: CRITICAL at once, names the ranks
+GradNorm          StepRecord / value   GRAD_SPIKE: WARNING (worker skips the step)
+Hang              RankStep + check()   HANG: CRITICAL, names the rank(s) that differ
+Straggler         StepRecord           STRAGGLER: WARNING naming the rank
+Throughput        StepRecord           THROUGHPUT: WARNING
+classify()        exit + log tail      CrashVerdict (class, signature, deterministic)
+================  ===================  ===========================================
+"""
+
+from policies.detectors.crash import CrashClass, CrashSignature, CrashVerdict, classify
+from policies.detectors.grad_norm import GradNormConfig, GradNormDetector
+from policies.detectors.hang import HangConfig, HangDetector
+from policies.detectors.loss_spike import LossSpikeConfig, LossSpikeDetector
+from policies.detectors.nonfinite import NonFiniteConfig, NonFiniteDetector
+from policies.detectors.straggler import StragglerConfig, StragglerDetector
+from policies.detectors.throughput import ThroughputConfig, ThroughputDetector
+
+__all__ = [
+    "CrashClass",
+    "CrashSignature",
+    "CrashVerdict",
+    "GradNormConfig",
+    "GradNormDetector",
+    "HangConfig",
+    "HangDetector",
+    "LossSpikeConfig",
+    "LossSpikeDetector",
+    "NonFiniteConfig",
+    "NonFiniteDetector",
+    "StragglerConfig",
+    "StragglerDetector",
+    "ThroughputConfig",
+    "ThroughputDetector",
+    "classify",
+]

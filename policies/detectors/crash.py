@@ -1,0 +1,187 @@
+"""Crash classification: what killed a worker, and is it going to happen again?
+
+``classify`` is pure: it reads the exit status and the rank's log tail (the supervisor reads the
+file) and returns a ``CrashVerdict``. Patterns are checked most specific first, because a log
+tail often holds several: an OOM inside a NCCL call is an OOM; an illegal memory access that
+surfaces as a NCCL error is a hardware-ish fault.
+
+The signature is the last exception line (type and first line of the message) with everything
+that varies between otherwise identical crashes normalised away: addresses, numbers, paths'
+temp parts, PIDs. Two crashes with the same signature at the same step are *deterministic*: a
+relaunch from the same checkpoint will reproduce it, so the policy stops instead of looping.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import signal as _signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from policies.types import Finding, Incident, Severity
+
+
+class CrashClass(str, enum.Enum):
+    OOM = "oom"
+    NETWORK = "network"
+    NUMERICAL = "numerical"
+    HARDWARE = "hardware"
+    USER_CODE = "user_code"
+    KILLED = "signal"
+    """Killed by a signal with nothing in the log to say why (preemption, the OOM killer, a
+    person)."""
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class CrashSignature:
+    """What ``deterministic`` compares: the normalised signature and the step it crashed at."""
+
+    signature: str
+    step: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class CrashVerdict:
+    crash_class: CrashClass
+    signature: str
+    deterministic: bool
+    reason: str
+    """Which pattern matched, in words."""
+    exit_code: int | None = None
+    signal: int | None = None
+    step: int | None = None
+
+    def key(self) -> CrashSignature:
+        return CrashSignature(self.signature, self.step)
+
+    def to_finding(self, step: int | None = None, ranks: tuple[int, ...] = ()) -> Finding:
+        at = self.step if step is None else step
+        return Finding(
+            incident=Incident.CRASH,
+            detector="crash",
+            severity=Severity.CRITICAL,
+            step=at if at is not None else 0,
+            onset_step=at if at is not None else 0,
+            ranks=ranks,
+            message=f"{self.crash_class.value} crash"
+            + (f" at step {at}" if at is not None else "")
+            + f": {self.signature}" + (" (same as a previous crash: deterministic)"
+                                       if self.deterministic else ""),
+            evidence=self.to_json(),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"class": self.crash_class.value, "signature": self.signature,
+                "deterministic": self.deterministic, "reason": self.reason,
+                "exit_code": self.exit_code, "signal": self.signal, "step": self.step}
+
+
+# (class, compiled pattern, reason). Order matters: first match wins.
+_PATTERNS: list[tuple[CrashClass, re.Pattern[str], str]] = [
+    (CrashClass.OOM, re.compile(
+        r"CUDA out of memory|OutOfMemoryError|\bMemoryError\b|Cannot allocate memory|"
+        r"out of memory|\boom[- ]?kill", re.I), "out-of-memory message in the log"),
+    (CrashClass.HARDWARE, re.compile(
+        r"\bXid\b|\bECC\b|uncorrectable|illegal memory access|unspecified launch failure|"
+        r"GPU has fallen off the bus|device-side assert|hardware error", re.I),
+     "GPU/driver fault in the log"),
+    (CrashClass.NETWORK, re.compile(
+        r"NCCL (?:error|WARN)|ncclInternalError|ncclSystemError|ncclRemoteError|"
+        r"DistNetworkError|DistBackendError|\bc10d\b.*(?:error|fail)|gloo.*(?:connection|closed|"
+        r"timed out|timeout)|Connection closed by peer|Connection reset|Connection refused|"
+        r"Broken pipe|\bTimed out\b|timed out|Socket Timeout|ProcessGroup\w* .*(?:timeout|abort)",
+        re.I), "collective/network error in the log"),
+    (CrashClass.NUMERICAL, re.compile(
+        r"FloatingPointError|\bnan\b|\binf\b.*loss|loss.*\binf\b|non-?finite", re.I),
+     "non-finite numbers in the log"),
+]
+
+_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
+# The exception line that ends a traceback: "pkg.mod.SomeError: message" or a bare "SomeError".
+_EXC_LINE = re.compile(r"^(?:\[rank\d+\]:?\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|"
+                       r"Warning|Failure|Timeout))\b:?\s*(.*)$")
+_NORMALISE = [
+    (re.compile(r"0x[0-9a-fA-F]+"), "0x?"),
+    (re.compile(r"(/tmp|/var/tmp|/dev/shm)/\S+"), r"\1/?"),
+    (re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?"), "N"),
+    (re.compile(r"\s+"), " "),
+]
+
+
+def _normalise(text: str) -> str:
+    for pattern, repl in _NORMALISE:
+        text = pattern.sub(repl, text)
+    return text.strip()[:200]
+
+
+def _last_exception(log_tail: str) -> str | None:
+    for line in reversed(log_tail.splitlines()):
+        m = _EXC_LINE.match(line.strip())
+        if m:
+            message = m.group(2).strip()
+            return f"{m.group(1)}: {message}" if message else m.group(1)
+    return None
+
+
+def classify(
+    exit_code: int | None,
+    signal: int | None,
+    log_tail: str,
+    step: int | None,
+    previous: Sequence[CrashSignature] = (),
+) -> CrashVerdict:
+    """Classify one worker's death.
+
+    ``exit_code`` as the launcher saw it (``None`` if killed); ``signal`` the killing signal if
+    any (a negative ``exit_code`` from ``subprocess`` means the same: -9 is SIGKILL); ``log_tail``
+    the last few KB of the rank's output; ``step`` the last step it reported; ``previous`` the
+    ``key()`` of earlier crashes of this run.
+    """
+    if signal is None and exit_code is not None and exit_code < 0:
+        signal, exit_code = -exit_code, None
+    if signal is None and exit_code is not None and exit_code > 128 and not log_tail.strip():
+        signal = exit_code - 128
+    exc = _last_exception(log_tail)
+    cls, reason = CrashClass.UNKNOWN, "no recognisable error in the log"
+    for candidate, pattern, why in _PATTERNS:
+        if pattern.search(log_tail):
+            cls, reason = candidate, why
+            break
+    else:
+        if exc is not None or _TRACEBACK.search(log_tail):
+            cls, reason = CrashClass.USER_CODE, "Python exception in the training script"
+        elif signal is not None:
+            name = _signal_name(signal)
+            hint = " (a silent SIGKILL is often the kernel OOM killer: check dmesg)" \
+                if signal == _signal.SIGKILL else ""
+            cls, reason = CrashClass.KILLED, f"killed by {name}{hint}"
+    if exc is not None:
+        signature = _normalise(exc)
+    elif signal is not None:
+        signature = f"signal {_signal_name(signal)}"
+    elif cls is not CrashClass.UNKNOWN:
+        signature = _normalise(_first_match_line(log_tail, cls))
+    else:
+        signature = f"exit code {exit_code}"
+    deterministic = step is not None and any(
+        p.signature == signature and p.step == step for p in previous
+    )
+    return CrashVerdict(cls, signature, deterministic, reason, exit_code, signal, step)
+
+
+def _first_match_line(log_tail: str, cls: CrashClass) -> str:
+    pattern = next(p for c, p, _ in _PATTERNS if c is cls)
+    for line in reversed(log_tail.splitlines()):
+        if pattern.search(line):
+            return line
+    return cls.value
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return _signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"

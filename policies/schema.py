@@ -1,0 +1,211 @@
+"""The policy schema, declared once: what babysit watches and what it does about it.
+
+A policy is YAML validated by these models. Every field has a docstring (it becomes the JSON
+schema's description, so ``babysit schema`` and the docs read the same words); unknown keys are
+errors. Built-in policies live next to this file (``default.yaml``, ``conservative.yaml``,
+``aggressive.yaml``); ``load_policy`` in ``policies/loader.py`` reads them.
+
+Layout::
+
+    detectors:   per-detector settings (declared next to each detector)
+    incidents:   per-incident response: action ladder, cooldowns, when the ladder resets
+    rollback:    what a rollback skips and how it escalates when a region spikes again
+    crash:       relaunch limits per crash class, backoff, stop on a deterministic repeat
+    budget:      at most N disruptive interventions in W seconds, else stop and page
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from policies.detectors import (
+    GradNormConfig,
+    HangConfig,
+    LossSpikeConfig,
+    NonFiniteConfig,
+    StragglerConfig,
+    ThroughputConfig,
+)
+from policies.types import Action
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class Detectors(_Model):
+    """Settings of each detector; see the detector modules for how each one decides."""
+
+    loss_spike: LossSpikeConfig = LossSpikeConfig()
+    """Loss breaks out of its robust moving baseline (policies/detectors/loss_spike.py)."""
+    nonfinite: NonFiniteConfig = NonFiniteConfig()
+    """Any rank reports a NaN/Inf loss or grad norm."""
+    grad_norm: GradNormConfig = GradNormConfig()
+    """Grad norm far above its moving median (also run in-process by the worker)."""
+    hang: HangConfig = HangConfig()
+    """No progress for longer than an adaptive allowance."""
+    straggler: StragglerConfig = StragglerConfig()
+    """One rank's own work persistently slower than its peers'."""
+    throughput: ThroughputConfig = ThroughputConfig()
+    """Steps/s or tokens/s persistently below the moving baseline."""
+
+
+class Response(_Model):
+    """How babysit answers one kind of incident."""
+
+    ladder: list[Action] = Field(min_length=1)
+    """Actions for successive interventions: the first finding gets ladder[0], the next one
+    ladder[1], ...; past the end the last rung repeats."""
+    act_on: Literal["warning", "critical"] = "critical"
+    """Findings at or above this severity climb the ladder."""
+    below: Action = Action.ALERT
+    """What findings below act_on get (alert or ignore)."""
+    cooldown_s: float = Field(default=0.0, ge=0.0)
+    """After an intervention, further findings of this incident within this many seconds are
+    only journaled."""
+    cooldown_steps: int = Field(default=0, ge=0)
+    """...or within this many steps after the intervention's step. Steps replayed after a
+    rollback are earlier than the intervention, so a spike that comes back in the replayed
+    region is never swallowed by the cooldown."""
+    reset_after_steps: int | None = Field(default=None, ge=1)
+    """The ladder goes back to its first rung when a finding comes this many steps after the
+    last intervention (None: never by steps)."""
+    reset_after_s: float | None = Field(default=None, gt=0.0)
+    """...or this many seconds after it (None: never by time)."""
+
+    @model_validator(mode="after")
+    def _sensible_below(self) -> Response:
+        if self.below not in (Action.ALERT, Action.IGNORE):
+            raise ValueError(f"below must be alert or ignore, not {self.below.value}: findings "
+                             "under act_on are not worth an intervention")
+        return self
+
+
+def _ladder(*actions: Action, **kw: object) -> Response:
+    return Response.model_validate({"ladder": list(actions), **kw})
+
+
+A = Action
+
+
+class Incidents(_Model):
+    """Per-incident responses. Crashes are configured under ``crash`` instead."""
+
+    loss_spike: Response = _ladder(A.ROLLBACK, A.ROLLBACK, A.ROLLBACK, A.STOP,
+                                   reset_after_steps=2000)
+    """A loss spike that did not recover within the detector's patience."""
+    nonfinite: Response = _ladder(A.ROLLBACK, A.ROLLBACK, A.STOP, cooldown_steps=100,
+                                  reset_after_steps=2000)
+    """NaN/Inf loss or grad norm (it fires every step it lasts: the cooldown absorbs that)."""
+    grad_spike: Response = _ladder(A.SKIP_STEP, A.SKIP_STEP, A.SKIP_STEP, A.ROLLBACK, A.STOP,
+                                   act_on="warning", reset_after_steps=200)
+    """Grad-norm spikes: the worker skips the step; repeated spikes escalate to a rollback."""
+    hang: Response = _ladder(A.RELAUNCH, A.RELAUNCH, A.STOP, reset_after_s=3600.0)
+    """No progress: dump stacks, kill the group, relaunch from the newest good checkpoint."""
+    straggler: Response = _ladder(A.ALERT, act_on="warning", cooldown_s=600.0)
+    """A rank lagging its peers: tell a human."""
+    throughput: Response = _ladder(A.ALERT, act_on="warning", cooldown_s=600.0)
+    """The job got slower: tell a human."""
+
+    @model_validator(mode="after")
+    def _skip_only_for_grad(self) -> Incidents:
+        for name in ("loss_spike", "nonfinite", "hang", "straggler", "throughput"):
+            if Action.SKIP_STEP in getattr(self, name).ladder:
+                raise ValueError(
+                    f"incidents.{name}.ladder: skip_step only makes sense for grad_spike (the "
+                    "worker skips the optimizer step in-process before it happens); use "
+                    "rollback, relaunch, alert or stop"
+                )
+        return self
+
+
+class Rollback(_Model):
+    """What a rollback skips, in data-cursor batches around the onset, and how it escalates."""
+
+    skip_before: int = Field(default=10, ge=0)
+    """Batches before the onset to skip (the ones that may have pushed the model off)."""
+    skip_after: int = Field(default=50, ge=1)
+    """Batches from the onset on to skip. 50 suits small runs; large pretraining runs whose
+    spikes last tens of steps usually want a few hundred."""
+    lr_factor: float = Field(default=0.5, gt=0.0, le=1.0)
+    """Each rollback multiplies the run's LR scale by this (1.0: keep the LR)."""
+    escalation_window: int = Field(default=200, ge=0)
+    """A new onset within this many batches of a previous rollback's skip range is the same
+    region spiking again: the skip range widens and lr_factor is applied once more."""
+    escalation_skip_factor: float = Field(default=2.0, ge=1.0)
+    """Skip ranges grow by this factor each time the same region spikes again."""
+
+
+class CrashLimits(_Model):
+    """Relaunches allowed per crash class before babysit stops and pages."""
+
+    oom: int = Field(default=1, ge=0)
+    """Out of memory: rarely fixed by retrying unchanged, but fragmentation sometimes is."""
+    network: int = Field(default=5, ge=0)
+    """NCCL/gloo/c10d errors, connection resets, timeouts: usually transient."""
+    numerical: int = Field(default=2, ge=0)
+    """FloatingPointError, NaN in a check: retried as a rollback when rollback_numerical."""
+    hardware: int = Field(default=2, ge=0)
+    """Xid, ECC, illegal memory access: a relaunch may land on healthy hardware."""
+    user_code: int = Field(default=0, ge=0)
+    """A Python exception in the script: a retry replays the same bug."""
+    signal: int = Field(default=3, ge=0)
+    """Killed by a signal with nothing in the log (preemption, OOM killer, a person)."""
+    unknown: int = Field(default=2, ge=0)
+    """Anything else."""
+
+
+class CrashPolicy(_Model):
+    """How worker crashes are answered (the class comes from the crash classifier)."""
+
+    max_relaunches: CrashLimits = CrashLimits()
+    """Relaunches allowed per class; one more crash of that class stops the run."""
+    backoff_base_s: float = Field(default=5.0, ge=0.0)
+    """Wait before the first relaunch of a class; doubles with each further one."""
+    backoff_max_s: float = Field(default=300.0, ge=0.0)
+    """Upper bound of the backoff."""
+    stop_on_deterministic: bool = True
+    """Stop when a crash repeats with the same signature at the same step: retrying from the
+    same checkpoint would reproduce it."""
+    rollback_numerical: bool = True
+    """Numerical crashes roll back (skipping the batches, lowering the LR) instead of
+    relaunching from the newest checkpoint, which would replay the same numbers."""
+    forget_after_s: float | None = Field(default=21600.0, gt=0.0)
+    """Crashes older than this stop counting against max_relaunches (None: never forget), so
+    a week-long run is not stopped by its sixth network blip."""
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> CrashPolicy:
+        if self.backoff_max_s < self.backoff_base_s:
+            raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_base_s "
+                             f"({self.backoff_base_s})")
+        return self
+
+
+class Budget(_Model):
+    """A ceiling on disruptive interventions (rollbacks and relaunches, crash relaunches
+    included; in-process step skips and alerts are free)."""
+
+    max_interventions: int = Field(default=6, ge=1)
+    """More than this many interventions within window_s -> stop and page a human."""
+    window_s: float = Field(default=21600.0, gt=0.0)
+    """The sliding window, in seconds."""
+
+
+class Policy(_Model):
+    """A complete policy: detector settings and the responses to what they find."""
+
+    description: str = ""
+    """One line saying what this policy is for."""
+    detectors: Detectors = Detectors()
+    """Per-detector settings."""
+    incidents: Incidents = Incidents()
+    """Per-incident action ladders, cooldowns and resets."""
+    rollback: Rollback = Rollback()
+    """Rollback skip ranges, LR lowering and escalation."""
+    crash: CrashPolicy = CrashPolicy()
+    """Crash relaunch limits, backoff and deterministic-repeat handling."""
+    budget: Budget = Budget()
+    """The intervention budget."""

@@ -1,0 +1,202 @@
+"""The vocabulary shared by detectors, rules and the control loop.
+
+Everything here is plain data: frozen dataclasses with no I/O, so detectors and ``decide()``
+stay pure and their tests need no processes.
+
+How a loss spike travels through these types::
+
+    worker  run.step(loss=...)          -> RankStep        (one rank, one step; sent as a datagram)
+    intake  all ranks of a step arrived -> StepRecord      (the step, merged)
+    detector.observe(record)            -> Finding | None  (what is wrong, where, since when)
+    rules.on_finding(finding, now)      -> Remedy          (what the policy says to do about it)
+    decide(state, event)                -> Transition      (new state + side effects to perform)
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class RankStep:
+    """One rank's report for one optimizer step, as the worker API sends it.
+
+    Times are seconds. ``time`` is the worker's wall clock (``time.time()``) when the step was
+    reported. Optional signals the script did not report are ``None``; a reported non-finite value
+    stays non-finite (that is what the NaN detector looks for).
+    """
+
+    rank: int
+    step: int
+    time: float
+    cursor: int = 0
+    """Global batches consumed so far (data-cursor space, not step space)."""
+    loss: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    tokens: float | None = None
+    samples: float | None = None
+    step_time: float | None = None
+    """Seconds since this rank's previous report (None for the first step of an attempt)."""
+    data_wait: float | None = None
+    """Seconds of ``step_time`` spent waiting for the next batch."""
+    skipped: bool = False
+    """The worker skipped this optimizer step (grad-norm guard)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """Every reporting rank's ``RankStep`` for one step, merged by the intake.
+
+    Detectors of global signals (loss, throughput) observe these. ``ranks`` is ordered by rank and
+    may miss ranks whose datagrams were dropped.
+    """
+
+    step: int
+    time: float
+    ranks: tuple[RankStep, ...]
+    world_size: int
+
+    @property
+    def loss(self) -> float | None:
+        """Mean loss over reporting ranks; NaN if any rank reported a non-finite loss."""
+        return _mean([r.loss for r in self.ranks])
+
+    @property
+    def grad_norm(self) -> float | None:
+        """Largest grad norm reported (they agree under data parallelism); NaN if any is
+        non-finite."""
+        values = [r.grad_norm for r in self.ranks if r.grad_norm is not None]
+        if not values:
+            return None
+        if any(not math.isfinite(v) for v in values):
+            return math.nan
+        return max(values)
+
+    @property
+    def step_time(self) -> float | None:
+        """Slowest rank's step time: the step as the job experiences it."""
+        values = [r.step_time for r in self.ranks if r.step_time is not None]
+        return max(values) if values else None
+
+    @property
+    def tokens(self) -> float | None:
+        """Tokens processed by the whole job in this step."""
+        values = [r.tokens for r in self.ranks if r.tokens is not None]
+        return sum(values) if values else None
+
+    @property
+    def cursor(self) -> int:
+        return max((r.cursor for r in self.ranks), default=0)
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if any(not math.isfinite(v) for v in present):
+        return math.nan
+    return sum(present) / len(present)
+
+
+class Severity(enum.IntEnum):
+    """How loud a finding is. Alert sinks route on it; ordering matters (``>=`` comparisons)."""
+
+    INFO = 10
+    WARNING = 20
+    CRITICAL = 30
+
+
+class Incident(str, enum.Enum):
+    """The kinds of trouble babysit knows. Policies map each one to an action ladder."""
+
+    LOSS_SPIKE = "loss_spike"
+    NONFINITE = "nonfinite"
+    GRAD_SPIKE = "grad_spike"
+    HANG = "hang"
+    CRASH = "crash"
+    STRAGGLER = "straggler"
+    THROUGHPUT = "throughput"
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """A detector's verdict that something is wrong.
+
+    ``step`` is where it was detected; ``onset_step`` is where the trouble began (rollback targets
+    the newest good checkpoint strictly before the onset, not the detection). ``evidence`` holds
+    the numbers a person needs to agree with the verdict; it must be JSON-serialisable.
+    """
+
+    incident: Incident
+    detector: str
+    severity: Severity
+    step: int
+    onset_step: int
+    message: str
+    ranks: tuple[int, ...] = ()
+    evidence: dict[str, Any] = field(default_factory=dict)
+    onset_cursor: int | None = None
+    """Data cursor (global batches consumed) at the onset, when the detector knows it; rollback
+    skip ranges and the "same region again" escalation are measured in cursor space."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "incident": self.incident.value,
+            "detector": self.detector,
+            "severity": self.severity.name.lower(),
+            "step": self.step,
+            "onset_step": self.onset_step,
+            "onset_cursor": self.onset_cursor,
+            "ranks": list(self.ranks),
+            "message": self.message,
+            "evidence": self.evidence,
+        }
+
+
+class Action(str, enum.Enum):
+    """What a policy can tell babysit to do about a finding."""
+
+    IGNORE = "ignore"
+    """Journal it, nothing else (inside a cooldown, or below the policy's threshold)."""
+    ALERT = "alert"
+    """Tell a human; training continues untouched."""
+    SKIP_STEP = "skip_step"
+    """Worker-side: skip this optimizer step in-process, no restart."""
+    RELAUNCH = "relaunch"
+    """Stop the workers and start a new attempt from the newest good checkpoint."""
+    ROLLBACK = "rollback"
+    """Relaunch from the newest good checkpoint before the onset, skipping batches, lower LR."""
+    STOP = "stop"
+    """Stop the workers, page a human, exit non-zero."""
+
+
+@dataclass(frozen=True, slots=True)
+class Remedy:
+    """The policy's answer to one finding: an action and its parameters.
+
+    ``skip_before``/``skip_after`` are in data-cursor batches around the onset (rollback only);
+    ``lr_scale`` multiplies the run's current LR scale; ``backoff_s`` is how long to wait before a
+    relaunch. ``reason`` says in words why this rung of the ladder was chosen.
+    """
+
+    action: Action
+    finding: Finding
+    reason: str
+    skip_before: int = 0
+    skip_after: int = 0
+    lr_scale: float = 1.0
+    backoff_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "action": self.action.value,
+            "reason": self.reason,
+            "skip_before": self.skip_before,
+            "skip_after": self.skip_after,
+            "lr_scale": self.lr_scale,
+            "backoff_s": self.backoff_s,
+        }

@@ -1,0 +1,283 @@
+"""Unit tests of each detector's behaviour, as the supervisor (or the worker) would see it."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from policies.detectors import (
+    GradNormConfig,
+    GradNormDetector,
+    HangConfig,
+    HangDetector,
+    LossSpikeConfig,
+    LossSpikeDetector,
+    NonFiniteDetector,
+    StragglerConfig,
+    StragglerDetector,
+    ThroughputDetector,
+)
+from policies.types import Incident, RankStep, Severity, StepRecord
+
+
+def rec(step: int, loss: float | None = None, *, grad: float | None = None,
+        step_time: float | None = None, tokens: float | None = None, cursor: int | None = None,
+        world: int = 1) -> StepRecord:
+    ranks = tuple(RankStep(rank=r, step=step, time=float(step), cursor=step if cursor is None
+                           else cursor, loss=loss, grad_norm=grad, step_time=step_time,
+                           tokens=tokens) for r in range(world))
+    return StepRecord(step=step, time=float(step), ranks=ranks, world_size=world)
+
+
+def noisy(step: int, level: float = 3.0) -> float:
+    # Deterministic, mean-free +-0.5 % wiggle: enough to give the baseline a noise scale.
+    return level * (1.0 + 0.005 * math.sin(step * 2.1) * math.cos(step * 0.7))
+
+
+# -- loss spike -------------------------------------------------------------------------------
+
+
+def feed(det: LossSpikeDetector, losses: dict[int, float]) -> list[tuple[int, Severity, int]]:
+    out = []
+    for step, loss in sorted(losses.items()):
+        f = det.observe(rec(step, loss, cursor=10 * step))
+        if f is not None:
+            out.append((f.step, f.severity, f.onset_step))
+    return out
+
+
+def test_one_step_outlier_is_a_warning_only() -> None:
+    losses = {s: noisy(s) for s in range(1, 300)}
+    losses[200] *= 1.3
+    assert feed(LossSpikeDetector(), losses) == [(200, Severity.WARNING, 200)]
+
+
+def test_spike_that_persists_past_patience_is_critical_with_its_onset() -> None:
+    losses = {s: noisy(s) * (1.3 if s >= 200 else 1.0) for s in range(1, 260)}
+    det = LossSpikeDetector(LossSpikeConfig(patience=5))
+    got = feed(det, losses)
+    assert got[:2] == [(200, Severity.WARNING, 200), (205, Severity.CRITICAL, 200)]
+
+
+def test_spike_recovering_within_patience_stays_a_warning() -> None:
+    losses = {s: noisy(s) * (1.3 if 200 <= s < 204 else 1.0) for s in range(1, 300)}
+    assert feed(LossSpikeDetector(LossSpikeConfig(patience=5)), losses) == [
+        (200, Severity.WARNING, 200)]
+
+
+def test_critical_finding_carries_evidence_and_onset_cursor() -> None:
+    det = LossSpikeDetector(LossSpikeConfig(patience=2))
+    findings = [det.observe(rec(s, noisy(s) * (2.0 if s >= 100 else 1.0), cursor=10 * s))
+                for s in range(1, 110)]
+    crit = next(f for f in findings if f is not None and f.severity is Severity.CRITICAL)
+    assert crit.onset_step == 100 and crit.onset_cursor == 1000 and crit.step == 102
+    assert crit.incident is Incident.LOSS_SPIKE
+    assert crit.evidence["baseline"] == pytest.approx(3.0, rel=0.01)
+    assert crit.evidence["ratio"] == pytest.approx(2.0, rel=0.02)
+    assert crit.evidence["z"] > 6
+
+
+def test_slow_creep_then_breakout_is_critical_at_breakout_with_the_creeps_onset() -> None:
+    # 3 % above the baseline for 8 steps (elevated, below min_ratio), then 10 %.
+    losses = {s: noisy(s) for s in range(1, 200)}
+    for s in range(150, 158):
+        losses[s] *= 1.03
+    losses[158] *= 1.10
+    got = feed(LossSpikeDetector(LossSpikeConfig(patience=5)), losses)
+    assert got[0] == (158, Severity.CRITICAL, 150)
+
+
+def test_no_verdict_before_min_history() -> None:
+    det = LossSpikeDetector(LossSpikeConfig(min_history=8))
+    assert [det.observe(rec(s, 3.0 if s < 8 else 30.0)) for s in range(1, 9)] == [None] * 8
+
+
+def test_steep_descent_never_fires() -> None:
+    # The shape of pretraining's first 1000 steps: 11 -> 4, with 1 % noise.
+    det = LossSpikeDetector()
+    for s in range(1, 1001):
+        loss = (4.0 + 7.0 * math.exp(-s / 150)) * (1 + 0.01 * math.sin(s * 1.3))
+        assert det.observe(rec(s, loss)) is None
+
+
+def test_missing_nonfinite_and_nonpositive_losses_are_skipped() -> None:
+    det = LossSpikeDetector()
+    for s in range(1, 50):
+        assert det.observe(rec(s, noisy(s))) is None
+    before = det.state_dict()
+    for bad in (None, math.nan, math.inf, 0.0, -1.0):
+        assert det.observe(rec(50, bad)) is None
+    assert det.state_dict() == before
+
+
+# -- non-finite -------------------------------------------------------------------------------
+
+
+def test_nonfinite_names_the_ranks() -> None:
+    ranks = (
+        RankStep(rank=0, step=5, time=0.0, loss=2.0, grad_norm=1.0),
+        RankStep(rank=1, step=5, time=0.0, loss=math.nan, grad_norm=1.0),
+        RankStep(rank=2, step=5, time=0.0, loss=2.0, grad_norm=math.inf),
+    )
+    f = NonFiniteDetector().observe(StepRecord(step=5, time=0.0, ranks=ranks, world_size=3))
+    assert f is not None and f.severity is Severity.CRITICAL and f.ranks == (1, 2)
+    assert f.evidence == {"loss": {"1": "nan"}, "grad_norm": {"2": "inf"}}
+    assert "rank(s) 1, 2" in f.message
+
+
+def test_nonfinite_quiet_on_finite_values() -> None:
+    assert NonFiniteDetector().observe(rec(1, 2.0, grad=1.0, world=4)) is None
+
+
+# -- grad norm --------------------------------------------------------------------------------
+
+
+def test_grad_spike_flagged_and_kept_out_of_the_baseline() -> None:
+    det = GradNormDetector(GradNormConfig(min_history=20))
+    for s in range(1, 101):
+        assert det.observe_value(s, 1.0 + 0.1 * math.sin(s)) is None
+    # A burst of spikes: every one flagged, because none of them enters the baseline.
+    for s in range(101, 141):
+        f = det.observe_value(s, 50.0)
+        assert f is not None and f.incident is Incident.GRAD_SPIKE
+    assert f.evidence["median"] == pytest.approx(1.0, rel=0.1)
+    assert det.observe_value(141, 1.05) is None
+
+
+def test_grad_norm_moderate_rise_is_not_a_spike() -> None:
+    det = GradNormDetector()
+    for s in range(1, 101):
+        det.observe_value(s, 1.0 + 0.1 * math.sin(s))
+    assert det.observe_value(101, 2.5) is None  # below factor 3
+
+
+def test_grad_norm_worker_entry_point_is_cheap() -> None:
+    det = GradNormDetector()
+    n = 20_000
+    t0 = time.perf_counter()
+    for s in range(n):
+        det.observe_value(s, 1.0 + 0.1 * math.sin(s))
+    per_call = (time.perf_counter() - t0) / n
+    assert per_call < 50e-6, f"{per_call * 1e6:.1f} us per call"
+
+
+# -- hang -------------------------------------------------------------------------------------
+
+
+def report(det: HangDetector, rank: int, step: int, now: float) -> None:
+    det.observe(RankStep(rank=rank, step=step, time=now), now=now)
+
+
+def test_hang_names_the_rank_that_stopped_first() -> None:
+    det = HangDetector(HangConfig(floor_s=5.0, k=5.0, startup_s=60.0))
+    det.start(0.0, range(4))
+    for step in range(1, 21):
+        for rank in range(4):
+            report(det, rank, step, step * 0.5)
+    # Rank 2 is stuck at step 20; the others got one step further and block in the collective.
+    for rank in (0, 1, 3):
+        report(det, rank, 21, 10.5)
+    assert det.check(14.0) is None  # 4 s < floor 5 s
+    f = det.check(16.0)
+    assert f is not None and f.incident is Incident.HANG and f.ranks == (2,)
+    assert f.onset_step == 20 and "others reached step 21" in f.message
+    assert det.check(30.0) is None, "one finding per hang"
+    report(det, 2, 21, 31.0)
+    assert det.check(31.5) is None
+
+
+def test_hang_allowance_adapts_to_slow_steps() -> None:
+    det = HangDetector(HangConfig(floor_s=5.0, k=5.0))
+    det.start(0.0, [0])
+    for step in range(1, 11):
+        report(det, 0, step, step * 20.0)  # 20 s per step
+    assert det.step_allowance() == pytest.approx(100.0)
+    assert det.check(200.0 + 99.0) is None
+    assert det.check(200.0 + 101.0) is not None
+
+
+def test_hang_startup_and_phase_allowances() -> None:
+    det = HangDetector(HangConfig(floor_s=5.0, k=5.0, startup_s=60.0, phase_s=100.0,
+                                  phase_allowance_s={"eval": 300.0}))
+    det.start(0.0, [0, 1])
+    assert det.check(59.0) is None
+    f = det.check(61.0)
+    assert f is not None and f.ranks == (0, 1) and f.evidence["stalled"]["0"]["waiting_in"] == \
+        "startup"
+    det.start(100.0, [0, 1])
+    for step in range(1, 5):
+        report(det, 0, step, 100.0 + step)
+        report(det, 1, step, 100.0 + step)
+    det.phase(0, "checkpoint", True, now=104.0)
+    det.phase(1, "eval", True, now=104.0)
+    assert det.check(190.0) is None  # both inside phases, far beyond the 5 s step allowance
+    f = det.check(205.0)
+    assert f is not None and f.ranks == (0,)  # checkpoint allows 100 s, eval 300 s
+    det.phase(0, "checkpoint", False, now=206.0)
+    report(det, 0, 5, 206.5)
+    assert det.check(208.0) is None
+
+
+def test_hang_ignores_dead_ranks_when_told() -> None:
+    det = HangDetector(HangConfig(floor_s=5.0))
+    det.start(0.0, [0, 1])
+    report(det, 0, 1, 1.0)
+    report(det, 1, 1, 1.0)
+    report(det, 0, 2, 2.0)
+    assert det.check(100.0, ranks_alive=[0]) is not None
+
+
+# -- straggler --------------------------------------------------------------------------------
+
+
+def step_with(step: int, times: dict[int, float], waits: dict[int, float] | None = None,
+              world: int = 8) -> StepRecord:
+    waits = waits or {}
+    ranks = tuple(RankStep(rank=r, step=step, time=float(step), step_time=times.get(r, 0.5),
+                           data_wait=waits.get(r, 0.01)) for r in range(world))
+    return StepRecord(step=step, time=float(step), ranks=ranks, world_size=world)
+
+
+def test_mild_straggler_needs_patience() -> None:
+    det = StragglerDetector(StragglerConfig(patience=5))
+    fired = [s for s in range(1, 20) if det.observe(step_with(s, {3: 0.8})) is not None]
+    assert fired == [5]
+
+
+def test_slow_loader_is_seen_in_data_wait() -> None:
+    # Under synchronous collectives every rank's step_time is equal; only data_wait differs.
+    det = StragglerDetector()
+    f = None
+    for s in range(1, 10):
+        f = det.observe(step_with(s, {}, waits={6: 0.3})) or f
+    assert f is not None and f.ranks == (6,) and f.evidence["6"]["signal"] == "data_wait"
+
+
+def test_straggler_jitter_below_the_absolute_floor_is_ignored() -> None:
+    det = StragglerDetector()
+    assert all(det.observe(step_with(s, {r: 0.005 * (1 + r) for r in range(8)})) is None
+               for s in range(1, 30))
+
+
+# -- throughput -------------------------------------------------------------------------------
+
+
+def test_throughput_drop_warns_once_after_patience() -> None:
+    det = ThroughputDetector()
+    fired = []
+    for s in range(1, 200):
+        st = 0.5 if s < 100 else 1.0
+        f = det.observe(rec(s, step_time=st, tokens=4096.0))
+        if f is not None:
+            fired.append(f)
+    assert [f.step for f in fired] == [109]
+    assert fired[0].onset_step == 100 and fired[0].evidence["unit"] == "tokens/s"
+    assert fired[0].evidence["slowdown"] == pytest.approx(2.0)
+
+
+def test_throughput_hiccups_do_not_warn() -> None:
+    det = ThroughputDetector()
+    assert all(det.observe(rec(s, step_time=3.0 if s % 7 == 0 else 0.5)) is None
+               for s in range(1, 300))

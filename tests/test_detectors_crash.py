@@ -1,0 +1,69 @@
+"""The crash classifier's table: what a person would call each of these deaths."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.detectors import CrashClass, classify
+from policies.types import Incident
+
+TB = 'Traceback (most recent call last):\n  File "train.py", line 42, in <module>\n'
+
+CASES = [
+    (1, None, TB + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB "
+     "(GPU 0; 79.1 GiB total capacity)", CrashClass.OOM),
+    (1, None, TB + "MemoryError", CrashClass.OOM),
+    (None, 9, "step 1200 loss 2.1\n", CrashClass.KILLED),
+    (-9, None, "[rank3] oom-kill: process 1234 killed\n", CrashClass.OOM),
+    (1, None, TB + "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970,"
+     " unhandled system error", CrashClass.NETWORK),
+    (1, None, TB + "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+     "Connection closed by peer [10.0.0.3]:29500", CrashClass.NETWORK),
+    (1, None, TB + "ConnectionResetError: [Errno 104] Connection reset by peer",
+     CrashClass.NETWORK),
+    (1, None, TB + "RuntimeError: Timed out waiting 1800000ms for send operation",
+     CrashClass.NETWORK),
+    (1, None, TB + "FloatingPointError: Loss is nan at step 1234", CrashClass.NUMERICAL),
+    (1, None, "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus", CrashClass.HARDWARE),
+    (1, None, TB + "RuntimeError: CUDA error: an illegal memory access was encountered",
+     CrashClass.HARDWARE),
+    (1, None, "RuntimeError: CUDA error: uncorrectable ECC error encountered",
+     CrashClass.HARDWARE),
+    (1, None, TB + "KeyError: 'input_ids'", CrashClass.USER_CODE),
+    (1, None, TB + "ValueError: expected 3 dims, got 2", CrashClass.USER_CODE),
+    (None, 15, "", CrashClass.KILLED),
+    (3, None, "", CrashClass.UNKNOWN),
+]
+
+
+@pytest.mark.parametrize(("exit_code", "sig", "log", "expected"), CASES)
+def test_classification(exit_code: int | None, sig: int | None, log: str,
+                        expected: CrashClass) -> None:
+    assert classify(exit_code, sig, log, step=10).crash_class is expected
+
+
+def test_signature_strips_what_varies_between_identical_crashes() -> None:
+    a = classify(1, None, TB + "RuntimeError: bad value 0x7f3a2b at /tmp/tmpab12/x.pt, 12 items",
+                 step=5)
+    b = classify(1, None, TB + "RuntimeError: bad value 0x11ee00 at /tmp/tmpzz99/x.pt, 7 items",
+                 step=5)
+    assert a.signature == b.signature
+    assert a.signature.startswith("RuntimeError: bad value")
+    assert "0x7f" not in a.signature
+
+
+def test_same_signature_at_same_step_is_deterministic() -> None:
+    log = TB + "KeyError: 'input_ids'"
+    first = classify(1, None, log, step=1200)
+    assert not first.deterministic
+    again = classify(1, None, log, step=1200, previous=[first.key()])
+    assert again.deterministic
+    elsewhere = classify(1, None, log, step=1300, previous=[first.key()])
+    assert not elsewhere.deterministic
+
+
+def test_verdict_becomes_a_crash_finding() -> None:
+    v = classify(1, None, TB + "MemoryError", step=7)
+    f = v.to_finding(ranks=(3,))
+    assert f.incident is Incident.CRASH and f.step == 7 and f.ranks == (3,)
+    assert f.evidence["class"] == "oom" and f.evidence["deterministic"] is False
