@@ -1,0 +1,352 @@
+"""The supervisor's view of a checkpoint root: what exists, which is good, what to roll back to.
+
+Torch-free: pure decisions over manifests plus small file I/O at the edges (listing, reading
+manifests, the verdicts file, deleting). The constructor does no I/O; every method reads the
+directory afresh, so checkpoints committed by the running job appear without a reload.
+
+Verdicts and how a checkpoint moves between them::
+
+    (committed) -> PENDING --promote(healthy_step, probation)--> GOOD
+                      |  \\                                        |
+                      |   `--mark_suspect / mark_anomaly------> SUSPECT <--'
+                      `--(and GOOD) failed verification-------> CORRUPT
+
+- PENDING: committed, not yet proven. Promoted once the run stayed healthy ``probation`` steps
+  past it; only the caller knows "healthy", so it passes the step it vouches for.
+- GOOD: may be rolled back to.
+- SUSPECT: an anomaly began soon after it (or it was saved during one). Sticky: never promoted.
+- CORRUPT: verification failed (size or checksum). Sticky, never chosen, deleted by retention.
+
+Verdicts live in ``<root>/verdicts.json`` (atomic writes), keyed by step and by the manifest's
+``id``: a checkpoint saved again at the same step after a rollback starts PENDING again.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from checkpoints._atomic import atomic_write_json, uncommit_and_remove
+from checkpoints.errors import ManifestError
+from checkpoints.layout import (
+    MANIFEST_NAME,
+    PART_MARKER_PREFIX,
+    TMP_SUFFIX,
+    VERDICTS_NAME,
+    parse_step_dir,
+)
+from checkpoints.manifest import Manifest, read_manifest, verify_manifest
+
+_VERDICTS_FORMAT = 1
+
+
+class Verdict(str, enum.Enum):
+    """How far a committed checkpoint can be trusted (see the module docstring)."""
+
+    PENDING = "pending"
+    GOOD = "good"
+    SUSPECT = "suspect"
+    CORRUPT = "corrupt"
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """One committed checkpoint as the catalog sees it. ``path`` is its step directory."""
+
+    step: int
+    cursor: int
+    path: Path
+    manifest: Manifest
+    verdict: Verdict
+    reason: str | None = None
+    """Why it got its verdict (for suspect and corrupt ones), as passed by the caller."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A checkpoint ``choose_for_rollback`` refused, and why (one line per problem found)."""
+
+    step: int
+    path: Path
+    problems: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RollbackChoice:
+    """The result of ``choose_for_rollback``: the checkpoint to load (None: none is usable) and
+    every newer candidate refused on the way, for the journal."""
+
+    checkpoint: Checkpoint | None
+    refused: tuple[Refusal, ...] = field(default_factory=tuple)
+
+
+class Catalog:
+    """The committed checkpoints under ``root`` and their verdicts.
+
+    Calling rules: one supervisor owns a root's verdicts (it is the only writer of
+    ``verdicts.json``). Steps are optimizer steps, the same numbers the workers report.
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    # ---- reading ------------------------------------------------------------------------------
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """Every committed checkpoint, oldest first. Directories without a readable manifest are
+        skipped (see ``clean_incomplete``)."""
+        state = self._load_verdicts()
+        found = []
+        for step, path in self._step_dirs():
+            try:
+                manifest = read_manifest(path)
+            except ManifestError:
+                continue
+            verdict, reason = Verdict.PENDING, None
+            entry = state["checkpoints"].get(str(step))
+            if entry is not None and entry.get("id") == manifest.id:
+                verdict, reason = Verdict(entry["verdict"]), entry.get("reason")
+            found.append(Checkpoint(step, manifest.cursor, path, manifest, verdict, reason))
+        return found
+
+    def get(self, step: int) -> Checkpoint | None:
+        """The committed checkpoint at ``step``, if any."""
+        return next((c for c in self.checkpoints() if c.step == step), None)
+
+    def newest_good_before(self, step: int) -> Checkpoint | None:
+        """The newest GOOD checkpoint saved strictly before ``step`` (an anomaly's onset)."""
+        good = [c for c in self.checkpoints() if c.verdict is Verdict.GOOD and c.step < step]
+        return good[-1] if good else None
+
+    @property
+    def pinned_step(self) -> int | None:
+        """The checkpoint last chosen for a rollback (retention never deletes it), if any."""
+        pin = self._load_verdicts()["pinned"]
+        return int(pin["step"]) if pin else None
+
+    # ---- verdicts -----------------------------------------------------------------------------
+
+    def promote(self, healthy_step: int, probation_steps: int) -> list[Checkpoint]:
+        """Mark GOOD every PENDING checkpoint at a step <= ``healthy_step - probation_steps``.
+
+        ``healthy_step``: the caller vouches that the run was healthy (no open anomaly) through
+        this step. Returns the checkpoints promoted now.
+        """
+        if probation_steps < 0:
+            raise ValueError(f"probation_steps must be >= 0, got {probation_steps}")
+        ready = [
+            c
+            for c in self.checkpoints()
+            if c.verdict is Verdict.PENDING and c.step + probation_steps <= healthy_step
+        ]
+        self._set(ready, Verdict.GOOD, f"healthy through step {healthy_step}")
+        return ready
+
+    def mark_suspect(self, step: int, reason: str) -> Checkpoint | None:
+        """Mark the checkpoint at ``step`` SUSPECT (unless corrupt). Returns it, or None."""
+        ckpt = self.get(step)
+        if ckpt is None or ckpt.verdict is Verdict.CORRUPT:
+            return None
+        self._set([ckpt], Verdict.SUSPECT, reason)
+        return ckpt
+
+    def mark_anomaly(self, onset_step: int, window_steps: int, reason: str) -> list[Checkpoint]:
+        """An anomaly began at ``onset_step``: mark SUSPECT every non-corrupt checkpoint whose step
+        is >= ``onset_step - window_steps``.
+
+        That is the ones the anomaly began within ``window_steps`` after (it may have been brewing
+        when they were saved) and the ones saved during it (they belong to the bad run and must
+        never be promoted later). Returns the checkpoints marked.
+        """
+        hit = [
+            c
+            for c in self.checkpoints()
+            if c.step >= onset_step - window_steps and c.verdict is not Verdict.CORRUPT
+        ]
+        self._set(hit, Verdict.SUSPECT, reason)
+        return hit
+
+    def mark_corrupt(self, step: int, reason: str) -> Checkpoint | None:
+        """Mark the checkpoint at ``step`` CORRUPT. Returns it, or None if there is none."""
+        ckpt = self.get(step)
+        if ckpt is not None:
+            self._set([ckpt], Verdict.CORRUPT, reason)
+        return ckpt
+
+    # ---- rollback -----------------------------------------------------------------------------
+
+    def choose_for_rollback(
+        self, onset_step: int, *, verify: bool = True, allow_pending: bool = False
+    ) -> RollbackChoice:
+        """Pick the checkpoint to roll back to for an anomaly that began at ``onset_step``.
+
+        Candidates: GOOD checkpoints (plus PENDING ones with ``allow_pending``) strictly before the
+        onset, newest first. With ``verify`` each is checked fully (sizes and CRC-32 of every
+        byte); one that fails is marked CORRUPT and the next older is tried. The chosen one is
+        pinned so retention keeps it. Journal ``refused``: it says what was wrong and where.
+        """
+        wanted = {Verdict.GOOD, Verdict.PENDING} if allow_pending else {Verdict.GOOD}
+        candidates = [c for c in self.checkpoints() if c.verdict in wanted and c.step < onset_step]
+        refused = []
+        for ckpt in reversed(candidates):
+            problems = verify_manifest(ckpt.manifest, ckpt.path, full=True) if verify else []
+            if problems:
+                self._set([ckpt], Verdict.CORRUPT, "; ".join(problems))
+                refused.append(Refusal(ckpt.step, ckpt.path, tuple(problems)))
+                continue
+            self._pin(ckpt)
+            return RollbackChoice(ckpt, tuple(refused))
+        return RollbackChoice(None, tuple(refused))
+
+    def unpin(self) -> None:
+        """Forget the checkpoint chosen for the last rollback (retention may then delete it)."""
+        state = self._load_verdicts()
+        state["pinned"] = None
+        self._save_verdicts(state)
+
+    # ---- deleting -----------------------------------------------------------------------------
+
+    def retain(self, keep_last: int) -> list[Path]:
+        """Delete old checkpoints; return the step directories deleted.
+
+        Kept: the newest ``keep_last`` checkpoints that are not corrupt, the newest GOOD one
+        (whatever its age: it is the only safe rollback target), and the pinned one (chosen for a
+        rollback that may still be loading). Everything else goes, corrupt ones included (they
+        can never be loaded; their reasons were returned when they were found). External data
+        outside the step directory is deleted only if it was registered with ``owned=True``.
+        """
+        if keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0, got {keep_last}")
+        all_ckpts = self.checkpoints()
+        usable = [c for c in all_ckpts if c.verdict is not Verdict.CORRUPT]
+        keep = {c.step for c in usable[len(usable) - keep_last :]} if keep_last else set()
+        good = [c for c in all_ckpts if c.verdict is Verdict.GOOD]
+        if good:
+            keep.add(good[-1].step)
+        pinned = self.pinned_step
+        if pinned is not None:
+            keep.add(pinned)
+        deleted = []
+        for ckpt in all_ckpts:
+            if ckpt.step in keep:
+                continue
+            uncommit_and_remove(ckpt.path)
+            ext = ckpt.manifest.external_path
+            if ext and ckpt.manifest.owned:
+                shutil.rmtree(ext, ignore_errors=True)
+            deleted.append(ckpt.path)
+        if deleted:
+            self._forget({s for p in deleted if (s := parse_step_dir(p.name)) is not None})
+        return deleted
+
+    def clean_incomplete(
+        self,
+        *,
+        min_age_s: float = 0.0,
+        exclude: Iterable[str | Path] = (),
+        now: float | None = None,
+    ) -> list[Path]:
+        """Delete step directories without a manifest (saves that never finished); return them.
+
+        The rule for never deleting a save in progress: call it between attempts (the old job is
+        dead, the new one not launched) with the default ``min_age_s=0``. While a job runs, pass
+        ``min_age_s`` longer than the slowest save can go without writing a byte (a directory
+        counts as young while any file in it changed within ``min_age_s`` seconds of ``now``,
+        Unix seconds) and/or ``exclude`` the step directory being saved. Also removes leftover
+        temp files and async part markers inside committed checkpoints.
+        """
+        now = time.time() if now is None else now
+        excluded = {Path(p).absolute() for p in exclude}
+        removed = []
+        for _step, path in self._step_dirs():
+            if path.absolute() in excluded:
+                continue
+            if (path / MANIFEST_NAME).exists():
+                self._sweep_protocol_leftovers(path)
+                continue
+            if now - _newest_mtime(path) < min_age_s:
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        return removed
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        dirs = []
+        for entry in entries:
+            step = parse_step_dir(entry.name)
+            if step is not None and entry.is_dir():
+                dirs.append((step, Path(entry.path)))
+        return sorted(dirs)
+
+    @staticmethod
+    def _sweep_protocol_leftovers(path: Path) -> None:
+        # A crash between the manifest commit and marker removal leaves markers; harmless, tidy.
+        for entry in os.scandir(path):
+            if entry.name.startswith(PART_MARKER_PREFIX) or entry.name.endswith(TMP_SUFFIX):
+                Path(entry.path).unlink(missing_ok=True)
+
+    def _load_verdicts(self) -> dict[str, Any]:
+        import json
+
+        try:
+            state = json.loads((self.root / VERDICTS_NAME).read_text())
+        except FileNotFoundError:
+            state = None
+        except ValueError:
+            # Written atomically, so damage means someone else wrote it; verdicts are recoverable
+            # knowledge (everything restarts pending), a crash of the supervisor is not.
+            state = None
+        if not isinstance(state, dict) or state.get("format") != _VERDICTS_FORMAT:
+            state = {"format": _VERDICTS_FORMAT, "pinned": None, "checkpoints": {}}
+        return state
+
+    def _save_verdicts(self, state: dict[str, Any]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.root / VERDICTS_NAME, state)
+
+    def _set(self, ckpts: list[Checkpoint], verdict: Verdict, reason: str) -> None:
+        if not ckpts:
+            return
+        state = self._load_verdicts()
+        for c in ckpts:
+            state["checkpoints"][str(c.step)] = {
+                "id": c.manifest.id,
+                "verdict": verdict.value,
+                "reason": reason,
+                "time": time.time(),
+            }
+        self._save_verdicts(state)
+
+    def _pin(self, ckpt: Checkpoint) -> None:
+        state = self._load_verdicts()
+        state["pinned"] = {"step": ckpt.step, "id": ckpt.manifest.id}
+        self._save_verdicts(state)
+
+    def _forget(self, steps: set[int]) -> None:
+        state = self._load_verdicts()
+        for s in steps:
+            state["checkpoints"].pop(str(s), None)
+        self._save_verdicts(state)
+
+
+def _newest_mtime(path: Path) -> float:
+    newest = path.stat().st_mtime
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                newest = max(newest, os.stat(os.path.join(dirpath, name)).st_mtime)
+            except FileNotFoundError:
+                continue  # removed while we looked: the writer is alive, mtime of the dir counts
+    return newest

@@ -1,0 +1,131 @@
+"""Loading a checkpoint into the training processes (worker side; torch is imported lazily)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from checkpoints.errors import CheckpointError
+from checkpoints.layout import rank_state_name
+from checkpoints.manifest import KIND_DCP, read_manifest, verify_manifest
+from checkpoints.rng import restore_rng
+from checkpoints.save import rank_and_world
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """What ``load`` restored besides the objects it was given.
+
+    ``step``: optimizer steps taken when saved (resume at ``step + 1``); ``cursor``: global
+    batches consumed (fast-forward the data to it); ``lr_scale``: the LR multiplier saved;
+    ``extra``: this rank's own ``extra`` dict as passed to ``save``.
+    """
+
+    step: int
+    cursor: int
+    lr_scale: float
+    path: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = None) -> Restored:
+    """Restore a checkpoint saved by ``save``; collective.
+
+    Calling rules: every rank calls it with the same ``path`` (a step directory), after building
+    the model (wrapped or not), optimizer and scheduler exactly as for a fresh start. It
+    restores them in place and this rank's RNG streams last, so the next random draw is the one
+    the saving run made next. Sizes are checked against the manifest (cheap); the supervisor does
+    the full checksum verification before choosing a checkpoint. Raises ``CheckpointError`` for a
+    missing or uncommitted checkpoint, another world size, or a key the checkpoint lacks.
+    """
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    path = Path(path)
+    rank, world = rank_and_world()
+    manifest = read_manifest(path)
+    if manifest.kind != KIND_DCP:
+        raise CheckpointError(
+            f"{path} (step {manifest.step}) is a checkpoint your own code saved and registered "
+            "with register_external; babysit cannot load it. Load it with your own code from "
+            f"{manifest.data_dir(path)}, then fast-forward to cursor {manifest.cursor}."
+        )
+    if manifest.world_size != world:
+        raise CheckpointError(
+            f"{path} (step {manifest.step}) was saved by {manifest.world_size} ranks, but this "
+            f"job has {world} (rank {rank} noticed). Per-rank RNG streams cannot be mapped "
+            f"across world sizes: relaunch with {manifest.world_size} ranks, or start from a "
+            "checkpoint saved at this world size."
+        )
+    problems = verify_manifest(manifest, path, full=False)
+    if problems:
+        raise CheckpointError(
+            f"{path} (step {manifest.step}) is damaged: {'; '.join(problems)}. Rank {rank} "
+            "refused to load it; choose an older checkpoint (Catalog.choose_for_rollback does)."
+        )
+
+    if optimizer is None:
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    try:
+        dcp_load(state, checkpoint_id=str(path))
+    # DCP gathers per-rank failures into a CheckpointException (a BaseException), raised on
+    # every rank together, so raising ours keeps the ranks in step.
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(
+            f"loading {path} (step {manifest.step}) on rank {rank} failed: {_first_line(e)}. "
+            "The model or optimizer differs from the one saved (a renamed, added or removed "
+            "parameter, or an optimizer passed now but not when saving). Build them as the "
+            "saving run did, or start from a checkpoint saved with this model."
+        ) from e
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+
+    rank_file = path / rank_state_name(rank)
+    try:
+        # weights_only=False: the file holds Python and numpy RNG tuples and the user's extra;
+        # it was written by this job's own ranks and its CRC-32 sits in the manifest.
+        rank_state = torch.load(rank_file, weights_only=False)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(
+            f"cannot read {rank_file} (rank {rank}, step {manifest.step}): {e}. Choose an older "
+            "checkpoint."
+        ) from e
+    if scheduler is not None:
+        if rank_state["scheduler"] is None:
+            raise CheckpointError(
+                f"{path} (step {manifest.step}) was saved without a scheduler, but rank {rank} "
+                "passed one to load. Pass scheduler=None, or save with the scheduler."
+            )
+        scheduler.load_state_dict(rank_state["scheduler"])
+    restore_rng(rank_state["rng"])
+    return Restored(
+        step=manifest.step,
+        cursor=manifest.cursor,
+        lr_scale=manifest.lr_scale,
+        path=path,
+        extra=rank_state["extra"] or {},
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    # DCP wraps per-rank failures in a long report with tracebacks; the cause is the key line.
+    for line in reversed(text.splitlines()):  # the raised message comes after its source line
+        if "Missing key" in line or "Unexpected key" in line or "size mismatch" in line:
+            return line.strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,368 @@
+"""Saving a checkpoint from the training processes (worker side; torch is imported lazily).
+
+What one save writes into ``<root>/step_<step>/`` (see ``layout.py``): the model and optimizer
+through ``torch.distributed.checkpoint`` (DCP, sharded: each rank writes ``__<rank>_*.distcp``,
+rank 0 also ``.metadata``), one ``rank_<r>.pt`` per rank (its RNG streams, the scheduler, the
+user's ``extra``), and last ``manifest.json``, which is what makes it a checkpoint.
+
+How the manifest is committed:
+
+- Each rank hashes the files it wrote itself (CRC-32, in parallel across ranks) into a *part*:
+  its file list, or the error that stopped it. Rank 0 merges the parts, hashes what no rank
+  claimed (DCP's ``.metadata``; any file a future DCP names differently, so correctness never
+  depends on DCP's naming, only the parallelism does) and writes the manifest atomically.
+- Sync: parts travel by ``gather_object`` to rank 0, and rank 0 broadcasts the outcome, so every
+  rank returns after the commit, or every rank raises the same ``CheckpointError``.
+- Async: no collective may run outside the training thread, so parts travel as files. When a
+  rank's DCP write finishes, a done-callback (DCP's executor thread: file I/O only) hashes its
+  files and writes ``.part_rank<r>.json``. Rank 0's ``SaveHandle.poll()``, which the training
+  loop calls each step, commits once all parts are there and deletes them. Until then the
+  checkpoint does not exist, so a crash at any point leaves only an incomplete directory.
+
+Async saves use DCP's process executor (a daemon process per rank writes while training goes on)
+when a process group is initialised. It starts that process with ``spawn``, which re-imports the
+training script: the script must keep its top level under ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from checkpoints._atomic import atomic_write_json, uncommit_and_remove
+from checkpoints.errors import CheckpointError
+from checkpoints.layout import part_marker_name, rank_state_name, step_dir
+from checkpoints.manifest import (
+    KIND_DCP,
+    FileEntry,
+    Manifest,
+    hash_file,
+    list_content_files,
+    merge_entries,
+    write_manifest,
+)
+from checkpoints.rng import capture_rng
+
+RANK_STATE_FORMAT = 1
+
+# One async save at a time per process: DCP's staging copy and daemon process are reused, and
+# commits must land in step order. ``save`` waits for this one before starting the next.
+_pending: SaveHandle | None = None
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group, or (0, 1) when there is none."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class SaveHandle:
+    """A save in flight (async) or finished (sync). ``path`` is the checkpoint's directory.
+
+    Calling rules: call ``poll()`` once per training step on every rank (it never blocks and
+    issues no collective) until it returns True; call ``wait()`` before the process exits.
+    ``committed`` is known on rank 0 only; other ranks are done once their part is written.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        step: int,
+        rank: int,
+        world_size: int,
+        meta: dict[str, Any],
+        future: Future[Any] | None,
+    ) -> None:
+        self.path = path
+        self.step = step
+        self.rank = rank
+        self.world_size = world_size
+        self._meta = meta
+        self._future = future
+        self._part_written = threading.Event()
+        self._own_error: str | None = None
+        self._seen_parts: dict[int, dict[str, Any]] = {}
+        self.committed = future is None
+        self._done = future is None
+        if future is None:
+            self._part_written.set()
+
+    @property
+    def is_async(self) -> bool:
+        return self._future is not None
+
+    def poll(self) -> bool:
+        """True once this rank has nothing left to do for this save (rank 0: it is committed).
+
+        Raises ``CheckpointError`` if this rank's write failed, or (rank 0) any rank's did; the
+        checkpoint is then not committed and the previous one remains the newest.
+        """
+        if self._done:
+            return True
+        if not self._part_written.is_set():
+            return False
+        if self._own_error is not None:
+            self._done = True
+            raise CheckpointError(_failed_msg(self.path, self.step, {self.rank: self._own_error}))
+        if self.rank != 0:
+            self._done = True
+            return True
+        # Rank 0: stat only the markers not seen yet, so a poll costs little at many ranks.
+        for r in range(self.world_size):
+            if r in self._seen_parts:
+                continue
+            marker = self.path / part_marker_name(r)
+            if not marker.exists():
+                return False
+            import json
+
+            self._seen_parts[r] = json.loads(marker.read_text())
+        self._done = True
+        commit(self.path, [self._seen_parts[r] for r in range(self.world_size)], self._meta)
+        self.committed = True
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> Path:
+        """Block until ``poll()`` is True; return ``path``. Raises ``CheckpointError`` on failure
+        or after ``timeout_s`` seconds (None: no limit)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.poll():
+            if deadline is not None and time.monotonic() > deadline:
+                missing = [r for r in range(self.world_size) if r not in self._seen_parts]
+                raise CheckpointError(
+                    f"the async save of step {self.step} to {self.path} did not finish within "
+                    f"{timeout_s} s on rank {self.rank} (waiting for ranks {missing}). Check those "
+                    "ranks' logs and free disk space; the checkpoint is not committed."
+                )
+            time.sleep(0.01)
+        return self.path
+
+    # Runs on DCP's executor thread when this rank's write finished: file I/O only, no collective.
+    def _on_written(self, future: Future[Any], rank_state_error: str | None) -> None:
+        part: dict[str, Any]
+        try:
+            future.result()
+            if rank_state_error is not None:
+                raise CheckpointError(rank_state_error)
+            part = hash_part(self.path, self.rank)
+        except BaseException as e:  # reported through the part, not lost in a thread
+            self._own_error = f"{type(e).__name__}: {e}"
+            part = {"rank": self.rank, "ok": False, "error": self._own_error}
+        try:
+            atomic_write_json(self.path / part_marker_name(self.rank), part)
+        except OSError as e:
+            self._own_error = self._own_error or f"could not write the part marker: {e}"
+        self._part_written.set()
+
+
+def save(
+    root: str | Path,
+    step: int,
+    cursor: int,
+    lr_scale: float,
+    model: Any,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    extra: dict[str, Any] | None = None,
+    async_save: bool = False,
+) -> SaveHandle:
+    """Save a checkpoint of the state after optimizer step ``step``; collective.
+
+    Calling rules: every rank calls it at the same step with the same ``root``, ``step``,
+    ``cursor`` (global batches consumed) and ``lr_scale``. ``model`` may be wrapped (DDP, FSDP);
+    ``optimizer`` and ``scheduler`` are optional. ``extra`` is this rank's own picklable dict
+    (it is stored per rank and handed back to the same rank by ``load``). Each rank's RNG streams
+    are captured at the call. Sync (default): returns once the checkpoint is committed on every
+    rank. Async: returns after the state is staged in memory; keep training and call
+    ``handle.poll()`` each step (see ``SaveHandle``). A previous async save still in flight is
+    waited for first. An existing ``step_<step>`` directory (e.g. from before a rollback) is
+    replaced.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    global _pending
+    if _pending is not None:
+        _pending.wait()
+        _pending = None
+    rank, world = rank_and_world()
+    path = step_dir(root, step)
+    _prepare_dir(path, rank, world)
+    state = _dcp_state(model, optimizer)
+    buf = io.BytesIO()
+    torch.save(_rank_state(step, cursor, lr_scale, scheduler, extra, rank), buf)
+    meta = {"step": step, "cursor": cursor, "lr_scale": lr_scale, "world_size": world}
+
+    if not async_save:
+        try:
+            dcp_save(state, checkpoint_id=str(path))
+        # DCP gathers write errors into a CheckpointException (a BaseException) raised on every
+        # rank together, so every rank raises ours here together.
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(
+                _failed_msg(path, step, {rank: f"{type(e).__name__}: {e}"})
+            ) from e
+        try:
+            (path / rank_state_name(rank)).write_bytes(buf.getvalue())
+            part = hash_part(path, rank)
+        except OSError as e:
+            part = {"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"}
+        _commit_collectively(path, part, meta, rank, world)
+        return SaveHandle(path, step, rank, world, meta, None)
+
+    rank_state_error = None
+    try:
+        (path / rank_state_name(rank)).write_bytes(buf.getvalue())
+    except OSError as e:
+        rank_state_error = f"could not write {path / rank_state_name(rank)}: {e}"
+
+    kind = (
+        AsyncCheckpointerType.PROCESS
+        if dist.is_available() and dist.is_initialized()
+        else AsyncCheckpointerType.THREAD
+    )
+    try:
+        future = dcp_async_save(state, checkpoint_id=str(path), async_checkpointer_type=kind)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(_failed_msg(path, step, {rank: f"{type(e).__name__}: {e}"})) from e
+    if not isinstance(future, Future):  # AsyncSaveResponse, only with a custom stager
+        future = future.upload_completion
+    handle = SaveHandle(path, step, rank, world, meta, future)
+    future.add_done_callback(lambda f: handle._on_written(f, rank_state_error))
+    _pending = handle
+    return handle
+
+
+def wait_pending(timeout_s: float | None = None) -> None:
+    """Wait for this process's async save in flight, if any (call before exiting)."""
+    global _pending
+    if _pending is not None:
+        handle, _pending = _pending, None
+        handle.wait(timeout_s)
+
+
+def hash_part(path: Path, rank: int) -> dict[str, Any]:
+    """The part record of ``rank``: size and CRC-32 of the files it wrote into ``path``."""
+    prefix = f"__{rank}_"  # DCP's FileSystemWriter names each rank's files __<rank>_<n>.distcp
+    names = [n for n in list_content_files(path) if n.startswith(prefix)]
+    names.append(rank_state_name(rank))
+    return {"rank": rank, "ok": True, "files": [asdict(hash_file(path, n)) for n in names]}
+
+
+def commit(path: Path, parts: Sequence[dict[str, Any]], meta: dict[str, Any]) -> Manifest:
+    """Rank 0: merge every rank's part, hash the unclaimed files, write the manifest atomically.
+
+    Raises ``CheckpointError`` (and commits nothing) if any part reports a failure or a rank's
+    state file is missing.
+    """
+    errors = {int(p["rank"]): str(p["error"]) for p in parts if not p["ok"]}
+    if errors:
+        raise CheckpointError(_failed_msg(path, meta["step"], errors))
+    claimed = merge_entries(
+        [FileEntry(str(f["name"]), int(f["size"]), int(f["crc32"])) for f in p["files"]]
+        for p in parts
+    )
+    names = {e.name for e in claimed}
+    missing = [r for r in range(meta["world_size"]) if rank_state_name(r) not in names]
+    if missing:
+        raise CheckpointError(_failed_msg(path, meta["step"], dict.fromkeys(missing, "no part")))
+    leftovers = [hash_file(path, n) for n in list_content_files(path) if n not in names]
+    manifest = Manifest(files=merge_entries([claimed, leftovers]), kind=KIND_DCP, **meta)
+    write_manifest(path, manifest)
+    for r in range(meta["world_size"]):
+        (path / part_marker_name(r)).unlink(missing_ok=True)
+    return manifest
+
+
+def _commit_collectively(
+    path: Path, part: dict[str, Any], meta: dict[str, Any], rank: int, world: int
+) -> None:
+    import torch.distributed as dist
+
+    error: str | None = None
+    if world == 1:
+        parts: list[Any] = [part]
+    else:
+        parts = [None] * world if rank == 0 else []
+        dist.gather_object(part, parts if rank == 0 else None, dst=0)
+    if rank == 0:
+        try:
+            commit(path, parts, meta)
+        except (CheckpointError, OSError) as e:
+            error = str(e)
+    if world > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def _prepare_dir(path: Path, rank: int, world: int) -> None:
+    """Rank 0 replaces any old ``path`` with an empty directory; every rank learns the outcome."""
+    error: str | None = None
+    if rank == 0:
+        try:
+            uncommit_and_remove(path)
+            path.mkdir(parents=True)
+        except OSError as e:
+            error = (
+                f"cannot create the checkpoint directory {path} for step {path.name} "
+                f"(rank 0): {e}. Point the checkpoint root at a writable directory with free space."
+            )
+    if world > 1:
+        import torch.distributed as dist
+
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def _dcp_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    # get_state_dict unwraps DDP/FSDP and gives optimizer state FQN keys, so a checkpoint loads
+    # into the same model however it is wrapped.
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _rank_state(
+    step: int, cursor: int, lr_scale: float, scheduler: Any, extra: Any, rank: int
+) -> dict[str, Any]:
+    return {
+        "format": RANK_STATE_FORMAT,
+        "rank": rank,
+        "step": step,
+        "cursor": cursor,
+        "lr_scale": lr_scale,
+        "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "rng": capture_rng(),
+        "extra": extra,
+    }
+
+
+def _failed_msg(path: Path, step: int, errors: dict[int, str]) -> str:
+    where = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(errors.items()))
+    return (
+        f"saving the checkpoint of step {step} to {path} failed ({where}). It was not committed, "
+        "so the previous checkpoint remains the newest. Check free space and permissions under "
+        "the checkpoint root on the ranks named."
+    )
