@@ -1,0 +1,91 @@
+"""The resume directive: what the supervisor tells every rank of a new attempt.
+
+The supervisor writes one JSON file per attempt (``attempts/<n>/directive.json``) before it
+launches the workers and passes its path in ``BABYSIT_DIRECTIVE``. Workers only read it. It says
+where to resume from, which data-cursor ranges to skip and how much to scale the LR, so a rollback
+needs no cooperation from the training script beyond the worker API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class SkipRange:
+    """Global batches ``start <= cursor < end`` are not trained on."""
+
+    start: int
+    end: int
+
+    def __contains__(self, cursor: object) -> bool:
+        return isinstance(cursor, int) and self.start <= cursor < self.end
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A committed checkpoint to restore before the first step."""
+
+    path: str
+    step: int
+    cursor: int
+
+
+@dataclass(frozen=True, slots=True)
+class Directive:
+    """Everything a rank needs to know about the attempt it belongs to."""
+
+    attempt: int = 0
+    resume: Resume | None = None
+    skip: tuple[SkipRange, ...] = ()
+    lr_scale: float = 1.0
+    """Multiplies every param group's LR at each optimizer step (schedulers never see it)."""
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps through the worker API; 0 disables library saves."""
+    checkpoint_async: bool = False
+    grad_guard: dict[str, Any] = field(default_factory=dict)
+    """Settings of the in-process grad-norm guard; empty disables it."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Directive:
+        resume = obj.get("resume")
+        return cls(
+            attempt=int(obj.get("attempt", 0)),
+            resume=Resume(**resume) if resume else None,
+            skip=tuple(SkipRange(int(s["start"]), int(s["end"])) for s in obj.get("skip", ())),
+            lr_scale=float(obj.get("lr_scale", 1.0)),
+            checkpoint_dir=obj.get("checkpoint_dir"),
+            checkpoint_every=int(obj.get("checkpoint_every", 0)),
+            checkpoint_async=bool(obj.get("checkpoint_async", False)),
+            grad_guard=dict(obj.get("grad_guard", {})),
+        )
+
+    def write(self, path: Path) -> None:
+        """Write atomically: a rank that starts early must never read half a file."""
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2))
+        os.replace(tmp, path)
+
+    @classmethod
+    def read(cls, path: str | Path) -> Directive:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def merge_skips(ranges: list[SkipRange]) -> tuple[SkipRange, ...]:
+    """Sort and coalesce overlapping or touching ranges, so the worker checks each once."""
+    merged: list[SkipRange] = []
+    for r in sorted(ranges, key=lambda r: r.start):
+        if merged and r.start <= merged[-1].end:
+            last = merged[-1]
+            merged[-1] = SkipRange(last.start, max(last.end, r.end))
+        else:
+            merged.append(r)
+    return tuple(merged)

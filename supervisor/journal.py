@@ -1,0 +1,75 @@
+"""The journal: ``events.jsonl`` in the run directory, the run's source of truth.
+
+One JSON object per line, appended and flushed as each thing happens: every state change, every
+action and the evidence for it. Later tools (status, report, a restarted supervisor) read it back
+with ``read()``; nothing else about a run's history is authoritative.
+
+Each entry has ``time`` (Unix seconds), ``event`` (what happened), ``attempt`` and, when known,
+``step``; the rest is the event's own evidence.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+
+class Journal:
+    """Append-only writer. Call ``open()`` before ``write()``; the constructor does no I/O."""
+
+    def __init__(self, path: Path, fsync: bool = False) -> None:
+        self.path = path
+        self._fsync = fsync
+        self._file: IO[str] | None = None
+
+    def open(self) -> Journal:
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (owned until close)
+        return self
+
+    def write(self, event: str, time: float, attempt: int, step: int | None = None,
+              **evidence: Any) -> dict[str, Any]:
+        """Append one entry and flush it, so a crash of babysit loses nothing already decided."""
+        entry: dict[str, Any] = {"time": round(time, 6), "event": event, "attempt": attempt}
+        if step is not None:
+            entry["step"] = step
+        entry.update(evidence)
+        if self._file is None:
+            raise RuntimeError("Journal.write() before open()")
+        self._file.write(json.dumps(_finite(entry), separators=(",", ":")) + "\n")
+        self._file.flush()
+        if self._fsync:
+            os.fsync(self._file.fileno())
+        return entry
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read(path: Path) -> Iterator[dict[str, Any]]:
+    """Entries in order. A torn last line (babysit killed mid-write) is skipped, not fatal."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+    except FileNotFoundError:
+        return
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN/Inf; keep them readable as strings instead of emitting invalid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

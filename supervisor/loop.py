@@ -1,0 +1,332 @@
+"""The supervisor's control loop: gather events, ask ``decide()``, perform the actions.
+
+One thread does all of it, a tick at a time::
+
+    sleep one tick (0.1 s)                the ranks' reports queue in their sockets
+    telemetry -> steps -> metrics.jsonl   aggregate, and let the watch judge each step
+    worker output -> console              tee'd rank lines
+    has torchrun exited?                  Exited(code, remedy for a crash)
+    periodic checks                       hang, backoff timers
+    every event -> decide() -> actions    journaled as "old -> new (reason)"
+
+The side effects live here and in the modules it calls (launcher, intake, journal, console); the
+judgement lives in ``policies`` and is pure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import secrets
+import signal
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+import yaml
+
+from policies import decide as sm
+from policies.types import Action, Finding, RankStep, Remedy, StepRecord
+from supervisor import journal as journal_mod
+from supervisor import launcher, protocol
+from supervisor.aggregate import StepAggregator, metrics_row
+from supervisor.console import Console
+from supervisor.intake import Intake
+from supervisor.plan import RunPlan
+from supervisor.watch import Watch
+
+TICK_S = 0.1
+
+
+class Supervisor:
+    """Runs one babysat job to its end. ``run()`` returns the process exit code.
+
+    ``clock`` is the monotonic clock used for every timeout (injectable for tests); wall-clock
+    times in the journal come from ``time.time()``.
+    """
+
+    def __init__(self, plan: RunPlan, console: Console,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.plan = plan
+        self.console = console
+        self.clock = clock
+        self.machine = sm.Machine()
+        self.watch = Watch.from_plan(plan)
+        self._token = secrets.token_bytes(protocol.TOKEN_BYTES)
+        self._signal: int | None = None
+        self._group: launcher.WorkerGroup | None = None
+        self._lines: queue.Queue[launcher.OutputLine] = queue.Queue(maxsize=10_000)
+        self._aggregator = StepAggregator(plan.world_size or 1)
+        self._wake_at: float | None = None
+        self._metrics: IO[str] | None = None
+        self._recent: deque[tuple[float, int]] = deque(maxlen=64)
+        self._last_loss: float | None = None
+        self._last_incident = "none"
+        self._incidents = 0
+        self._started = 0.0
+        self._first_attempt = 0
+        self.journal = journal_mod.Journal(plan.run_dir / "events.jsonl")
+        self.intake = Intake(plan.run_dir / "telemetry.sock", self._token)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self._setup()
+        try:
+            return self._loop()
+        except BaseException as exc:
+            # A bug in babysit itself: leave a trace in the journal; teardown stops the workers.
+            self._journal("supervisor_error", error=f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self._teardown()
+
+    def _setup(self) -> None:
+        run_dir = self.plan.run_dir
+        previous = list(journal_mod.read(run_dir / "events.jsonl"))
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(run_dir, 0o700)  # the telemetry socket's first line of defence
+        (run_dir / "attempts").mkdir(exist_ok=True)
+        (run_dir / "config.yaml").write_text(
+            yaml.safe_dump(self.plan.config.model_dump(mode="json"), sort_keys=False))
+        self._first_attempt = 1 + max((e.get("attempt", -1) for e in previous), default=-1)
+        self.machine = sm.Machine(attempt=self._first_attempt)
+        self.journal.open()
+        self.intake.open()
+        self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        launcher.become_subreaper()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        self._started = self.clock()
+        self._journal("run_started", name=self.plan.name, run_dir=str(run_dir),
+                      source=self.plan.source, pid=os.getpid(),
+                      resumed_journal=bool(previous))
+        self.console.log(f"babysit: run '{self.plan.name}' in {run_dir}")
+
+    def _teardown(self) -> None:
+        if self._group is not None and self._group.processes():
+            self._group.stop(self.plan.config.launch.stop_grace_s)
+        self.intake.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        self.journal.close()
+        self.console.close()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signal = signum
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _loop(self) -> int:
+        pending: deque[sm.Event] = deque()
+        exit_code = self._perform(sm.Launch(self.machine.attempt, None), pending)
+        while exit_code is None:
+            # Sleep, never wait on the telemetry socket: a waiting reader makes every rank's
+            # report pay for waking it (see supervisor.intake).
+            time.sleep(TICK_S)
+            self._gather(pending)
+            while pending and exit_code is None:
+                exit_code = self._apply(pending.popleft(), pending)
+            self._show_status()
+        self._summary(exit_code)
+        return exit_code
+
+    def _gather(self, pending: deque[sm.Event]) -> None:
+        """Turn everything that happened since the last tick into events, in a fixed order."""
+        if self._signal is not None:
+            pending.append(sm.StopRequested(self._signal))
+            self._signal = None
+        self._take_telemetry(pending)
+        self._print_output()
+        now = self.clock()
+        group = self._group
+        if group is not None and self.machine.state in (sm.State.STARTING, sm.State.RUNNING):
+            code = group.poll()
+            if code is not None:
+                self._take_telemetry(pending)
+                pending.append(sm.Exited(code, self._crash_remedy(code) if code else None))
+            else:
+                for finding in self.watch.check(now):
+                    pending.append(sm.Remedied(self._judge(finding)))
+        if self._wake_at is not None and now >= self._wake_at:
+            self._wake_at = None
+            pending.append(sm.BackoffElapsed())
+
+    def _apply(self, event: sm.Event, pending: deque[sm.Event]) -> int | None:
+        old = self.machine
+        new, actions = sm.decide(old, event)
+        self.machine = new
+        if new.state is not old.state:
+            self._journal("state", old=old.state.value, new=new.state.value, reason=new.reason)
+            self.console.log(f"babysit: {old.state.value} -> {new.state.value} ({new.reason})")
+        for action in actions:
+            code = self._perform(action, pending)
+            if code is not None:
+                return code
+        return None
+
+    def _perform(self, action: sm.ActionT, pending: deque[sm.Event]) -> int | None:
+        if isinstance(action, sm.Launch):
+            self._launch(action.attempt, action.remedy)
+        elif isinstance(action, sm.StopWorkers):
+            self._stop_workers(action.reason)
+            if self.machine.state is sm.State.INTERVENING:
+                pending.append(sm.WorkersStopped())
+        elif isinstance(action, sm.Wait):
+            self._wake_at = self.clock() + action.seconds
+            self._journal("backoff", seconds=action.seconds)
+        elif isinstance(action, sm.Notify):
+            self._notify(action)
+        elif isinstance(action, sm.Finish):
+            self._journal("run_finished", state=self.machine.state.value, exit_code=action.code,
+                          reason=self.machine.reason)
+            return action.code
+        return None
+
+    # -- telemetry ------------------------------------------------------------------------------
+
+    def _take_telemetry(self, pending: deque[sm.Event]) -> None:
+        newest = None
+        for message in self.intake.drain():
+            if isinstance(message, RankStep):
+                self.watch.observe_rank(message, self.clock())
+                for record in self._aggregator.add(message):
+                    self._record(record, pending)
+                newest = max(newest or 0, message.step)
+            else:
+                self._worker_event(message)
+        if newest is not None:
+            pending.append(sm.Progress(newest))
+
+    def _record(self, record: StepRecord, pending: deque[sm.Event]) -> None:
+        assert self._metrics is not None
+        row = metrics_row(record, self.machine.attempt)
+        self._metrics.write(json.dumps(journal_mod._finite(row), separators=(",", ":")) + "\n")
+        self._metrics.flush()
+        self._recent.append((record.time, record.step))
+        self._last_loss = record.loss
+        for finding in self.watch.observe_record(record):
+            pending.append(sm.Remedied(self._judge(finding)))
+
+    def _worker_event(self, event: protocol.WorkerEvent) -> None:
+        self.watch.observe_event(event, self.clock())
+        if event.type == "hello":
+            world = event.data.get("world_size")
+            if isinstance(world, int) and world > 0:
+                self._aggregator.world_size = world
+        if event.type in ("hello", "close", "skip"):
+            self._journal(f"worker_{event.type}", rank=event.rank, data=event.data)
+
+    def _judge(self, finding: Finding) -> Remedy:
+        remedy = self.watch.rules.on_finding(finding, self.clock())
+        self._incidents += remedy.action is not Action.IGNORE
+        if remedy.action is not Action.IGNORE:
+            self._last_incident = f"{finding.incident.value}@{finding.step}"
+        self._journal("finding", step=finding.step, finding=finding.to_json(),
+                      remedy=remedy.to_json())
+        return remedy
+
+    def _crash_remedy(self, code: int) -> Remedy:
+        attempt_dir = self._attempt_dir(self.machine.attempt)
+        logs = launcher.rank_logs(attempt_dir)
+        tails = {rank: launcher.tail(path) for rank, path in logs.items()}
+        root = launcher.root_cause_rank(launcher.tail(attempt_dir / "launcher.log"))
+        finding = self.watch.classify_crash(code, tails, self.machine.step, root)
+        return self._judge(finding)
+
+    # -- actions --------------------------------------------------------------------------------
+
+    def _attempt_dir(self, attempt: int) -> Path:
+        return self.plan.run_dir / "attempts" / str(attempt)
+
+    def _launch(self, attempt: int, remedy: Remedy | None) -> None:
+        attempt_dir = self._attempt_dir(attempt)
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        directive = self.watch.directive_for(attempt, remedy)
+        directive.write(attempt_dir / "directive.json")
+        launch = self.plan.config.launch
+        endpoint = launch.rdzv_endpoint or f"127.0.0.1:{launcher.free_port()}"
+        command = launcher.torchrun_command(
+            launch, self.plan.script, python=self.plan.python,
+            rdzv_id=launch.rdzv_id or f"{self.plan.name}-{attempt}", rdzv_endpoint=endpoint,
+            log_dir=attempt_dir / "torchrun",
+        )
+        env = self._worker_env(attempt_dir, attempt)
+        self._aggregator.reset()
+        self.watch.new_attempt(self.clock(), directive)
+        self._group = launcher.WorkerGroup(command, env, Path.cwd(), attempt_dir / "launcher.log",
+                                           self._lines)
+        self._group.start()
+        self._journal("launch", command=command, pid=self._group.pid, rdzv_endpoint=endpoint,
+                      directive=directive.to_json())
+
+    def _worker_env(self, attempt_dir: Path, attempt: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")  # so rank output reaches the console live
+        env.update(self.plan.config.launch.env)
+        env.update({
+            protocol.ENV_SOCKET: str(self.intake.path),
+            protocol.ENV_TOKEN: self._token.hex(),
+            protocol.ENV_RUN_DIR: str(self.plan.run_dir),
+            protocol.ENV_ATTEMPT: str(attempt),
+            protocol.ENV_DIRECTIVE: str(attempt_dir / "directive.json"),
+        })
+        return env
+
+    def _stop_workers(self, reason: str) -> None:
+        if self._group is None:
+            return
+        pids = [p.pid for p in self._group.processes()]
+        self._journal("stop_workers", reason=reason, pids=pids)
+        code = self._group.stop(self.plan.config.launch.stop_grace_s)
+        self._print_output()
+        self._journal("workers_stopped", exit_code=code)
+
+    def _notify(self, action: sm.Notify) -> None:
+        self.console.log(f"babysit: [{action.severity.name.lower()}] {action.title}")
+        self._journal("alert", severity=action.severity.name.lower(), title=action.title)
+
+    # -- console --------------------------------------------------------------------------------
+
+    def _print_output(self) -> None:
+        while True:
+            try:
+                line = self._lines.get_nowait()
+            except queue.Empty:
+                return
+            prefix = f"[r{line.rank}] " if line.rank is not None else "[torchrun] "
+            self.console.log(prefix + line.text)
+
+    def _steps_per_s(self) -> float | None:
+        if len(self._recent) < 2:
+            return None
+        (t0, s0), (t1, s1) = self._recent[0], self._recent[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else None
+
+    def _show_status(self) -> None:
+        m = self.machine
+        loss = f"{self._last_loss:.4f}" if self._last_loss is not None else "-"
+        rate = self._steps_per_s()
+        speed = f"{rate:.1f} steps/s" if rate is not None else "- steps/s"
+        self.console.status(
+            f"babysit | {m.state.value} | attempt {m.attempt} | step {m.step} | loss {loss} | "
+            f"{speed} | last incident: {self._last_incident}")
+
+    def _summary(self, code: int) -> None:
+        m = self.machine
+        elapsed = self.clock() - self._started
+        attempts = m.attempt - self._first_attempt + 1
+        loss = f"{self._last_loss:.4f}" if self._last_loss is not None else "n/a"
+        self.console.close()
+        self.console.log(
+            f"babysit: {m.state.value} ({m.reason}) after {elapsed:.1f} s, {attempts} attempt(s), "
+            f"step {m.step}, last loss {loss}, {self._incidents} incident(s). "
+            f"Journal: {self.plan.run_dir / 'events.jsonl'}; exit code {code}.")
+
+    def _journal(self, event: str, step: int | None = None, **evidence: Any) -> None:
+        self.journal.write(event, time.time(), self.machine.attempt,
+                           step if step is not None else (self.machine.step or None), **evidence)

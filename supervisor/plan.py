@@ -1,0 +1,96 @@
+"""Turning a config file, or torchrun-style arguments, into a fully resolved ``RunPlan``.
+
+Everything a run needs to start is decided here, before any process exists, so ``babysit
+validate`` and ``babysit run`` report the same problems in the same words.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from supervisor import config as cfg
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    config: cfg.RunConfig
+    source: str
+    """Where the config came from, for messages: a file path or ``command line``."""
+    base: Path
+    """Folder that relative paths in the config start from."""
+    name: str
+    run_dir: Path
+    script: Path | None
+    python: str
+    checkpoint_dir: Path
+
+    @property
+    def world_size(self) -> int | None:
+        """Ranks expected per attempt when the config fixes it; None when torchrun decides."""
+        nproc = self.config.launch.nproc_per_node
+        nnodes = self.config.launch.nnodes
+        if isinstance(nproc, int) and ":" not in nnodes:
+            return nproc * int(nnodes)
+        return None
+
+
+def from_file(path: str | Path, run_dir: str | None = None,
+              launch_overrides: dict[str, Any] | None = None,
+              overrides: dict[str, Any] | None = None) -> RunPlan:
+    """Load, validate and resolve a config file. Raises ``ConfigError`` listing every problem.
+
+    ``launch_overrides`` (torchrun options from the command line) replace keys of the file's
+    ``launch`` section, ``overrides`` top-level keys, before validation.
+    """
+    data = cfg.read_yaml(path)
+    if launch_overrides:
+        launch = data.get("launch")
+        data["launch"] = {**(launch if isinstance(launch, dict) else {}), **launch_overrides}
+    data.update(overrides or {})
+    base = Path(path).resolve().parent
+    return _resolve(cfg.parse(data, str(path)), base, str(path), Path(path).stem, run_dir)
+
+
+def from_mapping(data: dict[str, Any], source: str, base: Path, stem: str,
+                 run_dir: str | None = None) -> RunPlan:
+    """Same as ``from_file`` for a config built in memory (the torchrun-style command line)."""
+    return _resolve(cfg.parse(data, source), base, source, stem, run_dir)
+
+
+def _resolve(config: cfg.RunConfig, base: Path, source: str, stem: str,
+             run_dir_override: str | None) -> RunPlan:
+    script = cfg.resolve_script(config, base)
+    if config.name:
+        name = config.name
+    elif stem == "command line":
+        name = script.stem if script else str(config.launch.module).rsplit(".", 1)[-1]
+    else:
+        name = stem
+    if run_dir_override is not None:
+        run_dir = Path(run_dir_override).resolve()
+    elif config.run_dir is not None:
+        run_dir = Path(config.run_dir).resolve()
+    else:
+        run_dir = cfg.default_run_dir(name).resolve()
+    problems = cfg.check_environment(config, base, run_dir, source)
+    problems += _check_policy(config, source)
+    if problems:
+        raise cfg.ConfigError("\n".join(problems))
+    return RunPlan(
+        config=config, source=source, base=base, name=name, run_dir=run_dir, script=script,
+        python=config.launch.python or sys.executable,
+        checkpoint_dir=cfg.checkpoint_dir(config, base, run_dir),
+    )
+
+
+def _check_policy(config: cfg.RunConfig, source: str) -> list[str]:
+    from policies.loader import PolicyError, load_policy
+
+    try:
+        load_policy(config.policy.name, config.policy.overrides)
+    except PolicyError as exc:
+        return [f"{source}: policy: {exc}"]
+    return []

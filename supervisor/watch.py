@@ -1,0 +1,138 @@
+"""The supervisor's judgement for one run: detectors, the policy's rules, and resume directives.
+
+``Watch`` holds everything that decides *what* is wrong and *what the policy says*; it does no
+I/O and reads no clock (times are passed in), so the loop stays about side effects and this stays
+testable. It is the one place that knows which detector observes which stream.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from policies.detectors import HangDetector, LossSpikeDetector, classify
+from policies.detectors.crash import CrashClass, CrashSignature
+from policies.loader import load_policy
+from policies.replay import Pipeline
+from policies.schema import Policy
+from policies.types import Action, Finding, RankStep, Remedy, StepRecord
+from supervisor.directive import Directive, SkipRange, merge_skips
+from supervisor.plan import RunPlan
+from supervisor.protocol import WorkerEvent
+
+_SPECIFICITY = [CrashClass.USER_CODE, CrashClass.OOM, CrashClass.HARDWARE, CrashClass.NUMERICAL,
+                CrashClass.NETWORK, CrashClass.KILLED, CrashClass.UNKNOWN]
+"""When torchrun names no root cause: a peer's network error is usually the consequence."""
+
+_CURSOR_MEMORY = 4096
+"""Recent steps whose data cursor is remembered, to turn a spike's onset step into batches."""
+
+
+class Watch:
+    def __init__(self, policy: Policy, checkpoint_every: int = 0,
+                 checkpoint_dir: str | None = None, checkpoint_async: bool = False) -> None:
+        self.policy = policy
+        self.pipeline = Pipeline(policy)
+        self.rules = self.pipeline.rules
+        self.hang = HangDetector(policy.detectors.hang)
+        self.skips: list[SkipRange] = []
+        self.lr_scale = 1.0
+        self.crashes: list[CrashSignature] = []
+        self._cursor_at: OrderedDict[int, int] = OrderedDict()
+        self._alive: set[int] = set()
+        self._checkpoint = (checkpoint_every, checkpoint_dir, checkpoint_async)
+
+    @classmethod
+    def from_plan(cls, plan: RunPlan) -> Watch:
+        ref = plan.config.policy
+        name = ref.name
+        if name.endswith((".yaml", ".yml")) or "/" in name:
+            name = str((plan.base / name).resolve())
+        overrides = dict(ref.overrides)
+        restarts = plan.config.launch.max_restarts
+        if restarts is not None:
+            # torchrun's --max-restarts counts every failure alike; so does this override.
+            classes = ("oom", "network", "numerical", "hardware", "user_code", "signal", "unknown")
+            crash = dict(overrides.get("crash", {}))
+            crash["max_relaunches"] = dict.fromkeys(classes, restarts)
+            overrides["crash"] = crash
+        c = plan.config.checkpoints
+        return cls(load_policy(name, overrides), c.every_steps,
+                   str(plan.checkpoint_dir), c.async_save)
+
+    # -- streams --------------------------------------------------------------------------------
+
+    def new_attempt(self, now: float, directive: Directive) -> None:
+        """A new attempt launched: only ranks that say hello are watched for hangs, so a script
+        without the worker API is judged by liveness and exit code alone."""
+        self._alive = set()
+        self.hang.start(now)
+        if directive.attempt > 0:
+            # The new attempt resumes elsewhere (a checkpoint, or step 0): a spike pending in the
+            # old one must not carry over. The other detectors' baselines stay valid.
+            for det in self.pipeline.detectors:
+                if isinstance(det, LossSpikeDetector):
+                    det.reset()
+
+    def observe_rank(self, sample: RankStep, now: float) -> None:
+        self.hang.observe(sample, now)
+
+    def observe_event(self, event: WorkerEvent, now: float) -> None:
+        if event.type == "hello":
+            self._alive.add(event.rank)
+        elif event.type == "close":
+            self._alive.discard(event.rank)
+        elif event.type == "phase":
+            self.hang.phase(event.rank, str(event.data.get("name", "?")),
+                            bool(event.data.get("begin")), now)
+
+    def observe_record(self, record: StepRecord) -> list[Finding]:
+        self._cursor_at[record.step] = record.cursor
+        while len(self._cursor_at) > _CURSOR_MEMORY:
+            self._cursor_at.popitem(last=False)
+        return self.pipeline.findings(record)
+
+    def check(self, now: float) -> list[Finding]:
+        """Periodic judgements that need no new telemetry (hangs)."""
+        if not self._alive:
+            return []
+        finding = self.hang.check(now, ranks_alive=self._alive)
+        return [finding] if finding is not None else []
+
+    def classify_crash(self, code: int, tails: dict[int, str], step: int,
+                       root_rank: int | None = None) -> Finding:
+        """A finding for torchrun's non-zero exit, from the failed ranks' log tails.
+
+        ``root_rank`` is the rank torchrun names as the first failure; its log explains the crash
+        (the others mostly report a peer that went away). Without it, the most specific verdict
+        among the ranks wins.
+        """
+        verdicts = {rank: classify(code, None, tail, step or None, self.crashes)
+                    for rank, tail in sorted(tails.items())}
+        if root_rank in verdicts:
+            rank = root_rank
+        elif verdicts:
+            rank = min(verdicts, key=lambda r: _SPECIFICITY.index(verdicts[r].crash_class))
+        else:
+            rank, verdicts = -1, {-1: classify(code, None, "", step or None, self.crashes)}
+        verdict = verdicts[rank]
+        self.crashes.append(verdict.key())
+        return verdict.to_finding(step=step, ranks=(rank,) if rank >= 0 else ())
+
+    # -- what the next attempt is told ----------------------------------------------------------
+
+    def directive_for(self, attempt: int, remedy: Remedy | None) -> Directive:
+        """The resume directive of ``attempt``, folding in the remedy that caused it."""
+        if remedy is not None and remedy.action is Action.ROLLBACK:
+            onset = self._cursor_at.get(remedy.finding.onset_step)
+            detected = self._cursor_at.get(remedy.finding.step, onset)
+            if onset is not None and detected is not None:
+                # The batch behind step s is cursor(s) - 1.
+                self.skips.append(SkipRange(max(0, onset - 1 - remedy.skip_before),
+                                            detected + remedy.skip_after))
+            self.lr_scale *= remedy.lr_scale
+        every, folder, use_async = self._checkpoint
+        return Directive(
+            attempt=attempt, skip=merge_skips(self.skips), lr_scale=self.lr_scale,
+            checkpoint_dir=folder if every else None, checkpoint_every=every,
+            checkpoint_async=use_async,
+        )

@@ -1,0 +1,304 @@
+"""The worker API: the few calls a training script makes so babysit can watch and steer it.
+
+A training loop with the API stays a training loop::
+
+    from supervisor import attach
+
+    run = attach(model=model, optimizer=opt, scheduler=sched)
+    for batch in run.batches(loader):       # counts the data cursor, skips bad ranges
+        loss = compute_loss(batch)
+        loss.backward()
+        gnorm = clip_grad_norm_(model.parameters(), 1.0)
+        if run.step(loss=loss.item(), grad_norm=gnorm):   # report; False = skip this step
+            opt.step()
+        opt.zero_grad()
+        sched.step()
+    run.close()
+
+Calling rules:
+
+- ``attach()`` once per process, after the model and optimizer exist. Under plain ``torchrun`` or
+  ``python train.py`` (no babysit environment) it returns a ``Run`` that reports nothing and skips
+  nothing, so the script trains unchanged.
+- ``step()`` exactly once per optimizer step, on every rank, after the backward pass. It sends one
+  message and never waits: if the supervisor is behind, the report is dropped and counted. It
+  converts its arguments with ``float()``: a CUDA tensor would synchronise, so pass the Python
+  float you already have (``loss.item()``) where you already sync, or accept that cost knowingly.
+- ``batches()`` wraps the loader each rank iterates; every rank's loader yields that rank's shard
+  of the same global batch, so one local batch advances the global data cursor by one.
+- ``phase(name)`` around work that is not a training step (checkpoint, eval): the hang detector
+  grants it a longer allowance and step times exclude it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+from supervisor import protocol
+from supervisor.directive import Directive, SkipRange
+from supervisor.intake import connect
+
+T = TypeVar("T")
+
+_perf = time.perf_counter
+_wall = time.time
+
+
+class Run:
+    """What ``attach()`` returns: the training script's handle on babysit.
+
+    ``step`` is the number of optimizer steps completed (restored from a checkpoint on resume);
+    ``cursor`` the number of global batches consumed. ``dropped`` counts reports the supervisor
+    was too busy to take.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        directive: Directive,
+        sock: socket.socket | None,
+        token: bytes,
+        optimizer: Any = None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.directive = directive
+        self.step_count = directive.resume.step if directive.resume else 0
+        self.cursor = directive.resume.cursor if directive.resume else 0
+        self.dropped = 0
+        self._sock = sock
+        self._token = token
+        self._optimizer = optimizer
+        self._last_step: float | None = None
+        self._data_wait = 0.0
+        self._phase_time = 0.0
+        self._skips = sorted(directive.skip, key=lambda r: r.start)
+        self._hooks: list[Any] = []
+        self._closed = False
+        if optimizer is not None and directive.lr_scale != 1.0:
+            self._install_lr_scale(optimizer, directive.lr_scale)
+
+    @property
+    def active(self) -> bool:
+        """True when a babysit supervisor is listening (False under plain torchrun/python)."""
+        return self._sock is not None
+
+    # -- the data cursor ------------------------------------------------------------------------
+
+    def batches(self, loader: Iterable[T]) -> Iterator[T]:
+        """Yield the loader's batches, fast-forwarding to the resume cursor and skipping ranges.
+
+        A loader with a ``seek(cursor)`` method (after which ``iter(loader)`` starts at global
+        batch ``cursor``) is repositioned for free; any other iterable is advanced by consuming
+        and discarding batches. Time spent waiting in ``next()`` is reported as data wait.
+        """
+        seek = getattr(loader, "seek", None)
+        it = self._position(loader, seek, 0, self.cursor)
+        while True:
+            skip = self._skip_at(self.cursor)
+            if skip is not None:
+                self._event("skip", start=skip.start, end=skip.end)
+                it = self._position(loader, seek, self.cursor, skip.end, it)
+                self.cursor = skip.end
+            t0 = _perf()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self._data_wait += _perf() - t0
+            self.cursor += 1
+            yield batch
+
+    def _position(
+        self,
+        loader: Iterable[T],
+        seek: Any,
+        current: int,
+        target: int,
+        it: Iterator[T] | None = None,
+    ) -> Iterator[T]:
+        if target == current and it is not None:
+            return it
+        if seek is not None:
+            seek(target)
+            return iter(loader)
+        it = iter(loader) if it is None else it
+        for _ in range(target - current):
+            next(it, None)
+        return it
+
+    def _skip_at(self, cursor: int) -> SkipRange | None:
+        while self._skips and self._skips[0].end <= cursor:
+            self._skips.pop(0)
+        if self._skips and cursor in self._skips[0]:
+            return self._skips.pop(0)
+        return None
+
+    # -- the per-step report (hot path) ---------------------------------------------------------
+
+    def step(
+        self,
+        loss: Any = None,
+        grad_norm: Any = None,
+        lr: Any = None,
+        tokens: Any = None,
+        samples: Any = None,
+    ) -> bool:
+        """Report one optimizer step; return False when this optimizer step should be skipped.
+
+        Units: loss as the script computes it, grad_norm the total L2 norm, lr the base LR before
+        babysit's scale (read from the optimizer's first param group when omitted), tokens and
+        samples processed by this rank in this step.
+        """
+        now = _perf()
+        last = self._last_step
+        self._last_step = now
+        self.step_count += 1
+        sock = self._sock
+        if sock is None:
+            return True
+        flags = 0
+        if loss is None:
+            loss = 0.0
+        else:
+            loss = float(loss)
+            flags |= 1
+        if grad_norm is None:
+            grad_norm = 0.0
+        else:
+            grad_norm = float(grad_norm)
+            flags |= 2
+        if lr is None and self._optimizer is not None:
+            lr = self._optimizer.param_groups[0]["lr"]
+        if lr is None:
+            lr = 0.0
+        else:
+            lr = float(lr) * self.directive.lr_scale
+            flags |= 4
+        if tokens is None:
+            tokens = 0.0
+        else:
+            tokens = float(tokens)
+            flags |= 8
+        if samples is None:
+            samples = 0.0
+        else:
+            samples = float(samples)
+            flags |= 16
+        if last is None:
+            step_time = 0.0
+        else:
+            step_time = now - last - self._phase_time
+            flags |= 32
+        data_wait = self._data_wait
+        flags |= 64
+        self._data_wait = 0.0
+        self._phase_time = 0.0
+        message = protocol.STEP.pack(
+            protocol.MAGIC, protocol.VERSION, protocol.KIND_STEP, self._token, self.rank, flags,
+            self.step_count, self.cursor, _wall(), loss, grad_norm, lr, tokens, samples,
+            step_time, data_wait,
+        )
+        try:
+            sock.send(message)
+        except OSError:
+            # Full queue (BlockingIOError) or supervisor gone: drop rather than wait.
+            self.dropped += 1
+        return True
+
+    # -- phases, events, shutdown ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark work that is not a training step (``"checkpoint"``, ``"eval"``, ...)."""
+        self._event("phase", name=name, begin=True)
+        t0 = _perf()
+        try:
+            yield
+        finally:
+            self._phase_time += _perf() - t0
+            self._event("phase", name=name, begin=False)
+
+    def _event(self, type_: str, **data: Any) -> None:
+        if self._sock is None:
+            return
+        try:
+            self._sock.send(protocol.encode_event(self._token, self.rank, type_, _wall(), **data))
+        except OSError:
+            self.dropped += 1
+
+    def close(self) -> None:
+        """Tell the supervisor this rank finished cleanly. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._event("close", step=self.step_count, cursor=self.cursor, dropped=self.dropped)
+        for hook in self._hooks:
+            hook.remove()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _install_lr_scale(self, optimizer: Any, scale: float) -> None:
+        # Scale just around optimizer.step() and restore right after, so LR schedulers (which
+        # read and write group["lr"]) never see the scale and any scheduler keeps working.
+        saved: list[Any] = []
+
+        def pre(opt: Any, args: Any, kwargs: Any) -> None:
+            saved[:] = [group["lr"] for group in opt.param_groups]
+            for group in opt.param_groups:
+                group["lr"] = group["lr"] * scale
+
+        def post(opt: Any, args: Any, kwargs: Any) -> None:
+            for group, lr in zip(opt.param_groups, saved, strict=True):
+                group["lr"] = lr
+
+        self._hooks.append(optimizer.register_step_pre_hook(pre))
+        self._hooks.append(optimizer.register_step_post_hook(post))
+
+
+def attach(model: Any = None, optimizer: Any = None, scheduler: Any = None) -> Run:
+    """Connect this rank to its babysit supervisor, or return a no-op ``Run`` if there is none.
+
+    ``model``, ``optimizer`` and ``scheduler`` are the objects the script already has; the
+    optimizer is needed for the LR scale a rollback may set. Reads only ``BABYSIT_*`` and
+    torchrun's ``RANK``/``WORLD_SIZE`` environment variables.
+    """
+    del model, scheduler  # restored by checkpoint support; accepted now so scripts need no edit
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    path = os.environ.get(protocol.ENV_SOCKET)
+    token_hex = os.environ.get(protocol.ENV_TOKEN)
+    if not path or not token_hex:
+        return Run(rank=rank, world_size=world_size, directive=Directive(), sock=None, token=b"",
+                   optimizer=optimizer)
+    directive_path = os.environ.get(protocol.ENV_DIRECTIVE)
+    directive = Directive.read(directive_path) if directive_path else Directive()
+    sock: socket.socket | None
+    try:
+        sock = connect(path)
+    except OSError as exc:
+        # Training must go on without its babysitter; the directive (skips, LR scale) still holds.
+        print(f"babysit: rank {rank} cannot reach the supervisor at {path} ({exc}); training "
+              f"continues unwatched", file=sys.stderr, flush=True)
+        sock = None
+    run = Run(rank=rank, world_size=world_size, directive=directive, sock=sock,
+              token=bytes.fromhex(token_hex), optimizer=optimizer)
+    run._event("hello", pid=os.getpid(), host=socket.gethostname(), world_size=world_size,
+               local_rank=int(os.environ.get("LOCAL_RANK", "0")), step=run.step_count,
+               cursor=run.cursor)
+    return run

@@ -1,0 +1,138 @@
+"""Config errors a user can make: each names the file, the key path and what to do, and
+``babysit validate`` prints them without a traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from supervisor import config, plan
+from supervisor.cli import main
+from tests.conftest import WORKERS
+
+
+def error_of(path: Path, **kw: object) -> str:
+    with pytest.raises(config.ConfigError) as info:
+        plan.from_file(path, **kw)  # type: ignore[arg-type]
+    return str(info.value)
+
+
+def test_valid_config_resolves_paths_against_its_folder(write_config, tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    path = write_config("launch:\n  script: train.py\n  nproc-per-node: 2\nrun_dir: out\n")
+    p = plan.from_file(path)
+    assert p.script == tmp_path / "train.py"
+    assert p.config.launch.nproc_per_node == 2
+    assert p.world_size == 2
+    assert p.name == "run"
+
+
+def test_dash_and_underscore_spellings_are_equal(write_config, tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text("")
+    a = plan.from_file(write_config("launch: {script: t.py, nproc_per_node: 3, node-rank: 0}\n"))
+    b = plan.from_file(write_config("launch: {script: t.py, nproc-per-node: 3}\n", "b.yaml"))
+    assert a.config.launch == b.config.launch
+
+
+def test_env_names_are_kept_verbatim(write_config, tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text("")
+    p = plan.from_file(write_config("launch: {script: t.py, env: {MY-VAR: '1', A_B: x}}\n"))
+    assert p.config.launch.env == {"MY-VAR": "1", "A_B": "x"}
+
+
+def test_unknown_key_names_path_and_suggests(write_config, tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text("")
+    msg = error_of(write_config("launch:\n  script: t.py\n  nproc_per_nod: 2\n"))
+    assert "run.yaml: launch.nproc_per_nod: unknown key" in msg
+    assert "Did you mean 'nproc_per_node'?" in msg
+
+
+def test_unknown_top_level_key_lists_known_keys(write_config) -> None:
+    msg = error_of(write_config("launch: {script: t.py}\nzzz: 1\n"))
+    assert "zzz: unknown key" in msg and "launch" in msg
+
+
+def test_wrong_type_names_key_and_value(write_config, tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text("")
+    msg = error_of(write_config("launch:\n  script: t.py\n  nproc-per-node: two\n"))
+    assert "launch.nproc_per_node" in msg and "'two'" in msg and "babysit schema" in msg
+
+
+def test_missing_launch_section(write_config) -> None:
+    msg = error_of(write_config("run_dir: x\n"))
+    assert "launch: required key is missing" in msg
+
+
+def test_script_and_module_are_exclusive(write_config) -> None:
+    msg = error_of(write_config("launch: {script: a.py, module: pkg.train}\n"))
+    assert "exactly one of launch.script" in msg
+
+
+def test_missing_script_says_where_it_looked(write_config, tmp_path: Path) -> None:
+    msg = error_of(write_config("launch: {script: trian.py}\n"))
+    assert "launch.script: file 'trian.py' not found" in msg
+    assert str(tmp_path / "trian.py") in msg
+
+
+def test_unwritable_run_dir(write_config, tmp_path: Path) -> None:
+    # A path under a regular file can never be created, whoever runs the test.
+    (tmp_path / "t.py").write_text("")
+    msg = error_of(write_config(f"launch: {{script: t.py}}\nrun_dir: {tmp_path}/t.py/run\n"))
+    assert "run_dir: cannot write" in msg and "is a file, not a folder" in msg
+
+
+def test_broken_yaml_names_line(write_config) -> None:
+    msg = error_of(write_config("launch:\n  script: t.py\n   bad: [\n"))
+    assert "run.yaml: line" in msg and "invalid YAML" in msg
+
+
+def test_non_mapping_yaml(write_config) -> None:
+    assert "expected a mapping" in error_of(write_config("- a\n- b\n"))
+
+
+def test_missing_file() -> None:
+    assert "no such file" in error_of(Path("/nonexistent/run.yaml"))
+
+
+def test_several_problems_are_all_reported(write_config) -> None:
+    msg = error_of(write_config("launch:\n  script: t.py\n  nnodes: 1:x\n  bogus: 1\n"))
+    assert "launch.nnodes" in msg and "launch.bogus" in msg
+
+
+def test_validate_prints_errors_without_traceback(write_config, capsys) -> None:
+    path = write_config("launch:\n  script: missing.py\n")
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("babysit: error:") and "Traceback" not in err
+
+
+def test_validate_ok(write_config, capsys) -> None:
+    path = write_config(f"launch: {{script: {WORKERS / 'tiny_train.py'}, nproc-per-node: 2}}\n")
+    assert main(["validate", str(path)]) == 0
+    assert "OK" in capsys.readouterr().out
+
+
+def test_schema_documents_every_field(capsys) -> None:
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    launch = schema["$defs"]["LaunchConfig"]["properties"]
+    assert "nproc_per_node" in launch
+    undocumented = [
+        f"{name}.{field}"
+        for name, model in schema["$defs"].items() if "properties" in model
+        for field, spec in model["properties"].items() if not spec.get("description")
+    ]
+    assert undocumented == []
+
+
+def test_cli_rejects_options_babysit_owns(tmp_path: Path, capsys) -> None:
+    assert main(["run", "--log-dir", "x", str(WORKERS / "plain_train.py")]) == 2
+    assert "babysit keeps every rank's stdout/stderr" in capsys.readouterr().err
+
+
+def test_cli_rejects_args_after_config(write_config, capsys) -> None:
+    path = write_config("launch: {script: t.py}\n")
+    assert main(["run", str(path), "--lr", "1"]) == 2
+    assert "launch.args" in capsys.readouterr().err

@@ -1,0 +1,190 @@
+"""The telemetry path from a rank's ``run.step()`` to the supervisor's intake, on a real socket."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from policies.types import RankStep
+from supervisor import protocol
+from supervisor.directive import Directive, SkipRange
+from supervisor.intake import Intake
+from supervisor.worker import Run, attach
+
+TOKEN = bytes(range(16))
+
+
+def test_step_round_trip_keeps_absent_and_nonfinite_values() -> None:
+    sample = RankStep(rank=3, step=7, time=1.5, cursor=9, loss=math.nan, grad_norm=None,
+                      lr=1e-3, tokens=512.0, step_time=0.25, data_wait=0.01, skipped=True)
+    decoded = protocol.decode(TOKEN, protocol.encode_step(TOKEN, sample))
+    assert isinstance(decoded, RankStep)
+    assert math.isnan(decoded.loss or 0.0)
+    assert decoded.grad_norm is None and decoded.samples is None
+    assert (decoded.rank, decoded.step, decoded.cursor, decoded.lr, decoded.skipped) == (
+        3, 7, 9, 1e-3, True)
+
+
+@pytest.mark.parametrize("datagram, reason", [
+    (b"", "short"),
+    (b"XX" + bytes(30), "magic"),
+    (protocol.HEADER.pack(b"BS", 9, 1, TOKEN), "version"),
+    (protocol.HEADER.pack(b"BS", 1, 1, bytes(16)), "token"),
+    (protocol.HEADER.pack(b"BS", 1, 7, TOKEN), "kind"),
+    (protocol.HEADER.pack(b"BS", 1, 1, TOKEN) + b"xx", "size"),
+    (protocol.HEADER.pack(b"BS", 1, 2, TOKEN) + b"{not json", "json"),
+    (protocol.HEADER.pack(b"BS", 1, 2, TOKEN) + b'{"rank": -1, "type": 1, "time": 0, "data": {}}',
+     "fields"),
+])
+def test_bad_datagrams_are_refused_with_a_reason(datagram: bytes, reason: str) -> None:
+    with pytest.raises(protocol.ProtocolError) as info:
+        protocol.decode(TOKEN, datagram)
+    assert info.value.reason == reason
+
+
+@pytest.fixture
+def intake(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    it = Intake(run_dir / "telemetry.sock", TOKEN).open()
+    yield it
+    it.close()
+
+
+def connect(path: Path) -> socket.socket:
+    from supervisor.intake import connect as rank_connect
+
+    return rank_connect(str(path))
+
+
+def test_worker_reports_reach_the_intake(intake: Intake, monkeypatch) -> None:
+    monkeypatch.setenv(protocol.ENV_SOCKET, str(intake.path))
+    monkeypatch.setenv(protocol.ENV_TOKEN, TOKEN.hex())
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run = attach()
+    assert run.active
+    for loss in (2.0, 1.5):
+        assert run.step(loss=loss, grad_norm=0.5, tokens=64)
+    with run.phase("eval"):
+        pass
+    run.close()
+    messages = intake.drain()
+    types = [m.type if isinstance(m, protocol.WorkerEvent) else "step" for m in messages]
+    assert types == ["hello", "step", "step", "phase", "phase", "close"]
+    steps = [m for m in messages if isinstance(m, RankStep)]
+    assert [(s.rank, s.step, s.loss) for s in steps] == [(1, 1, 2.0), (1, 2, 1.5)]
+    assert steps[0].step_time is None and steps[1].step_time is not None
+
+
+def test_injected_telemetry_with_wrong_token_is_rejected(intake: Intake) -> None:
+    sender = connect(intake.path)
+    forged = RankStep(rank=0, step=1, time=0.0, loss=1e9)
+    sender.send(protocol.encode_step(bytes(16), forged))
+    sender.send(b"garbage")
+    sender.send(b"x" * (protocol.MAX_DATAGRAM + 100))
+    assert intake.drain() == []
+    assert intake.rejected == {"token": 1, "short": 1, "too_big": 1}
+
+
+def test_socket_sits_in_a_private_directory(intake: Intake) -> None:
+    assert os.stat(intake.path.parent).st_mode & 0o077 == 0
+
+
+def test_full_queue_drops_instead_of_blocking(intake: Intake) -> None:
+    sender = connect(intake.path)
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    run = Run(rank=0, world_size=1, directive=Directive(), sock=sender, token=TOKEN)
+    for _ in range(20_000):  # nobody drains: the queue must fill and step() must not block
+        run.step(loss=1.0)
+    assert run.dropped > 0
+    assert len(intake.drain()) + run.dropped == 20_000
+
+
+def test_a_briefly_busy_supervisor_loses_nothing(intake: Intake) -> None:
+    # Ten seconds of a fast job (100 steps/s) while the supervisor reads nothing.
+    run = Run(rank=0, world_size=1, directive=Directive(), sock=connect(intake.path), token=TOKEN)
+    for _ in range(1000):
+        run.step(loss=1.0)
+    assert run.dropped == 0
+    assert len(intake.drain()) == 1000
+
+
+def test_ranks_disconnecting_are_forgotten(intake: Intake) -> None:
+    sender = connect(intake.path)
+    sender.send(protocol.encode_event(TOKEN, 0, "hello", 0.0))
+    assert len(intake.drain()) == 1 and intake.connections == 1
+    sender.close()
+    assert intake.drain() == [] and intake.connections == 0
+
+
+def test_long_run_dir_falls_back_to_private_temp_socket(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    it = Intake(deep / "telemetry.sock", TOKEN).open()
+    try:
+        assert len(str(it.path)) < 108
+        assert os.stat(it.path.parent).st_mode & 0o077 == 0
+        connect(it.path).send(protocol.encode_event(TOKEN, 0, "hello", 0.0))
+        assert [m.type for m in it.drain()] == ["hello"]  # type: ignore[union-attr]
+    finally:
+        it.close()
+
+
+def test_noop_run_without_babysit(monkeypatch) -> None:
+    monkeypatch.delenv(protocol.ENV_SOCKET, raising=False)
+    run = attach()
+    assert not run.active
+    assert list(run.batches(range(3))) == [0, 1, 2]
+    assert run.step(loss=float("nan")) is True
+    assert run.cursor == 3 and run.step_count == 1
+
+
+class Seekable:
+    """A loader that can start at any global batch, like a sampler with an offset."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.start, self.seeks = n, 0, []
+
+    def seek(self, cursor: int) -> None:
+        self.start = cursor
+        self.seeks.append(cursor)
+
+    def __iter__(self):
+        return iter(range(self.start, self.n))
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_batches_resume_and_skip_in_cursor_space(seekable: bool) -> None:
+    from supervisor.directive import Resume
+
+    directive = Directive(resume=Resume(path="x", step=3, cursor=3),
+                          skip=(SkipRange(5, 7), SkipRange(9, 10)))
+    run = Run(rank=0, world_size=1, directive=directive, sock=None, token=b"")
+    loader = Seekable(12) if seekable else range(12)
+    assert list(run.batches(loader)) == [3, 4, 7, 8, 10, 11]
+    assert run.cursor == 12
+    if seekable:
+        assert loader.seeks == [3, 7, 10]
+
+
+def test_lr_scale_applies_only_inside_optimizer_step() -> None:
+    torch = pytest.importorskip("torch")
+    param = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([param], lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    run = Run(rank=0, world_size=1, directive=Directive(lr_scale=0.1), sock=None, token=b"",
+              optimizer=opt)
+    param.grad = torch.ones(1)
+    opt.step()
+    assert param.item() == pytest.approx(0.9)  # lr 1.0 x scale 0.1
+    assert opt.param_groups[0]["lr"] == 1.0  # the scheduler never sees the scale
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.5
+    run.close()
+    opt.step()
+    assert param.item() == pytest.approx(0.4)  # hooks removed with close()

@@ -1,0 +1,137 @@
+"""``babysit run`` end to end: the real CLI, real torchrun, real gloo workers, real signals.
+
+Each test launches a 2-rank job (a few seconds each, mostly ``import torch``).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT, WORKERS, babysit_env, read_jsonl, run_babysit
+
+pytestmark = pytest.mark.e2e
+
+
+def events(run_dir: Path) -> list[str]:
+    return [e["event"] for e in read_jsonl(run_dir / "events.jsonl")]
+
+
+def test_config_run_to_completion(tmp_path: Path, write_config) -> None:
+    config = write_config(
+        f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
+        f"  args: [--steps, '12']\nrun_dir: {tmp_path / 'run'}\n")
+    result = run_babysit("run", str(config), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "run"
+    journal = read_jsonl(run_dir / "events.jsonl")
+    assert [e["event"] for e in journal if e["event"] in ("launch", "state", "run_finished")] == [
+        "launch", "state", "state", "run_finished"]
+    assert journal[-1]["state"] == "succeeded" and journal[-1]["exit_code"] == 0
+    assert {e["rank"] for e in journal if e["event"] == "worker_hello"} == {0, 1}
+    # Telemetry from both ranks, merged per step, written as metrics.
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    assert all(m["ranks"] == [0, 1] and len(m["loss_per_rank"]) == 2 for m in metrics)
+    assert all(len(m["step_time_per_rank"]) == 2 for m in metrics[1:])
+    # Per-rank logs are kept, and the console still showed the ranks' output.
+    logs = sorted(run_dir.glob("attempts/0/torchrun/*/attempt_0/*/stdout.log"))
+    assert [p.parent.name for p in logs] == ["0", "1"]
+    assert "rank 1 done at step 12" in logs[1].read_text()
+    assert "[r1] rank 1 done at step 12" in result.stdout
+    assert "succeeded (workers finished)" in result.stdout
+    assert (run_dir / "config.yaml").exists()
+
+
+def test_torchrun_style_with_a_script_that_ignores_babysit(tmp_path: Path) -> None:
+    result = run_babysit("run", "--nproc_per_node", "2", str(WORKERS / "plain_train.py"),
+                         "--lr", "3e-4", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # Runs exactly as under torchrun: all ranks joined the collective and got the script's args.
+    assert "rank 0 sum 3 args ['--lr', '3e-4']" in result.stdout
+    assert "rank 1 sum 3 args ['--lr', '3e-4']" in result.stdout
+    # The run directory was chosen automatically, printed, and holds the journal.
+    run_dirs = list((tmp_path / "runs").glob("plain_train-*"))
+    assert len(run_dirs) == 1 and str(run_dirs[0]) in result.stdout
+    journal = read_jsonl(run_dirs[0] / "events.jsonl")
+    assert journal[-1]["state"] == "succeeded"
+    assert not any(e["event"] == "worker_hello" for e in journal)  # watched by exit code only
+    assert (run_dirs[0] / "metrics.jsonl").read_text() == ""
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_sigint_stops_cleanly_and_leaves_no_orphans(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor.cli", "run", "--nproc-per-node", "2", "--run-dir",
+         str(run_dir), str(WORKERS / "tiny_train.py"), "--steps", "100000"],
+        cwd=tmp_path, env=babysit_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        def workers_running() -> list[dict]:
+            if not (run_dir / "events.jsonl").exists():
+                return []
+            journal = read_jsonl(run_dir / "events.jsonl")
+            hellos = [e for e in journal if e["event"] == "worker_hello"]
+            steps = (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text()
+            return hellos if len(hellos) == 2 and steps else []
+
+        hellos = wait_for(workers_running, 90, "both ranks to report steps")
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        worker_pids = {h["data"]["pid"] for h in hellos}
+        assert worker_pids <= {p.pid for p in tree}
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, out
+    survivors = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert survivors == []
+    journal = read_jsonl(run_dir / "events.jsonl")
+    assert journal[-1]["event"] == "run_finished" and journal[-1]["state"] == "stopped"
+    assert any(e["event"] == "stop_workers" and "signal 2" in e["reason"] for e in journal)
+    assert "stopped (signal 2)" in out
+
+
+def test_user_code_crash_is_classified_and_not_retried_by_default(tmp_path: Path) -> None:
+    result = run_babysit("run", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"),
+                         str(WORKERS / "tiny_train.py"), "--crash", "1:5", cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    journal = read_jsonl(tmp_path / "run" / "events.jsonl")
+    finding = next(e for e in journal if e["event"] == "finding")["finding"]
+    assert finding["incident"] == "crash" and finding["ranks"] == [1]
+    assert finding["evidence"]["class"] == "user_code"
+    assert "injected crash at step" in finding["evidence"]["signature"]
+    assert journal[-1]["state"] == "failed"
+
+
+def test_crash_relaunches_then_stops_on_a_deterministic_repeat(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_babysit("run", "--nproc-per-node", "2", "--max-restarts", "3", "--run-dir",
+                         str(run_dir), "--policy", str(ROOT / "tests" / "fast_policy.yaml"),
+                         str(WORKERS / "tiny_train.py"), "--crash", "0:4", cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    journal = read_jsonl(run_dir / "events.jsonl")
+    launches = [e for e in journal if e["event"] == "launch"]
+    assert len(launches) == 2  # the same crash at the same step twice: deterministic, stop
+    findings = [e["finding"] for e in journal if e["event"] == "finding"]
+    assert [f["evidence"]["deterministic"] for f in findings] == [False, True]
+    assert journal[-1]["state"] == "failed"
+    # Each attempt keeps its own logs.
+    assert (run_dir / "attempts" / "1" / "launcher.log").exists()
