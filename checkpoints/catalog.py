@@ -225,7 +225,7 @@ class Catalog:
             raise ValueError(f"keep_last must be >= 0, got {keep_last}")
         all_ckpts = self.checkpoints()
         usable = [c for c in all_ckpts if c.verdict is not Verdict.CORRUPT]
-        keep = {c.step for c in usable[len(usable) - keep_last :]} if keep_last else set()
+        keep = {c.step for c in usable[max(0, len(usable) - keep_last) :]} if keep_last else set()
         good = [c for c in all_ckpts if c.verdict is Verdict.GOOD]
         if good:
             keep.add(good[-1].step)

@@ -221,6 +221,14 @@ def test_retention_keeps_last_k_the_newest_good_and_the_pinned(tmp_path: Path) -
         cat.retain(-1)
 
 
+def test_retention_with_fewer_checkpoints_than_keep_deletes_nothing(tmp_path: Path) -> None:
+    for s in (5, 10):
+        make_ckpt(tmp_path, s, size=100)
+    cat = Catalog(tmp_path)
+    assert cat.retain(keep_last=3) == []
+    assert [c.step for c in cat.checkpoints()] == [5, 10]
+
+
 def test_external_checkpoints_are_verified_and_their_data_is_the_users(tmp_path: Path) -> None:
     root = tmp_path / "ckpts"
     mine = tmp_path / "my_saves" / "model_step_40.pt"
