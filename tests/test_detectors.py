@@ -281,3 +281,20 @@ def test_throughput_hiccups_do_not_warn() -> None:
     det = ThroughputDetector()
     assert all(det.observe(rec(s, step_time=3.0 if s % 7 == 0 else 0.5)) is None
                for s in range(1, 300))
+
+
+def test_straggler_slow_loader_is_not_mirrored_onto_the_ranks_waiting_for_it() -> None:
+    # Rank 1 waits 80 ms for data; under a synchronous all-reduce rank 0 waits the same 80 ms in
+    # the collective, which its compute signal (step_time - data_wait) cannot tell apart.
+    from policies.detectors import StragglerDetector
+    from policies.types import RankStep, StepRecord
+
+    det = StragglerDetector()
+    finding = None
+    for step in range(1, 4):
+        ranks = (RankStep(rank=0, step=step, time=0.0, step_time=0.11, data_wait=0.0001),
+                 RankStep(rank=1, step=step, time=0.0, step_time=0.11, data_wait=0.08))
+        finding = finding or det.observe(StepRecord(step=step, time=0.0, ranks=ranks,
+                                                    world_size=2))
+    assert finding is not None and finding.ranks == (1,)
+    assert finding.evidence["1"]["signal"] == "data_wait"

@@ -85,18 +85,13 @@ class StragglerDetector:
             return None
         report: dict[str, dict[str, Any]] = {}
         onset = record.step
-        for rank, sig in per_rank.items():
-            worst: tuple[float, str, float, float] | None = None
-            for name, value in sig.items():
-                peers = [p[name] for k, p in per_rank.items() if k != rank and name in p]
-                if not peers:
-                    continue
-                med = statistics.median(peers)
-                if value - med < cfg.min_excess_s or value <= cfg.factor * med:
-                    continue
-                ratio = value / med if med > 0 else float("inf")
-                if worst is None or ratio > worst[0]:
-                    worst = (ratio, name, value, med)
+        worst_of = {rank: self._worst(rank, per_rank) for rank in per_rank}
+        if any(w is not None and w[1] == "data_wait" for w in worst_of.values()):
+            # A rank waiting on its loader holds the others in the collective, which their
+            # compute signal counts as their own: that is its mirror image, not a second straggler.
+            worst_of = {k: (w if w is not None and w[1] == "data_wait" else None)
+                        for k, w in worst_of.items()}
+        for rank, worst in worst_of.items():
             st = self._ranks.setdefault(
                 str(rank), {"slow": 0, "fine": 0, "onset": None, "reported": False}
             )
@@ -139,6 +134,23 @@ class StragglerDetector:
             message=f"straggler at step {record.step}: {desc}",
             evidence=report,
         )
+
+    def _worst(self, rank: int, per_rank: dict[int, dict[str, float]]
+               ) -> tuple[float, str, float, float] | None:
+        """The signal on which ``rank`` lags its peers the most: (ratio, name, value, median)."""
+        cfg = self.config
+        worst: tuple[float, str, float, float] | None = None
+        for name, value in per_rank[rank].items():
+            peers = [p[name] for k, p in per_rank.items() if k != rank and name in p]
+            if not peers:
+                continue
+            med = statistics.median(peers)
+            if value - med < cfg.min_excess_s or value <= cfg.factor * med:
+                continue
+            ratio = value / med if med > 0 else float("inf")
+            if worst is None or ratio > worst[0]:
+                worst = (ratio, name, value, med)
+        return worst
 
     def state_dict(self) -> dict[str, Any]:
         return {"ranks": {k: dict(v) for k, v in self._ranks.items()}}
