@@ -1,0 +1,92 @@
+"""Incident folders: layout, numbering across calls, and a summary a person can read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from supervisor.incident import incident_name, next_number, write_incident
+from supervisor.stacks import Frame, StackDump, ThreadStack, Verdict, odd_one_out
+
+RAW0 = """Process 11: python -u train.py
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 11 (idle): "MainThread"
+    all_reduce (torch/distributed/distributed_c10d.py:3252)
+    main (train.py:51)
+"""
+
+
+def stacks() -> dict[int, StackDump]:
+    waiting = ThreadStack(11, "MainThread", "idle", (
+        Frame("all_reduce", "torch/distributed/distributed_c10d.py", 3252),
+        Frame("main", "train.py", 51)))
+    stuck = ThreadStack(12, "MainThread", "idle", (Frame("main", "train.py", 45),))
+    return {0: StackDump(0, 11, raw=RAW0, threads=(waiting,)),
+            1: StackDump(1, 12, raw="Thread 12 ...\n", threads=(stuck,)),
+            2: StackDump(2, 13, error="Permission Denied", hint="run as the same user")}
+
+
+def test_layout_and_contents(tmp_path: Path) -> None:
+    dumps = stacks()
+    verdict = odd_one_out(dumps)
+    folder = write_incident(
+        tmp_path, "hang", 5,
+        {"what": "no rank made progress for 95 s (limit 60 s)", "attempt": 0,
+         "action": "killed the group; relaunching"},
+        dumps, {0: "step 4\n", 1: "rank 1: injected hang\n"}, verdict)
+    assert folder == tmp_path / "incidents" / "0001-hang-step5"
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == [
+        "logs/rank0.tail.txt", "logs/rank1.tail.txt", "stacks/rank0.txt", "stacks/rank1.txt",
+        "stacks/rank2.txt", "summary.json", "summary.txt"]
+    assert (folder / "stacks" / "rank0.txt").read_text() == RAW0
+    assert "Permission Denied" in (folder / "stacks" / "rank2.txt").read_text()
+    assert (folder / "logs" / "rank1.tail.txt").read_text() == "rank 1: injected hang\n"
+
+    record = json.loads((folder / "summary.json").read_text())
+    assert (record["incident"], record["kind"], record["step"]) == ("0001-hang-step5", "hang", 5)
+    assert record["summary"]["attempt"] == 0
+    assert record["verdict"]["suspects"] == [1] and record["verdict"]["waiting"] == [0]
+    assert record["stacks"]["2"]["error"] == "Permission Denied"
+    assert record["stacks"]["0"]["main_thread"][0].startswith("all_reduce (")
+
+    text = (folder / "summary.txt").read_text()
+    assert text.startswith("incident 0001-hang-step5: hang at step 5\n")
+    assert "what happened: no rank made progress for 95 s" in text
+    assert "which rank:    rank 1\n" in text and "outside any collective" in text
+    assert "rank 1  [suspect]\n    main (train.py:45)" in text
+    assert "rank 0  [waiting in a collective]" in text
+    assert "rank 2: no stack: Permission Denied; run as the same user" in text
+    assert "what babysit did: killed the group; relaunching" in text
+    assert "attempt: 0" in text
+
+
+def test_numbering_continues_across_calls(tmp_path: Path) -> None:
+    first = write_incident(tmp_path, "hang", 5, {}, None, {}, None)
+    second = write_incident(tmp_path, "crash", None, {"what": "rank 0 exited 1"}, None,
+                            {0: "Traceback ...\n"}, None)
+    (tmp_path / "incidents" / "notes").mkdir()  # a stray folder does not break the count
+    third = write_incident(tmp_path, "Loss Spike!", 120, {}, None, {}, None)
+    assert [first.name, second.name, third.name] == [
+        "0001-hang-step5", "0002-crash", "0003-loss_spike-step120"]
+    # No stacks and no verdict: only what exists is written, and the summary says so.
+    assert not (first / "stacks").exists() and not (first / "logs").exists()
+    assert (second / "logs" / "rank0.tail.txt").exists()
+    text = (second / "summary.txt").read_text()
+    assert "what happened: rank 0 exited 1" in text and "which rank" not in text
+    assert "what babysit did: nothing yet" in text
+
+
+def test_pure_naming_helpers() -> None:
+    assert incident_name(7, "hang", 0) == "0007-hang-step0"
+    assert incident_name(12345, "../etc", None) == "12345-etc"
+    assert next_number([]) == 1
+    assert next_number(["0002-hang-step3", "0010-crash", "README", "x-1"]) == 11
+
+
+def test_a_verdict_without_suspects_reads_plainly(tmp_path: Path) -> None:
+    verdict = Verdict((), "all ranks are in the same place: main (train.py:45); no rank "
+                          "stands out", {0: ["main (train.py:45)"]}, (), "same")
+    folder = write_incident(tmp_path, "hang", 3, {}, None, {}, verdict)
+    text = (folder / "summary.txt").read_text()
+    assert "which rank:    none stands out" in text and "all ranks are in the same place" in text
