@@ -3,6 +3,7 @@
     babysit run CONFIG.yaml [--run-dir DIR] [torchrun options that override the file]
     babysit run [torchrun options] SCRIPT [script args...]      # drop-in for torchrun
     babysit validate CONFIG.yaml
+    babysit alert-test CONFIG.yaml
     babysit schema [--policy]
     babysit replay CURVE [--policy NAME|PATH] [--json]
 
@@ -98,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     schema = sub.add_parser("schema", help="print the JSON Schema of run configs (or policies)")
     schema.add_argument("--policy", action="store_true", help="print the policy schema instead")
 
+    alert_test = sub.add_parser("alert-test",
+                                help="send one test alert to every sink of a config")
+    alert_test.add_argument("config", metavar="CONFIG.yaml")
+
     replay = sub.add_parser(
         "replay", help="run a recorded loss curve through the detectors and a policy",
         description="Replay a TSV/CSV curve (step and loss columns, optional grad norm) or a run "
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     from supervisor.config import ConfigError
 
     try:
-        handler = {"run": _run, "validate": _validate, "schema": _schema, "replay": _replay}
+        handler = {"run": _run, "validate": _validate, "schema": _schema, "replay": _replay,
+                   "alert-test": _alert_test}
         return handler[args.command](args)
     except (ConfigError, UsageError) as exc:
         print(f"babysit: error: {exc}", file=sys.stderr)
@@ -171,6 +177,21 @@ def _validate(args: argparse.Namespace) -> int:
           f"{launch.nnodes} node(s), {what}, policy '{p.config.policy.name}', "
           f"run directory {p.run_dir}.")
     return 0
+
+
+def _alert_test(args: argparse.Namespace) -> int:
+    from supervisor import plan
+    from supervisor.alerts import AlertDispatcher
+
+    p = plan.from_file(args.config)
+    if not p.config.alerts.sinks:
+        print(f"{args.config}: no alert sinks configured (alerts.sinks is empty); alerts are "
+              f"only journaled.")
+        return 1
+    results = AlertDispatcher.from_config(p.config.alerts).test_all(run=p.name)
+    for name, ok, detail in results:
+        print(f"{name}: {'delivered' if ok else 'FAILED'} ({detail})")
+    return 0 if all(ok for _, ok, _ in results) else 1
 
 
 def _schema(args: argparse.Namespace) -> int:

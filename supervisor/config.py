@@ -22,6 +22,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from supervisor.alerts.config import AlertsConfig
+
 
 class ConfigError(Exception):
     """A configuration mistake, with a message meant for the person who wrote the file."""
@@ -129,6 +131,9 @@ class CheckpointConfig(_Section):
     """Save every N optimizer steps through the worker API; 0 leaves saving to the script."""
     keep: int = Field(3, ge=1)
     """How many recent checkpoints retention keeps (the newest good one is always kept)."""
+    probation_steps: int = Field(50, ge=1)
+    """Healthy steps after a checkpoint before it counts as *good*; until then it is *pending*,
+    and an anomaly whose onset falls within this many steps of it makes it *suspect*."""
     async_save: bool = False
     """Save in the background with ``torch.distributed.checkpoint.async_save``; the script then
     needs an ``if __name__ == "__main__":`` guard."""
@@ -158,6 +163,8 @@ class RunConfig(_Section):
     """Checkpoint settings."""
     policy: PolicyRef = PolicyRef()
     """The policy that maps incidents to actions."""
+    alerts: AlertsConfig = AlertsConfig()
+    """Where alerts go (Slack, webhooks). With no sinks, alerts are journaled only."""
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

@@ -100,6 +100,17 @@ class Intake:
                     self.rejected[exc.reason] += 1
         return out
 
+    def forget_connections(self) -> None:
+        """Close every rank connection, discarding what they still hold.
+
+        Call between attempts, once the old workers are gone: anything still queued belongs to
+        the attempt being replaced and must not be read as the new attempt's telemetry.
+        """
+        self._accept()
+        for peer in self._peers:
+            peer.close()
+        self._peers = []
+
     def _accept(self) -> None:
         if self._listener is None:
             return

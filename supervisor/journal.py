@@ -13,18 +13,24 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 
 class Journal:
-    """Append-only writer. Call ``open()`` before ``write()``; the constructor does no I/O."""
+    """Append-only writer. Call ``open()`` before ``write()``; the constructor does no I/O.
+
+    ``write`` may be called from any thread (alert delivery results arrive on sender threads);
+    each entry is one whole line.
+    """
 
     def __init__(self, path: Path, fsync: bool = False) -> None:
         self.path = path
         self._fsync = fsync
         self._file: IO[str] | None = None
+        self._lock = threading.Lock()
 
     def open(self) -> Journal:
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (owned until close)
@@ -37,18 +43,21 @@ class Journal:
         if step is not None:
             entry["step"] = step
         entry.update(evidence)
-        if self._file is None:
-            raise RuntimeError("Journal.write() before open()")
-        self._file.write(json.dumps(_finite(entry), separators=(",", ":")) + "\n")
-        self._file.flush()
-        if self._fsync:
-            os.fsync(self._file.fileno())
+        line = json.dumps(_finite(entry), separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._file is None:
+                raise RuntimeError("Journal.write() before open()")
+            self._file.write(line)
+            self._file.flush()
+            if self._fsync:
+                os.fsync(self._file.fileno())
         return entry
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 def read(path: Path) -> Iterator[dict[str, Any]]:

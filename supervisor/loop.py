@@ -15,6 +15,7 @@ judgement lives in ``policies`` and is pure.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -27,16 +28,20 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
+import psutil
 import yaml
 
+from checkpoints import Catalog
 from policies import decide as sm
-from policies.types import Action, Finding, RankStep, Remedy, StepRecord
+from policies.types import Action, Finding, Incident, RankStep, Remedy, StepRecord
+from supervisor import incident, launcher, protocol, stacks
 from supervisor import journal as journal_mod
-from supervisor import launcher, protocol
 from supervisor.aggregate import StepAggregator, metrics_row
+from supervisor.alerts import Alert, AlertDispatcher
 from supervisor.console import Console
 from supervisor.intake import Intake
 from supervisor.plan import RunPlan
+from supervisor.recovery import Recovery
 from supervisor.watch import Watch
 
 TICK_S = 0.1
@@ -69,7 +74,13 @@ class Supervisor:
         self._incidents = 0
         self._started = 0.0
         self._first_attempt = 0
+        self._rank_pids: dict[int, int] = {}
+        self._incident_dir: Path | None = None
+        c = plan.config.checkpoints
+        self.recovery = Recovery(Catalog(plan.checkpoint_dir), c.probation_steps, c.keep)
         self.journal = journal_mod.Journal(plan.run_dir / "events.jsonl")
+        self.alerts = AlertDispatcher.from_config(plan.config.alerts,
+                                                  on_result=self._alert_result)
         self.intake = Intake(plan.run_dir / "telemetry.sock", self._token)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -98,6 +109,7 @@ class Supervisor:
         self.journal.open()
         self.intake.open()
         self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self.alerts.start()
         launcher.become_subreaper()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
@@ -111,6 +123,7 @@ class Supervisor:
         if self._group is not None and self._group.processes():
             self._group.stop(self.plan.config.launch.stop_grace_s)
         self.intake.close()
+        self.alerts.close()
         if self._metrics is not None:
             self._metrics.close()
         self.journal.close()
@@ -122,7 +135,7 @@ class Supervisor:
     # -- the loop -------------------------------------------------------------------------------
 
     def _loop(self) -> int:
-        pending: deque[sm.Event] = deque()
+        pending: deque[sm.Event | Finding] = deque()
         exit_code = self._perform(sm.Launch(self.machine.attempt, None), pending)
         while exit_code is None:
             # Sleep, never wait on the telemetry socket: a waiting reader makes every rank's
@@ -130,12 +143,21 @@ class Supervisor:
             time.sleep(TICK_S)
             self._gather(pending)
             while pending and exit_code is None:
-                exit_code = self._apply(pending.popleft(), pending)
+                item = pending.popleft()
+                if isinstance(item, Finding):
+                    # Judged only now: once an earlier finding of this tick started a remedy,
+                    # later ones are about workers being replaced and must not use up the ladder.
+                    if self.machine.state not in (sm.State.STARTING, sm.State.RUNNING):
+                        self._journal("finding_set_aside", step=item.step,
+                                      finding=item.to_json(), state=self.machine.state.value)
+                        continue
+                    item = sm.Remedied(self._judge(item))
+                exit_code = self._apply(item, pending)
             self._show_status()
         self._summary(exit_code)
         return exit_code
 
-    def _gather(self, pending: deque[sm.Event]) -> None:
+    def _gather(self, pending: deque[sm.Event | Finding]) -> None:
         """Turn everything that happened since the last tick into events, in a fixed order."""
         if self._signal is not None:
             pending.append(sm.StopRequested(self._signal))
@@ -149,14 +171,15 @@ class Supervisor:
             if code is not None:
                 self._take_telemetry(pending)
                 pending.append(sm.Exited(code, self._crash_remedy(code) if code else None))
-            else:
-                for finding in self.watch.check(now):
-                    pending.append(sm.Remedied(self._judge(finding)))
+            elif self._ranks_all_alive():
+                # A rank whose process died is a crash in progress (torchrun reports it in a
+                # moment), not a hang: its peers wait on a connection that is already gone.
+                pending.extend(self.watch.check(now))
         if self._wake_at is not None and now >= self._wake_at:
             self._wake_at = None
             pending.append(sm.BackoffElapsed())
 
-    def _apply(self, event: sm.Event, pending: deque[sm.Event]) -> int | None:
+    def _apply(self, event: sm.Event, pending: deque[sm.Event | Finding]) -> int | None:
         old = self.machine
         new, actions = sm.decide(old, event)
         self.machine = new
@@ -169,7 +192,7 @@ class Supervisor:
                 return code
         return None
 
-    def _perform(self, action: sm.ActionT, pending: deque[sm.Event]) -> int | None:
+    def _perform(self, action: sm.ActionT, pending: deque[sm.Event | Finding]) -> int | None:
         if isinstance(action, sm.Launch):
             self._launch(action.attempt, action.remedy)
         elif isinstance(action, sm.StopWorkers):
@@ -189,7 +212,7 @@ class Supervisor:
 
     # -- telemetry ------------------------------------------------------------------------------
 
-    def _take_telemetry(self, pending: deque[sm.Event]) -> None:
+    def _take_telemetry(self, pending: deque[sm.Event | Finding]) -> None:
         newest = None
         for message in self.intake.drain():
             if isinstance(message, RankStep):
@@ -201,16 +224,18 @@ class Supervisor:
                 self._worker_event(message)
         if newest is not None:
             pending.append(sm.Progress(newest))
+            self._journal_all(self.recovery.on_progress(newest))
 
-    def _record(self, record: StepRecord, pending: deque[sm.Event]) -> None:
+    def _record(self, record: StepRecord, pending: deque[sm.Event | Finding]) -> None:
         assert self._metrics is not None
         row = metrics_row(record, self.machine.attempt)
         self._metrics.write(json.dumps(journal_mod._finite(row), separators=(",", ":")) + "\n")
         self._metrics.flush()
         self._recent.append((record.time, record.step))
         self._last_loss = record.loss
-        for finding in self.watch.observe_record(record):
-            pending.append(sm.Remedied(self._judge(finding)))
+        if self.machine.state not in (sm.State.STARTING, sm.State.RUNNING):
+            return  # the workers are being replaced: their last steps judge nothing
+        pending.extend(self.watch.observe_record(record))
 
     def _worker_event(self, event: protocol.WorkerEvent) -> None:
         self.watch.observe_event(event, self.clock())
@@ -218,17 +243,68 @@ class Supervisor:
             world = event.data.get("world_size")
             if isinstance(world, int) and world > 0:
                 self._aggregator.world_size = world
+            pid = event.data.get("pid")
+            if isinstance(pid, int) and pid > 0:
+                self._rank_pids[event.rank] = pid
         if event.type in ("hello", "close", "skip"):
             self._journal(f"worker_{event.type}", rank=event.rank, data=event.data)
+        elif event.type == "checkpoint":
+            step = int(event.data.get("step", 0))
+            self._journal("checkpoint_saved", step=step, rank=event.rank, data=event.data)
+            self._journal_all(self.recovery.on_checkpoint(step))
 
     def _judge(self, finding: Finding) -> Remedy:
+        diagnosis = None
+        if finding.incident is Incident.HANG and self._rank_pids:
+            finding, diagnosis = self._diagnose_hang(finding)
         remedy = self.watch.rules.on_finding(finding, self.clock())
+        self._incident_dir = None
+        if remedy.action in (Action.ROLLBACK, Action.RELAUNCH, Action.STOP):
+            self._incident_dir = self._write_incident(finding, remedy, diagnosis)
         self._incidents += remedy.action is not Action.IGNORE
         if remedy.action is not Action.IGNORE:
             self._last_incident = f"{finding.incident.value}@{finding.step}"
         self._journal("finding", step=finding.step, finding=finding.to_json(),
                       remedy=remedy.to_json())
+        self._journal_all(self.recovery.on_finding(finding))
         return remedy
+
+    def _ranks_all_alive(self) -> bool:
+        for pid in self._rank_pids.values():
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    return False
+            except psutil.Error:
+                return False
+        return True
+
+    def _diagnose_hang(self, finding: Finding) -> tuple[Finding, Any]:
+        """Dump every rank's stack and name the rank that differs (the one stuck outside the
+        collective the others wait in). The finding then names that rank."""
+        dumps, verdict = stacks.diagnose(self._rank_pids)
+        self._journal("hang_diagnosis", suspects=list(verdict.suspects), reason=verdict.reason,
+                      evidence=verdict.to_dict().get("evidence"))
+        if verdict.suspects:
+            named = ", ".join(map(str, verdict.suspects))
+            finding = dataclasses.replace(
+                finding, ranks=tuple(verdict.suspects),
+                message=f"hang at step {finding.step}: rank {named} is stuck ({verdict.reason})",
+                evidence={**finding.evidence, "stacks": verdict.to_dict()})
+        return finding, (dumps, verdict)
+
+    def _write_incident(self, finding: Finding, remedy: Remedy, diagnosis: Any) -> Path:
+        attempt_dir = self._attempt_dir(self.machine.attempt)
+        tails = {rank: launcher.tail(path, 8192)
+                 for rank, path in launcher.rank_logs(attempt_dir).items()}
+        dumps, verdict = diagnosis if diagnosis else (None, None)
+        summary = {"what": finding.message, "action": f"{remedy.action.value}: {remedy.reason}",
+                   "attempt": self.machine.attempt, "finding": finding.to_json(),
+                   "remedy": remedy.to_json()}
+        folder = incident.write_incident(self.plan.run_dir, finding.incident.value, finding.step,
+                                         summary, dumps, tails, verdict)
+        self._journal("incident", step=finding.step, dir=str(folder),
+                      incident=finding.incident.value, ranks=list(finding.ranks))
+        return folder
 
     def _crash_remedy(self, code: int) -> Remedy:
         attempt_dir = self._attempt_dir(self.machine.attempt)
@@ -246,7 +322,9 @@ class Supervisor:
     def _launch(self, attempt: int, remedy: Remedy | None) -> None:
         attempt_dir = self._attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=True)
-        directive = self.watch.directive_for(attempt, remedy)
+        resume, entries = self.recovery.resume_for(remedy)
+        self._journal_all(entries)
+        directive = self.watch.directive_for(attempt, remedy, resume)
         directive.write(attempt_dir / "directive.json")
         launch = self.plan.config.launch
         endpoint = launch.rdzv_endpoint or f"127.0.0.1:{launcher.free_port()}"
@@ -256,6 +334,8 @@ class Supervisor:
             log_dir=attempt_dir / "torchrun",
         )
         env = self._worker_env(attempt_dir, attempt)
+        self.intake.forget_connections()
+        self._rank_pids = {}
         self._aggregator.reset()
         self.watch.new_attempt(self.clock(), directive)
         self._group = launcher.WorkerGroup(command, env, Path.cwd(), attempt_dir / "launcher.log",
@@ -289,6 +369,21 @@ class Supervisor:
     def _notify(self, action: sm.Notify) -> None:
         self.console.log(f"babysit: [{action.severity.name.lower()}] {action.title}")
         self._journal("alert", severity=action.severity.name.lower(), title=action.title)
+        m, remedy = self.machine, action.remedy
+        if remedy is not None:
+            folder = str(self._incident_dir) if self._incident_dir else None
+            alert = Alert.from_finding(remedy.finding, run=self.plan.name, attempt=m.attempt,
+                                       action=f"{remedy.action.value}: {remedy.reason}",
+                                       incident_dir=folder)
+            alert = dataclasses.replace(alert, title=action.title)
+        else:
+            alert = Alert(title=action.title, severity=action.severity, run=self.plan.name,
+                          attempt=m.attempt, step=m.step or None)
+        self.alerts.submit(alert)
+
+    def _alert_result(self, record: dict[str, Any]) -> None:
+        # Runs on an alert sender thread; the journal is thread-safe and records carry no URL.
+        self._journal("alert_delivery", result=record)
 
     # -- console --------------------------------------------------------------------------------
 
@@ -326,6 +421,10 @@ class Supervisor:
             f"babysit: {m.state.value} ({m.reason}) after {elapsed:.1f} s, {attempts} attempt(s), "
             f"step {m.step}, last loss {loss}, {self._incidents} incident(s). "
             f"Journal: {self.plan.run_dir / 'events.jsonl'}; exit code {code}.")
+
+    def _journal_all(self, entries: list[tuple[str, dict[str, Any]]]) -> None:
+        for event, fields in entries:
+            self._journal(event, **fields)
 
     def _journal(self, event: str, step: int | None = None, **evidence: Any) -> None:
         self.journal.write(event, time.time(), self.machine.attempt,

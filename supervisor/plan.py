@@ -77,6 +77,7 @@ def _resolve(config: cfg.RunConfig, base: Path, source: str, stem: str,
         run_dir = cfg.default_run_dir(name).resolve()
     problems = cfg.check_environment(config, base, run_dir, source)
     problems += _check_policy(config, source)
+    problems += _check_alerts(config, source)
     if problems:
         raise cfg.ConfigError("\n".join(problems))
     return RunPlan(
@@ -93,4 +94,14 @@ def _check_policy(config: cfg.RunConfig, source: str) -> list[str]:
         load_policy(config.policy.name, config.policy.overrides)
     except PolicyError as exc:
         return [f"{source}: policy: {exc}"]
+    return []
+
+
+def _check_alerts(config: cfg.RunConfig, source: str) -> list[str]:
+    from supervisor.alerts import AlertConfigError, resolve_sinks
+
+    try:
+        resolve_sinks(config.alerts)
+    except AlertConfigError as exc:
+        return [f"{source}: alerts: {exc}"]
     return []

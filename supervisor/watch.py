@@ -8,6 +8,7 @@ testable. It is the one place that knows which detector observes which stream.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 from policies.detectors import HangDetector, LossSpikeDetector, classify
 from policies.detectors.crash import CrashClass, CrashSignature
@@ -15,7 +16,7 @@ from policies.loader import load_policy
 from policies.replay import Pipeline
 from policies.schema import Policy
 from policies.types import Action, Finding, RankStep, Remedy, StepRecord
-from supervisor.directive import Directive, SkipRange, merge_skips
+from supervisor.directive import Directive, Resume, SkipRange, merge_skips
 from supervisor.plan import RunPlan
 from supervisor.protocol import WorkerEvent
 
@@ -30,6 +31,8 @@ _CURSOR_MEMORY = 4096
 class Watch:
     def __init__(self, policy: Policy, checkpoint_every: int = 0,
                  checkpoint_dir: str | None = None, checkpoint_async: bool = False) -> None:
+        """``checkpoint_dir`` is always passed to the workers: scripts that save their own
+        checkpoints register them there even when babysit does not save (every = 0)."""
         self.policy = policy
         self.pipeline = Pipeline(policy)
         self.rules = self.pipeline.rules
@@ -102,26 +105,30 @@ class Watch:
                        root_rank: int | None = None) -> Finding:
         """A finding for torchrun's non-zero exit, from the failed ranks' log tails.
 
-        ``root_rank`` is the rank torchrun names as the first failure; its log explains the crash
-        (the others mostly report a peer that went away). Without it, the most specific verdict
-        among the ranks wins.
+        The most specific verdict names the rank: a peer's "connection closed" is usually the
+        consequence of another rank's exception. ``root_rank`` (torchrun's "first observed
+        failure") only breaks ties: it is the first exit torchrun noticed, not the cause, and a
+        peer dying of the broken connection is often noticed first.
         """
         verdicts = {rank: classify(code, None, tail, step or None, self.crashes)
                     for rank, tail in sorted(tails.items())}
-        if root_rank in verdicts:
-            rank = root_rank
-        elif verdicts:
-            rank = min(verdicts, key=lambda r: _SPECIFICITY.index(verdicts[r].crash_class))
-        else:
-            rank, verdicts = -1, {-1: classify(code, None, "", step or None, self.crashes)}
+        if not verdicts:
+            verdicts = {-1: classify(code, None, "", step or None, self.crashes)}
+
+        def weight(rank: int) -> tuple[int, bool, int]:
+            return (_SPECIFICITY.index(verdicts[rank].crash_class), rank != root_rank, rank)
+
+        rank = min(verdicts, key=weight)
         verdict = verdicts[rank]
         self.crashes.append(verdict.key())
         return verdict.to_finding(step=step, ranks=(rank,) if rank >= 0 else ())
 
     # -- what the next attempt is told ----------------------------------------------------------
 
-    def directive_for(self, attempt: int, remedy: Remedy | None) -> Directive:
-        """The resume directive of ``attempt``, folding in the remedy that caused it."""
+    def directive_for(self, attempt: int, remedy: Remedy | None,
+                      resume: Resume | None = None) -> Directive:
+        """The directive of ``attempt``, folding in the remedy that caused it: skip ranges and
+        LR scale accumulate over the run; ``resume`` is the checkpoint the loop chose."""
         if remedy is not None and remedy.action is Action.ROLLBACK:
             onset = self._cursor_at.get(remedy.finding.onset_step)
             detected = self._cursor_at.get(remedy.finding.step, onset)
@@ -131,8 +138,11 @@ class Watch:
                                             detected + remedy.skip_after))
             self.lr_scale *= remedy.lr_scale
         every, folder, use_async = self._checkpoint
+        guard: dict[str, Any] = {}
+        if self.policy.incidents.grad_spike.ladder[0] is Action.SKIP_STEP:
+            guard = self.policy.detectors.grad_norm.model_dump()
         return Directive(
-            attempt=attempt, skip=merge_skips(self.skips), lr_scale=self.lr_scale,
-            checkpoint_dir=folder if every else None, checkpoint_every=every,
-            checkpoint_async=use_async,
+            attempt=attempt, resume=resume, skip=merge_skips(self.skips),
+            lr_scale=self.lr_scale, checkpoint_dir=folder, checkpoint_every=every,
+            checkpoint_async=use_async, grad_guard=guard,
         )

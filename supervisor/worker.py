@@ -41,8 +41,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 from supervisor import protocol
-from supervisor.directive import Directive, SkipRange
+from supervisor.directive import Directive, Resume, SkipRange
 from supervisor.intake import connect
+from supervisor.saving import Checkpointer
 
 T = TypeVar("T")
 
@@ -66,7 +67,9 @@ class Run:
         directive: Directive,
         sock: socket.socket | None,
         token: bytes,
+        model: Any = None,
         optimizer: Any = None,
+        scheduler: Any = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -83,8 +86,18 @@ class Run:
         self._skips = sorted(directive.skip, key=lambda r: r.start)
         self._hooks: list[Any] = []
         self._closed = False
+        self._checkpointer = Checkpointer(directive, rank, model, optimizer, scheduler,
+                                          self._event)
+        self._guard = _grad_guard(directive.grad_guard)
         if optimizer is not None and directive.lr_scale != 1.0:
             self._install_lr_scale(optimizer, directive.lr_scale)
+
+    @property
+    def resume(self) -> Resume | None:
+        """The checkpoint this attempt resumes from (None on a fresh start). A checkpoint that
+        babysit saved is already restored by ``attach()``; one the script registered itself
+        with ``checkpoint_saved()`` is the script's to load from ``resume.path``."""
+        return self.directive.resume
 
     @property
     def active(self) -> bool:
@@ -103,6 +116,10 @@ class Run:
         seek = getattr(loader, "seek", None)
         it = self._position(loader, seek, 0, self.cursor)
         while True:
+            # Between steps: the previous step's optimizer and scheduler updates are done and the
+            # next batch is not drawn, so a checkpoint here is exactly (step, cursor).
+            self._checkpointer.maybe_save(self.step_count, self.cursor, self.directive.lr_scale,
+                                          self.phase)
             skip = self._skip_at(self.cursor)
             if skip is not None:
                 self._event("skip", start=skip.start, end=skip.end)
@@ -162,10 +179,15 @@ class Run:
         last = self._last_step
         self._last_step = now
         self.step_count += 1
+        self._checkpointer.poll()
+        keep = True
+        if self._guard is not None and grad_norm is not None:
+            # Every rank sees the same all-reduced grad norm, so every rank decides alike.
+            keep = self._guard.observe_value(self.step_count, float(grad_norm)) is None
         sock = self._sock
         if sock is None:
-            return True
-        flags = 0
+            return keep
+        flags = 0 if keep else protocol.FLAG_SKIPPED
         if loss is None:
             loss = 0.0
         else:
@@ -212,7 +234,17 @@ class Run:
         except OSError:
             # Full queue (BlockingIOError) or supervisor gone: drop rather than wait.
             self.dropped += 1
-        return True
+        return keep
+
+    def checkpoint_saved(self, path: str | os.PathLike[str]) -> None:
+        """Tell babysit the script saved a checkpoint of the current step and cursor at ``path``.
+
+        For scripts that save and load themselves ("bring your own checkpoint"). Call it on
+        every rank, after the save finished on every rank; it is collective. On a relaunch,
+        ``run.resume.path`` is the checkpoint to load.
+        """
+        self._checkpointer.saved_externally(path, self.step_count, self.cursor,
+                                            self.directive.lr_scale)
 
     # -- phases, events, shutdown ---------------------------------------------------------------
 
@@ -240,6 +272,7 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        self._checkpointer.close()
         self._event("close", step=self.step_count, cursor=self.cursor, dropped=self.dropped)
         for hook in self._hooks:
             hook.remove()
@@ -274,11 +307,11 @@ class Run:
 def attach(model: Any = None, optimizer: Any = None, scheduler: Any = None) -> Run:
     """Connect this rank to its babysit supervisor, or return a no-op ``Run`` if there is none.
 
-    ``model``, ``optimizer`` and ``scheduler`` are the objects the script already has; the
-    optimizer is needed for the LR scale a rollback may set. Reads only ``BABYSIT_*`` and
-    torchrun's ``RANK``/``WORLD_SIZE`` environment variables.
+    Call it after ``init_process_group`` and after building the model, optimizer and scheduler
+    exactly as for a fresh start: on a relaunch it restores them from the checkpoint the
+    supervisor chose (a collective). ``optimizer`` is also needed for the LR scale a rollback
+    sets. Reads only ``BABYSIT_*`` and torchrun's ``RANK``/``WORLD_SIZE`` variables.
     """
-    del model, scheduler  # restored by checkpoint support; accepted now so scripts need no edit
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     path = os.environ.get(protocol.ENV_SOCKET)
@@ -297,8 +330,21 @@ def attach(model: Any = None, optimizer: Any = None, scheduler: Any = None) -> R
               f"continues unwatched", file=sys.stderr, flush=True)
         sock = None
     run = Run(rank=rank, world_size=world_size, directive=directive, sock=sock,
-              token=bytes.fromhex(token_hex), optimizer=optimizer)
+              token=bytes.fromhex(token_hex), model=model, optimizer=optimizer,
+              scheduler=scheduler)
+    restored = run._checkpointer.resume()
+    if restored is not None:
+        run.step_count, run.cursor = restored
     run._event("hello", pid=os.getpid(), host=socket.gethostname(), world_size=world_size,
                local_rank=int(os.environ.get("LOCAL_RANK", "0")), step=run.step_count,
                cursor=run.cursor)
     return run
+
+
+def _grad_guard(settings: dict[str, Any]) -> Any:
+    """The in-process grad-norm detector, when the policy skips grad-norm spikes."""
+    if not settings:
+        return None
+    from policies.detectors.grad_norm import GradNormConfig, GradNormDetector
+
+    return GradNormDetector(GradNormConfig(**settings))

@@ -125,7 +125,8 @@ def test_crash_relaunches_then_stops_on_a_deterministic_repeat(tmp_path: Path) -
     run_dir = tmp_path / "run"
     result = run_babysit("run", "--nproc-per-node", "2", "--max-restarts", "3", "--run-dir",
                          str(run_dir), "--policy", str(ROOT / "tests" / "fast_policy.yaml"),
-                         str(WORKERS / "tiny_train.py"), "--crash", "0:4", cwd=tmp_path)
+                         str(WORKERS / "tiny_train.py"), "--crash", "0:4", "--every-attempt",
+                         cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     journal = read_jsonl(run_dir / "events.jsonl")
     launches = [e for e in journal if e["event"] == "launch"]

@@ -1,11 +1,17 @@
 """A tiny 2-rank gloo job using the worker API, for end-to-end tests. Seconds, not minutes.
 
-Flags inject faults at a rank and step, so tests can provoke what babysit must handle:
-    --steps N            optimizer steps to run
-    --step-sleep S       seconds of "work" per step
-    --crash RANK:STEP    raise at that step on that rank
-    --hang RANK:STEP     sleep forever at that step on that rank (outside any collective)
-    --exit-code CODE     exit with CODE at the end (rank 0)
+The model has dropout and the optimizer is Adam with a StepLR schedule, so a resume is exact
+only if weights, optimizer state, scheduler and every RNG stream come back. Global batch ``i``
+is a pure function of ``i`` (the loader can ``seek``), so skipping batches is exact too.
+
+Faults, at a rank and step (``run.step_count``, the steps completed) or at a data cursor:
+    --crash RANK:STEP      raise just before that step's backward
+    --hang RANK:STEP       sleep forever there, outside the all-reduce the other rank waits in
+    --every-attempt        process faults strike on every attempt (default: the first only,
+                           like a machine fault a relaunch cures)
+    --spike START:END      global batches START <= i < END are poisoned: a real loss spike
+    --nan-at CURSOR        that global batch gives a non-finite loss
+    --slow-data RANK:SEC   that rank waits SEC seconds for every batch (a slow loader)
 """
 
 import argparse
@@ -19,38 +25,77 @@ import torch.distributed as dist
 from supervisor import attach
 
 
+def pair(text: str) -> tuple[int, float]:
+    a, b = text.split(":")
+    return int(a), float(b)
+
+
+class Batches:
+    """Rank ``rank``'s half of global batch ``i``, for any ``i``; ``seek`` moves the start."""
+
+    def __init__(self, rank: int, args: argparse.Namespace) -> None:
+        self.rank, self.args, self.start = rank, args, 0
+
+    def seek(self, cursor: int) -> None:
+        self.start = cursor
+
+    def __iter__(self):
+        i = self.start
+        while True:
+            g = torch.Generator().manual_seed(1000 + i)
+            x = torch.randn(8, 16, generator=g)[self.rank * 4:(self.rank + 1) * 4]
+            y = x.sum(dim=1, keepdim=True)
+            if self.args.spike and self.args.spike[0] <= i < self.args.spike[1]:
+                y = y * 40.0  # poisoned labels: the loss jumps by orders of magnitude
+            if self.args.nan_at == i:
+                x = x * float("nan")
+            if self.args.slow_data and self.args.slow_data[0] == self.rank:
+                time.sleep(self.args.slow_data[1])
+            yield x, y
+            i += 1
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--step-sleep", type=float, default=0.02)
-    p.add_argument("--crash", default=None)
-    p.add_argument("--hang", default=None)
+    p.add_argument("--crash", type=pair)
+    p.add_argument("--hang", type=pair)
+    p.add_argument("--every-attempt", action="store_true")
+    p.add_argument("--spike", type=pair)
+    p.add_argument("--nan-at", type=int)
+    p.add_argument("--slow-data", type=pair)
     p.add_argument("--exit-code", type=int, default=0)
     args = p.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = torch.nn.Linear(8, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    run = attach(model=model, optimizer=opt)
-    data = (torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(10**9))
-    for x in run.batches(data):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(32, 1))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+    run = attach(model=model, optimizer=opt, scheduler=sched)
+    faults_on = args.every_attempt or run.directive.attempt == 0
+
+    for x, y in run.batches(Batches(rank, args)):
         if run.step_count >= args.steps:
             break
-        for flag, action in ((args.crash, "crash"), (args.hang, "hang")):
-            if flag and flag == f"{rank}:{run.step_count + 1}":
-                if action == "crash":
-                    raise RuntimeError(f"injected crash at step {run.step_count + 1}")
-                time.sleep(3600)
+        upcoming = run.step_count + 1
+        if faults_on and args.crash and args.crash == (rank, upcoming):
+            raise RuntimeError(f"injected crash at step {upcoming}")
+        if faults_on and args.hang and args.hang == (rank, upcoming):
+            print(f"rank {rank}: injected hang at step {upcoming}", flush=True)
+            time.sleep(3600)
         time.sleep(args.step_sleep)
-        loss = model(x).pow(2).mean()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad()
         loss.backward()
-        for param in model.parameters():
-            dist.all_reduce(param.grad)
-        if run.step(loss=loss.item(), grad_norm=1.0, tokens=32):
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        if run.step(loss=loss.item(), grad_norm=float(gnorm), tokens=4):
             opt.step()
+        sched.step()
     print(f"rank {rank} done at step {run.step_count} pid {os.getpid()}", flush=True)
     run.close()
     dist.destroy_process_group()

@@ -1,0 +1,90 @@
+"""The supervisor's side of checkpoints: verdicts as the run goes, and where a relaunch resumes.
+
+The loop calls these at fixed points; each returns journal entries (event name, fields) so
+every verdict and every refusal is on the record:
+
+    on_checkpoint(step)      a rank reported a committed checkpoint  -> retention
+    on_progress(step)        healthy steps went by                   -> pending ones become good
+    on_finding(finding)      an anomaly began at finding.onset_step  -> nearby ones become suspect
+    resume_for(remedy)       a relaunch is about to start            -> which checkpoint, verified
+
+Rules: a rollback (loss spike, NaN) resumes from the newest *good* checkpoint strictly before
+the onset; a relaunch after a hang or a crash may also use a *pending* one (nothing suggests
+its weights are bad, and the work since it would otherwise be lost). A torn or corrupted
+checkpoint is refused, marked corrupt, and the next older one is tried.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from checkpoints import Catalog, Verdict
+from policies.types import Action, Finding, Incident, Remedy
+from supervisor.directive import Resume
+
+Entry = tuple[str, dict[str, Any]]
+
+# Anomalies that say something about the weights around them (a hang or a crash does not).
+_WEIGHT_ANOMALIES = (Incident.LOSS_SPIKE, Incident.NONFINITE, Incident.GRAD_SPIKE)
+_PROMOTE_EVERY = 10
+"""Steps between promotion passes: each pass re-reads the catalog from disk."""
+
+
+class Recovery:
+    def __init__(self, catalog: Catalog, probation_steps: int, keep: int) -> None:
+        self.catalog = catalog
+        self.probation_steps = probation_steps
+        self.keep = keep
+        self._next_promotion = 0
+
+    def on_checkpoint(self, step: int) -> list[Entry]:
+        deleted = self.catalog.retain(self.keep)
+        return [("checkpoint_retention", {"deleted": [str(p) for p in deleted]})] if deleted else []
+
+    def on_progress(self, step: int) -> list[Entry]:
+        if step < self._next_promotion:
+            return []
+        self._next_promotion = step + _PROMOTE_EVERY
+        promoted = self.catalog.promote(step, self.probation_steps)
+        if promoted:
+            # A newer good checkpoint exists: the one pinned for the last rollback may go.
+            self.catalog.unpin()
+        return [("checkpoint_verdict", {"checkpoint_step": c.step, "verdict": "good",
+                                        "healthy_step": step}) for c in promoted]
+
+    def on_finding(self, finding: Finding) -> list[Entry]:
+        if finding.incident not in _WEIGHT_ANOMALIES:
+            return []
+        reason = f"{finding.incident.value} with onset at step {finding.onset_step}"
+        marked = self.catalog.mark_anomaly(finding.onset_step, self.probation_steps, reason)
+        # The returned checkpoints carry their verdict from before the call: journal changes only.
+        return [("checkpoint_verdict", {"checkpoint_step": c.step, "verdict": "suspect",
+                                        "reason": reason})
+                for c in marked if c.verdict is not Verdict.SUSPECT]
+
+    def resume_for(self, remedy: Remedy | None) -> tuple[Resume | None, list[Entry]]:
+        """The checkpoint the next attempt starts from (None: from scratch), and what was
+        refused on the way. Also cleans checkpoints a killed attempt left half-written."""
+        entries: list[Entry] = []
+        cleaned = self.catalog.clean_incomplete()
+        if cleaned:
+            entries.append(("checkpoint_cleaned", {"paths": [str(p) for p in cleaned]}))
+        if remedy is None:
+            return None, entries
+        rollback = remedy.action is Action.ROLLBACK
+        before = remedy.finding.onset_step if rollback else remedy.finding.step + 1
+        choice = self.catalog.choose_for_rollback(before, allow_pending=not rollback)
+        for refusal in choice.refused:
+            entries.append(("checkpoint_refused", {"checkpoint_step": refusal.step,
+                                                   "path": str(refusal.path),
+                                                   "problems": list(refusal.problems)}))
+        chosen = choice.checkpoint
+        if chosen is None:
+            entries.append(("resume", {"from": None, "before_step": before,
+                                       "reason": "no usable checkpoint: starting from scratch"}))
+            return None, entries
+        entries.append(("resume", {"from": str(chosen.path), "checkpoint_step": chosen.step,
+                                   "cursor": chosen.cursor, "verdict": chosen.verdict.value,
+                                   "before_step": before}))
+        return Resume(path=str(chosen.path), step=chosen.step, cursor=chosen.cursor), entries
+

@@ -1,0 +1,124 @@
+"""The worker side of checkpoints: resume at ``attach()``, save on the directive's cadence.
+
+Two modes, chosen by what the script does:
+
+- babysit saves: the config sets ``checkpoints.every_steps``; the worker API saves model,
+  optimizer, scheduler, every rank's RNG state, the data cursor, the step and the LR scale with
+  ``torch.distributed.checkpoint`` (sharded), and restores them when a directive says so.
+- bring your own: the script saves and loads itself, calls ``run.checkpoint_saved(path)`` after
+  each save, and on a relaunch reads ``run.resume`` to know which of its checkpoints to load.
+
+A save happens at the top of the next ``batches()`` iteration, not inside ``step()``: the
+script's ``opt.step()``, ``zero_grad()`` and ``sched.step()`` for step *k* have all run by
+then, and batch *k+1* has not been drawn, so the checkpoint holds exactly "after step k, cursor
+k". Saving inside ``step()`` would capture the weights before that step's update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from supervisor.directive import Directive
+
+Emit = Callable[..., None]
+
+
+class Checkpointer:
+    """Owned by a ``Run``; every method is collective (all ranks call it at the same point)."""
+
+    def __init__(self, directive: Directive, rank: int, model: Any, optimizer: Any,
+                 scheduler: Any, emit: Emit) -> None:
+        self.directive = directive
+        self.rank = rank
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self._emit = emit
+        self._pending: Any = None  # an async SaveHandle not yet committed
+        self._last_saved = -1
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.directive.checkpoint_every and self.directive.checkpoint_dir)
+
+    def resume(self) -> tuple[int, int] | None:
+        """Restore the directive's checkpoint if babysit made it; returns (step, cursor).
+
+        A checkpoint the script registered itself is left for the script to load (``run.resume``
+        says where); the step and cursor still come from the directive.
+        """
+        resume = self.directive.resume
+        if resume is None:
+            return None
+        import checkpoints
+
+        manifest = checkpoints.read_manifest(Path(resume.path))
+        if manifest.external_path is not None:
+            return resume.step, resume.cursor
+        if self.model is None:
+            raise checkpoints.CheckpointError(
+                f"babysit asked rank {self.rank} to resume from {resume.path} (step "
+                f"{resume.step}), but attach() got no model to restore into. Pass "
+                f"model=..., optimizer=... and scheduler=... to attach().")
+        restored = checkpoints.load(resume.path, self.model, self.optimizer, self.scheduler)
+        self._last_saved = restored.step
+        return restored.step, restored.cursor
+
+    def maybe_save(self, step: int, cursor: int, lr_scale: float,
+                   phase: Callable[[str], contextlib.AbstractContextManager[None]]) -> None:
+        """Save if the cadence says so. Call between steps, on every rank."""
+        if not self.enabled or step == 0 or step == self._last_saved:
+            return
+        if step % self.directive.checkpoint_every:
+            return
+        import checkpoints
+
+        self._last_saved = step
+        with phase("checkpoint"):
+            handle = checkpoints.save(
+                str(self.directive.checkpoint_dir), step, cursor, lr_scale, self.model,
+                self.optimizer, self.scheduler, async_save=self.directive.checkpoint_async)
+        if handle.committed:
+            self._announce(handle)
+        else:
+            self._pending = handle
+
+    def poll(self) -> None:
+        """Finish an async save when its writes are done (cheap; call once per step)."""
+        if self._pending is not None and self._pending.poll():
+            handle, self._pending = self._pending, None
+            self._announce(handle)
+
+    def close(self) -> None:
+        if self._pending is not None:
+            handle, self._pending = self._pending, None
+            handle.wait()
+            self._announce(handle)
+
+    def saved_externally(self, path: str | os.PathLike[str], step: int, cursor: int,
+                         lr_scale: float) -> None:
+        """The script saved ``path`` itself; make it a babysit checkpoint (collective)."""
+        import checkpoints
+
+        root = self.directive.checkpoint_dir
+        if root is None:
+            return
+        _barrier()
+        if self.rank == 0:
+            checkpoints.register_external(root, os.fspath(path), step, cursor, lr_scale)
+            self._emit("checkpoint", step=step, cursor=cursor, path=str(path), external=True)
+        _barrier()
+
+    def _announce(self, handle: Any) -> None:
+        if self.rank == 0:
+            self._emit("checkpoint", step=handle.step, path=str(handle.path), external=False,
+                       asynchronous=handle.is_async)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,122 @@
+"""Recovery end to end: a fault injected at a rank and step of a real 2-rank gloo job, and babysit
+detecting it, acting as the policy says, and the run finishing.
+
+The job is ``tests/workers/tiny_train.py`` (dropout, Adam, StepLR, a seekable loader), so a
+resume is exact only if weights, optimizer, scheduler, RNG streams and the data cursor all
+come back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, WORKERS, read_jsonl, run_babysit
+
+pytestmark = pytest.mark.e2e
+
+FAST_POLICY = ROOT / "tests" / "fast_policy.yaml"
+
+
+def babysat(tmp_path: Path, name: str, *args: str, checkpoint_every: int = 5,
+            probation: int = 5, extra: str = "") -> tuple[Any, Path]:
+    run_dir = tmp_path / name
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(
+        f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
+        f"  args: {json.dumps(list(args))}\n{extra}"
+        f"run_dir: {run_dir}\n"
+        f"checkpoints: {{every_steps: {checkpoint_every}, probation_steps: {probation}}}\n"
+        f"policy: {{name: {FAST_POLICY}}}\n")
+    return run_babysit("run", str(config), cwd=tmp_path, timeout=240), run_dir
+
+
+def journal(run_dir: Path, event: str) -> list[dict[str, Any]]:
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == event]
+
+
+def losses(run_dir: Path, attempt: int) -> dict[int, list[float]]:
+    return {m["step"]: m["loss_per_rank"] for m in read_jsonl(run_dir / "metrics.jsonl")
+            if m["attempt"] == attempt}
+
+
+def test_relaunch_after_a_crash_resumes_bit_exact(tmp_path: Path) -> None:
+    clean, clean_dir = babysat(tmp_path, "clean", "--steps", "24")
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    crashed, run_dir = babysat(tmp_path, "crashed", "--steps", "24", "--crash", "0:13",
+                               extra="  max_restarts: 1\n")
+    assert crashed.returncode == 0, crashed.stdout + crashed.stderr
+    (resume,) = [e for e in journal(run_dir, "resume") if e.get("from")]
+    assert resume["checkpoint_step"] == 10 and resume["cursor"] == 10
+    # Steps 11..24 again, from the checkpoint: the same losses on every rank, to the last bit.
+    after = losses(run_dir, attempt=1)
+    assert sorted(after) == list(range(11, 25))
+    reference = losses(clean_dir, attempt=0)
+    assert {s: reference[s] for s in after} == after
+
+
+def test_loss_spike_rolls_back_skips_the_bad_batches_and_lowers_the_lr(tmp_path: Path) -> None:
+    result, run_dir = babysat(tmp_path, "spike", "--steps", "60", "--spike", "25:40")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rollback = next(e for e in journal(run_dir, "finding")
+                    if e["remedy"]["action"] == "rollback")
+    assert rollback["finding"]["incident"] in ("loss_spike", "grad_spike")
+    (resume,) = journal(run_dir, "resume")
+    # The newest good checkpoint strictly before the onset (26: batch 25 is the first poisoned).
+    assert resume["verdict"] == "good" and resume["checkpoint_step"] < 26
+    (launch,) = journal(run_dir, "launch")[1:]
+    directive = launch["directive"]
+    assert directive["lr_scale"] == 0.5
+    (skip,) = directive["skip"]
+    assert skip["start"] <= 25 and skip["end"] >= 40  # the whole poisoned stretch
+    # The relaunched attempt never trained on a poisoned batch and finished healthy.
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    attempt1 = [m for m in rows if m["attempt"] == 1]
+    assert attempt1[0]["step"] == resume["checkpoint_step"] + 1
+    assert all(not (25 < m["cursor"] <= 40) for m in attempt1)
+    healthy = max(m["loss"] for m in rows if m["attempt"] == 0 and 15 <= m["step"] <= 25)
+    assert max(m["loss"] for m in attempt1[-10:]) < 3 * healthy
+    assert read_jsonl(run_dir / "events.jsonl")[-1]["state"] == "succeeded"
+
+
+def test_nan_loss_rolls_back_at_once(tmp_path: Path) -> None:
+    result, run_dir = babysat(tmp_path, "nan", "--steps", "40", "--nan-at", "22")
+    assert result.returncode == 0, result.stdout + result.stderr
+    finding = next(e for e in journal(run_dir, "finding")
+                   if e["finding"]["incident"] == "nonfinite")
+    assert finding["step"] == 23 and finding["remedy"]["action"] == "rollback"
+    assert finding["finding"]["ranks"] == [0, 1]
+    (launch,) = journal(run_dir, "launch")[1:]
+    assert any(s["start"] <= 22 < s["end"] for s in launch["directive"]["skip"])
+    assert read_jsonl(run_dir / "events.jsonl")[-1]["state"] == "succeeded"
+
+
+def test_hang_names_the_stuck_rank_from_its_stack_and_relaunches(tmp_path: Path) -> None:
+    result, run_dir = babysat(tmp_path, "hang", "--steps", "40", "--hang", "1:15")
+    assert result.returncode == 0, result.stdout + result.stderr
+    # Telemetry alone cannot tell them apart (both last reported step 14); the stacks can.
+    (diagnosis,) = journal(run_dir, "hang_diagnosis")
+    assert diagnosis["suspects"] == [1] and "outside" in diagnosis["reason"]
+    finding = next(e for e in journal(run_dir, "finding") if e["finding"]["incident"] == "hang")
+    assert finding["finding"]["ranks"] == [1]
+    assert finding["remedy"]["action"] == "relaunch"
+    (record,) = journal(run_dir, "incident")
+    folder = Path(record["dir"])
+    assert "rank 1" in (folder / "summary.txt").read_text()
+    assert "tiny_train.py" in (folder / "stacks" / "rank1.txt").read_text()
+    (resume,) = [e for e in journal(run_dir, "resume") if e.get("from")]
+    assert resume["checkpoint_step"] == 10
+    assert read_jsonl(run_dir / "events.jsonl")[-1]["state"] == "succeeded"
+
+
+def test_straggler_is_named_and_alerted(tmp_path: Path) -> None:
+    result, run_dir = babysat(tmp_path, "slow", "--steps", "40", "--slow-data", "1:0.08")
+    assert result.returncode == 0, result.stdout + result.stderr
+    finding = next(e for e in journal(run_dir, "finding")
+                   if e["finding"]["incident"] == "straggler")
+    assert finding["finding"]["ranks"] == [1] and finding["remedy"]["action"] == "alert"
+    assert len(journal(run_dir, "launch")) == 1  # an alert, not a relaunch
+    assert "rank 1" in result.stdout
