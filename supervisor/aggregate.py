@@ -1,8 +1,7 @@
 """Merging rank reports into steps, and the per-step metrics row written to ``metrics.jsonl``.
 
 Pure logic: the control loop feeds ``RankStep``s in arrival order and gets ``StepRecord``s back
-once every rank has reported a step, or once a step is so far behind the newest one that its
-missing reports were surely dropped.
+in step order, once every rank has reported a step (or a later one: see ``StepAggregator``).
 """
 
 from __future__ import annotations
@@ -17,23 +16,27 @@ from policies.types import RankStep, StepRecord
 class StepAggregator:
     """Collects each step's reports until all ``world_size`` ranks are in.
 
-    ``max_lag``: a step still incomplete when a report ``max_lag`` steps newer arrives is emitted
-    with the ranks it has (datagrams may be dropped by design).
+    Each rank's reports arrive in order on its own connection, so once every rank has reported
+    step *s*, a pending step before *s* will never get more reports (they were dropped): it is
+    emitted then, with the ranks it has, in step order. The intake drains one rank's connection
+    after another, so a lag rule ("emit when a report N steps newer arrives") would split steps
+    whenever one rank's backlog is read before the others'. ``max_pending`` only bounds memory
+    when a rank stops reporting while the others go on.
     """
 
-    def __init__(self, world_size: int, max_lag: int = 8) -> None:
+    def __init__(self, world_size: int, max_pending: int = 1024) -> None:
         self.world_size = world_size
-        self.max_lag = max_lag
+        self.max_pending = max_pending
         self._pending: dict[int, dict[int, RankStep]] = {}
-        self._newest = -1
 
     def add(self, sample: RankStep) -> list[StepRecord]:
         ranks = self._pending.setdefault(sample.step, {})
         ranks[sample.rank] = sample
-        self._newest = max(self._newest, sample.step)
-        done = [s for s, r in self._pending.items()
-                if len(r) >= self.world_size or s <= self._newest - self.max_lag]
-        return [self._emit(s) for s in sorted(done)]
+        if len(ranks) >= self.world_size:
+            return [self._emit(s) for s in sorted(self._pending) if s <= sample.step]
+        if len(self._pending) > self.max_pending:
+            return [self._emit(min(self._pending))]
+        return []
 
     def flush(self) -> list[StepRecord]:
         """Emit everything pending (the attempt ended)."""
@@ -42,7 +45,6 @@ class StepAggregator:
     def reset(self) -> None:
         """Forget pending steps (a new attempt starts; a rollback may reuse step numbers)."""
         self._pending.clear()
-        self._newest = -1
 
     def _emit(self, step: int) -> StepRecord:
         ranks = self._pending.pop(step)
