@@ -36,13 +36,19 @@ class Journal:
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (owned until close)
         return self
 
-    def write(self, event: str, time: float, attempt: int, step: int | None = None,
+    def write(self, event: str, time: float, attempt: int, step: int | None = None, /,
               **evidence: Any) -> dict[str, Any]:
-        """Append one entry and flush it, so a crash of babysit loses nothing already decided."""
+        """Append one entry and flush it, so a crash of babysit loses nothing already decided.
+
+        The leading parameters are positional-only, so evidence may carry any key: one that
+        names a field of the entry itself (``time``, ``event``, ``attempt``, ``step``) is kept
+        as ``evidence_<key>`` rather than overwriting it.
+        """
         entry: dict[str, Any] = {"time": round(time, 6), "event": event, "attempt": attempt}
         if step is not None:
             entry["step"] = step
-        entry.update(evidence)
+        for key, value in evidence.items():
+            entry[f"evidence_{key}" if key in _RESERVED else key] = value
         line = json.dumps(_finite(entry), separators=(",", ":")) + "\n"
         with self._lock:
             if self._file is None:
@@ -58,6 +64,9 @@ class Journal:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+_RESERVED = frozenset({"time", "event", "attempt", "step"})
 
 
 def read(path: Path) -> Iterator[dict[str, Any]]:

@@ -188,3 +188,14 @@ def test_lr_scale_applies_only_inside_optimizer_step() -> None:
     run.close()
     opt.step()
     assert param.item() == pytest.approx(0.4)  # hooks removed with close()
+
+
+def test_journal_evidence_may_carry_any_key(tmp_path: Path) -> None:
+    from supervisor.journal import Journal, read
+
+    journal = Journal(tmp_path / "events.jsonl").open()
+    journal.write("digest", 1.0, 2, 7, attempt=9, time="x", loss=float("nan"))
+    journal.close()
+    (entry,) = read(tmp_path / "events.jsonl")
+    assert entry == {"time": 1.0, "event": "digest", "attempt": 2, "step": 7,
+                     "evidence_attempt": 9, "evidence_time": "x", "loss": "nan"}
