@@ -4,6 +4,8 @@
     babysit run [torchrun options] SCRIPT [script args...]      # drop-in for torchrun
     babysit validate CONFIG.yaml
     babysit alert-test CONFIG.yaml
+    babysit status RUN_DIR [--json]
+    babysit report RUN_DIR [--out PATH]
     babysit schema [--policy]
     babysit replay CURVE [--policy NAME|PATH] [--json]
 
@@ -99,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     schema = sub.add_parser("schema", help="print the JSON Schema of run configs (or policies)")
     schema.add_argument("--policy", action="store_true", help="print the policy schema instead")
 
+    status = sub.add_parser("status", help="state, progress, incidents and checkpoints of a run")
+    status.add_argument("run_dir", metavar="RUN_DIR")
+    status.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+
+    report = sub.add_parser("report", help="write an HTML report with plots of a run")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.add_argument("--out", help="where to write the page (default RUN_DIR/report.html)")
+
     alert_test = sub.add_parser("alert-test",
                                 help="send one test alert to every sink of a config")
     alert_test.add_argument("config", metavar="CONFIG.yaml")
@@ -119,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         handler = {"run": _run, "validate": _validate, "schema": _schema, "replay": _replay,
-                   "alert-test": _alert_test}
+                   "alert-test": _alert_test, "status": _status, "report": _report}
         return handler[args.command](args)
     except (ConfigError, UsageError) as exc:
         print(f"babysit: error: {exc}", file=sys.stderr)
@@ -177,6 +187,18 @@ def _validate(args: argparse.Namespace) -> int:
           f"{launch.nnodes} node(s), {what}, policy '{p.config.policy.name}', "
           f"run directory {p.run_dir}.")
     return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from supervisor.status import status_main
+
+    return status_main(args.run_dir, args.json, sys.stdout)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from supervisor.report import report_main
+
+    return report_main(args.run_dir, args.out, sys.stdout)
 
 
 def _alert_test(args: argparse.Namespace) -> int:

@@ -23,6 +23,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from supervisor.alerts.config import AlertsConfig
+from supervisor.exporter import ExporterConfig
+from supervisor.health import HealthConfig
+from supervisor.schedule import ScheduleConfig
 
 
 class ConfigError(Exception):
@@ -165,6 +168,12 @@ class RunConfig(_Section):
     """The policy that maps incidents to actions."""
     alerts: AlertsConfig = AlertsConfig()
     """Where alerts go (Slack, webhooks). With no sinks, alerts are journaled only."""
+    health: HealthConfig = HealthConfig()
+    """Thresholds for host, worker and GPU health warnings (memory, disk, leaks, GPU)."""
+    schedule: ScheduleConfig = ScheduleConfig()
+    """How often the background jobs run (health sampling, the digest alert)."""
+    prometheus: ExporterConfig = ExporterConfig()
+    """The opt-in Prometheus ``/metrics`` endpoint."""
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

@@ -42,6 +42,8 @@ from supervisor.console import Console
 from supervisor.intake import Intake
 from supervisor.plan import RunPlan
 from supervisor.recovery import Recovery
+from supervisor.schedule import DigestSnapshot
+from supervisor.services import Services
 from supervisor.watch import Watch
 
 TICK_S = 0.1
@@ -81,6 +83,7 @@ class Supervisor:
         self.journal = journal_mod.Journal(plan.run_dir / "events.jsonl")
         self.alerts = AlertDispatcher.from_config(plan.config.alerts,
                                                   on_result=self._alert_result)
+        self.services = Services(plan, self.alerts)
         self.intake = Intake(plan.run_dir / "telemetry.sock", self._token)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -118,11 +121,15 @@ class Supervisor:
                       source=self.plan.source, pid=os.getpid(),
                       resumed_journal=bool(previous))
         self.console.log(f"babysit: run '{self.plan.name}' in {run_dir}")
+        for event, fields in self.services.start():
+            self._journal(event, **fields)
+            self.console.log(f"babysit: {event.replace('_', ' ')}: {fields}")
 
     def _teardown(self) -> None:
         if self._group is not None and self._group.processes():
             self._group.stop(self.plan.config.launch.stop_grace_s)
         self.intake.close()
+        self.services.stop()
         self.alerts.close()
         if self._metrics is not None:
             self._metrics.close()
@@ -178,6 +185,11 @@ class Supervisor:
         if self._wake_at is not None and now >= self._wake_at:
             self._wake_at = None
             pending.append(sm.BackoffElapsed())
+        self.services.publish(self._snapshot(), tuple(self._rank_pids.values()))
+        for (event, fields), line in self.services.drain():
+            self._journal(event, **fields)
+            if line:
+                self.console.log(line)
 
     def _apply(self, event: sm.Event, pending: deque[sm.Event | Finding]) -> int | None:
         old = self.machine
@@ -233,6 +245,7 @@ class Supervisor:
         self._metrics.flush()
         self._recent.append((record.time, record.step))
         self._last_loss = record.loss
+        self.services.observe_step(record)
         if self.machine.state not in (sm.State.STARTING, sm.State.RUNNING):
             return  # the workers are being replaced: their last steps judge nothing
         pending.extend(self.watch.observe_record(record))
@@ -261,9 +274,10 @@ class Supervisor:
         self._incident_dir = None
         if remedy.action in (Action.ROLLBACK, Action.RELAUNCH, Action.STOP):
             self._incident_dir = self._write_incident(finding, remedy, diagnosis)
-        self._incidents += remedy.action is not Action.IGNORE
         if remedy.action is not Action.IGNORE:
+            self._incidents += 1
             self._last_incident = f"{finding.incident.value}@{finding.step}"
+            self.services.count(finding, remedy)
         self._journal("finding", step=finding.step, finding=finding.to_json(),
                       remedy=remedy.to_json())
         self._journal_all(self.recovery.on_finding(finding))
@@ -281,9 +295,11 @@ class Supervisor:
     def _diagnose_hang(self, finding: Finding) -> tuple[Finding, Any]:
         """Dump every rank's stack and name the rank that differs (the one stuck outside the
         collective the others wait in). The finding then names that rank."""
+        started = self.clock()
         dumps, verdict = stacks.diagnose(self._rank_pids)
         self._journal("hang_diagnosis", suspects=list(verdict.suspects), reason=verdict.reason,
-                      evidence=verdict.to_dict().get("evidence"))
+                      evidence=verdict.to_dict().get("evidence"),
+                      seconds=round(self.clock() - started, 3))
         if verdict.suspects:
             named = ", ".join(map(str, verdict.suspects))
             finding = dataclasses.replace(
@@ -402,6 +418,14 @@ class Supervisor:
         (t0, s0), (t1, s1) = self._recent[0], self._recent[-1]
         return (s1 - s0) / (t1 - t0) if t1 > t0 else None
 
+    def _snapshot(self) -> DigestSnapshot:
+        m = self.machine
+        return DigestSnapshot(state=m.state.value, attempt=m.attempt, step=m.step or None,
+                              loss=self._last_loss, steps_per_second=self._steps_per_s(),
+                              interventions=self._incidents,
+                              last_incident=None if self._last_incident == "none"
+                              else self._last_incident)
+
     def _show_status(self) -> None:
         m = self.machine
         loss = f"{self._last_loss:.4f}" if self._last_loss is not None else "-"
@@ -426,6 +450,6 @@ class Supervisor:
         for event, fields in entries:
             self._journal(event, **fields)
 
-    def _journal(self, event: str, step: int | None = None, **evidence: Any) -> None:
+    def _journal(self, event: str, /, step: int | None = None, **evidence: Any) -> None:
         self.journal.write(event, time.time(), self.machine.attempt,
                            step if step is not None else (self.machine.step or None), **evidence)
