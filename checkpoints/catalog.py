@@ -239,7 +239,11 @@ class Catalog:
             uncommit_and_remove(ckpt.path)
             ext = ckpt.manifest.external_path
             if ext and ckpt.manifest.owned:
-                shutil.rmtree(ext, ignore_errors=True)
+                # Exactly what was registered: a file is not a licence to delete its folder.
+                if ckpt.manifest.external_is_file:
+                    Path(ext).unlink(missing_ok=True)
+                else:
+                    shutil.rmtree(ext, ignore_errors=True)
             deleted.append(ckpt.path)
         if deleted:
             self._forget({s for p in deleted if (s := parse_step_dir(p.name)) is not None})

@@ -67,14 +67,20 @@ class Manifest:
     created: float = field(default_factory=time.time)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     external_path: str | None = None
-    """For external checkpoints stored outside their step directory: where the files are."""
+    """For external checkpoints stored outside their step directory: what the script
+    registered, a file or a directory."""
+    external_is_file: bool = False
+    """``external_path`` is one file (``files`` are then relative to its folder)."""
     owned: bool = True
     """Whether retention may delete the files (external data is the user's unless they say so)."""
     format_version: int = FORMAT_VERSION
 
     def data_dir(self, ckpt_dir: Path) -> Path:
         """The directory the ``files`` are relative to."""
-        return Path(self.external_path) if self.external_path else ckpt_dir
+        if not self.external_path:
+            return ckpt_dir
+        path = Path(self.external_path)
+        return path.parent if self.external_is_file else path
 
     @property
     def total_bytes(self) -> int:
@@ -100,6 +106,7 @@ class Manifest:
             created=float(d["created"]),
             id=str(d["id"]),
             external_path=d.get("external_path"),
+            external_is_file=bool(d.get("external_is_file", False)),
             owned=bool(d.get("owned", True)),
             format_version=int(d["format_version"]),
         )
@@ -267,7 +274,8 @@ def register_external(
             world_size=world_size,
             files=files,
             kind=KIND_EXTERNAL,
-            external_path=None if inside else str(data_dir),
+            external_path=None if inside else str(data),
+            external_is_file=not inside and data.is_file(),
             owned=True if inside else owned,
         )
         write_manifest(target, manifest)

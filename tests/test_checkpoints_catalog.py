@@ -221,6 +221,18 @@ def test_retention_keeps_last_k_the_newest_good_and_the_pinned(tmp_path: Path) -
         cat.retain(-1)
 
 
+def test_retention_of_an_owned_external_file_deletes_that_file_only(tmp_path: Path) -> None:
+    saves = tmp_path / "my_saves"
+    saves.mkdir()
+    for step in (10, 20):
+        (saves / f"step{step}.pt").write_bytes(os.urandom(1000))
+        register_external(tmp_path / "ckpts", saves / f"step{step}.pt", step=step, cursor=step,
+                          owned=True)
+    (saves / "notes.txt").write_text("the user's, not babysit's")
+    assert Catalog(tmp_path / "ckpts").retain(keep_last=1) == [step_dir(tmp_path / "ckpts", 10)]
+    assert sorted(p.name for p in saves.iterdir()) == ["notes.txt", "step20.pt"]
+
+
 def test_retention_with_fewer_checkpoints_than_keep_deletes_nothing(tmp_path: Path) -> None:
     for s in (5, 10):
         make_ckpt(tmp_path, s, size=100)
@@ -244,7 +256,8 @@ def test_external_checkpoints_are_verified_and_their_data_is_the_users(tmp_path:
     )
     register_external(root, inside, step=80, cursor=800, world_size=4)
     m40 = read_manifest(step_dir(root, 40))
-    assert m40.kind == "external" and m40.external_path == str(mine.parent) and m40.world_size == 4
+    assert m40.kind == "external" and m40.external_path == str(mine) and m40.world_size == 4
+    assert m40.external_is_file and m40.data_dir(step_dir(root, 40)) == mine.parent
     assert [f.name for f in m40.files] == ["model_step_40.pt"]
     assert [f.name for f in read_manifest(inside).files] == ["shards/a.bin"]
 
