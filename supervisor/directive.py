@@ -28,11 +28,16 @@ class SkipRange:
 
 @dataclass(frozen=True, slots=True)
 class Resume:
-    """A committed checkpoint to restore before the first step."""
+    """A committed checkpoint to restore before the first step.
+
+    ``external``: the script saved it itself (``run.checkpoint_saved``) and ``path`` is what it
+    saved; otherwise ``path`` is babysit's checkpoint folder, restored by ``attach()``.
+    """
 
     path: str
     step: int
     cursor: int
+    external: bool = False
 
 
 @dataclass(frozen=True, slots=True)

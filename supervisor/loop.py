@@ -33,7 +33,7 @@ import yaml
 
 from checkpoints import Catalog
 from policies import decide as sm
-from policies.types import Action, Finding, Incident, RankStep, Remedy, StepRecord
+from policies.types import Action, Finding, Incident, RankStep, Remedy, Severity, StepRecord
 from supervisor import incident, launcher, protocol, stacks
 from supervisor import journal as journal_mod
 from supervisor.aggregate import StepAggregator, metrics_row
@@ -265,6 +265,12 @@ class Supervisor:
             step = int(event.data.get("step", 0))
             self._journal("checkpoint_saved", step=step, rank=event.rank, data=event.data)
             self._journal_all(self.recovery.on_checkpoint(step))
+        elif event.type == "checkpoint_failed":
+            step = int(event.data.get("step", 0))
+            error = str(event.data.get("error", ""))
+            self._journal("checkpoint_failed", step=step, error=error)
+            self._notify(sm.Notify(Severity.WARNING, f"checkpoint at step {step} failed to "
+                                   f"save; training goes on from the last good one: {error}"))
 
     def _judge(self, finding: Finding) -> Remedy:
         diagnosis = None

@@ -30,6 +30,13 @@ _PROMOTE_EVERY = 10
 """Steps between promotion passes: each pass re-reads the catalog from disk."""
 
 
+def _storage_error(during: str, exc: OSError) -> Entry:
+    """The catalog's disk failed (full, gone, read-only): journal it and carry on, so a storage
+    fault costs checkpoints, never the supervisor."""
+    return ("checkpoint_storage_error", {"during": during, "error": f"{exc.strerror or exc}",
+                                         "path": exc.filename})
+
+
 class Recovery:
     def __init__(self, catalog: Catalog, probation_steps: int, keep: int) -> None:
         self.catalog = catalog
@@ -38,17 +45,23 @@ class Recovery:
         self._next_promotion = 0
 
     def on_checkpoint(self, step: int) -> list[Entry]:
-        deleted = self.catalog.retain(self.keep)
+        try:
+            deleted = self.catalog.retain(self.keep)
+        except OSError as exc:
+            return [_storage_error("retention", exc)]
         return [("checkpoint_retention", {"deleted": [str(p) for p in deleted]})] if deleted else []
 
     def on_progress(self, step: int) -> list[Entry]:
         if step < self._next_promotion:
             return []
         self._next_promotion = step + _PROMOTE_EVERY
-        promoted = self.catalog.promote(step, self.probation_steps)
-        if promoted:
-            # A newer good checkpoint exists: the one pinned for the last rollback may go.
-            self.catalog.unpin()
+        try:
+            promoted = self.catalog.promote(step, self.probation_steps)
+            if promoted:
+                # A newer good checkpoint exists: the one pinned for the last rollback may go.
+                self.catalog.unpin()
+        except OSError as exc:
+            return [_storage_error("promotion", exc)]
         return [("checkpoint_verdict", {"checkpoint_step": c.step, "verdict": "good",
                                         "healthy_step": step}) for c in promoted]
 
@@ -56,7 +69,10 @@ class Recovery:
         if finding.incident not in _WEIGHT_ANOMALIES:
             return []
         reason = f"{finding.incident.value} with onset at step {finding.onset_step}"
-        marked = self.catalog.mark_anomaly(finding.onset_step, self.probation_steps, reason)
+        try:
+            marked = self.catalog.mark_anomaly(finding.onset_step, self.probation_steps, reason)
+        except OSError as exc:
+            return [_storage_error("marking suspects", exc)]
         # The returned checkpoints carry their verdict from before the call: journal changes only.
         return [("checkpoint_verdict", {"checkpoint_step": c.step, "verdict": "suspect",
                                         "reason": reason})
@@ -66,14 +82,24 @@ class Recovery:
         """The checkpoint the next attempt starts from (None: from scratch), and what was
         refused on the way. Also cleans checkpoints a killed attempt left half-written."""
         entries: list[Entry] = []
-        cleaned = self.catalog.clean_incomplete()
+        try:
+            cleaned = self.catalog.clean_incomplete()
+        except OSError as exc:
+            cleaned = []
+            entries.append(_storage_error("cleaning incomplete checkpoints", exc))
         if cleaned:
             entries.append(("checkpoint_cleaned", {"paths": [str(p) for p in cleaned]}))
         if remedy is None:
             return None, entries
         rollback = remedy.action is Action.ROLLBACK
         before = remedy.finding.onset_step if rollback else remedy.finding.step + 1
-        choice = self.catalog.choose_for_rollback(before, allow_pending=not rollback)
+        try:
+            choice = self.catalog.choose_for_rollback(before, allow_pending=not rollback)
+        except OSError as exc:
+            entries.append(_storage_error("choosing a checkpoint", exc))
+            entries.append(("resume", {"from": None, "before_step": before,
+                                       "reason": "checkpoint storage unusable: starting over"}))
+            return None, entries
         for refusal in choice.refused:
             entries.append(("checkpoint_refused", {"checkpoint_step": refusal.step,
                                                    "path": str(refusal.path),
@@ -86,5 +112,7 @@ class Recovery:
         entries.append(("resume", {"from": str(chosen.path), "checkpoint_step": chosen.step,
                                    "cursor": chosen.cursor, "verdict": chosen.verdict.value,
                                    "before_step": before}))
-        return Resume(path=str(chosen.path), step=chosen.step, cursor=chosen.cursor), entries
+        external = chosen.manifest.external_path
+        return Resume(path=external or str(chosen.path), step=chosen.step, cursor=chosen.cursor,
+                      external=external is not None), entries
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from supervisor.directive import Directive
@@ -52,11 +51,10 @@ class Checkpointer:
         resume = self.directive.resume
         if resume is None:
             return None
+        if resume.external:
+            return resume.step, resume.cursor
         import checkpoints
 
-        manifest = checkpoints.read_manifest(Path(resume.path))
-        if manifest.external_path is not None:
-            return resume.step, resume.cursor
         if self.model is None:
             raise checkpoints.CheckpointError(
                 f"babysit asked rank {self.rank} to resume from {resume.path} (step "
@@ -76,10 +74,16 @@ class Checkpointer:
         import checkpoints
 
         self._last_saved = step
-        with phase("checkpoint"):
-            handle = checkpoints.save(
-                str(self.directive.checkpoint_dir), step, cursor, lr_scale, self.model,
-                self.optimizer, self.scheduler, async_save=self.directive.checkpoint_async)
+        try:
+            with phase("checkpoint"):
+                handle = checkpoints.save(
+                    str(self.directive.checkpoint_dir), step, cursor, lr_scale, self.model,
+                    self.optimizer, self.scheduler, async_save=self.directive.checkpoint_async)
+        except checkpoints.CheckpointError as exc:
+            # Every rank raises together (the save is collective), so every rank trains on: a
+            # full disk must cost a checkpoint, never the run. The last good one still stands.
+            self._failed(step, exc)
+            return
         if handle.committed:
             self._announce(handle)
         else:
@@ -87,7 +91,17 @@ class Checkpointer:
 
     def poll(self) -> None:
         """Finish an async save when its writes are done (cheap; call once per step)."""
-        if self._pending is not None and self._pending.poll():
+        if self._pending is None:
+            return
+        import checkpoints
+
+        try:
+            done = self._pending.poll()
+        except checkpoints.CheckpointError as exc:
+            handle, self._pending = self._pending, None
+            self._failed(handle.step, exc)
+            return
+        if done:
             handle, self._pending = self._pending, None
             self._announce(handle)
 
@@ -110,6 +124,10 @@ class Checkpointer:
             checkpoints.register_external(root, os.fspath(path), step, cursor, lr_scale)
             self._emit("checkpoint", step=step, cursor=cursor, path=str(path), external=True)
         _barrier()
+
+    def _failed(self, step: int, exc: Exception) -> None:
+        if self.rank == 0:
+            self._emit("checkpoint_failed", step=step, error=str(exc)[:2000])
 
     def _announce(self, handle: Any) -> None:
         if self.rank == 0:

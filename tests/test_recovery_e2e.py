@@ -22,14 +22,16 @@ FAST_POLICY = ROOT / "tests" / "fast_policy.yaml"
 
 
 def babysat(tmp_path: Path, name: str, *args: str, checkpoint_every: int = 5,
-            probation: int = 5, extra: str = "") -> tuple[Any, Path]:
+            probation: int = 5, extra: str = "", async_save: bool = False,
+            script: Path = WORKERS / "tiny_train.py") -> tuple[Any, Path]:
     run_dir = tmp_path / name
     config = tmp_path / f"{name}.yaml"
     config.write_text(
-        f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
+        f"launch:\n  script: {script}\n  nproc-per-node: 2\n"
         f"  args: {json.dumps(list(args))}\n{extra}"
         f"run_dir: {run_dir}\n"
-        f"checkpoints: {{every_steps: {checkpoint_every}, probation_steps: {probation}}}\n"
+        f"checkpoints: {{every_steps: {checkpoint_every}, probation_steps: {probation}, "
+        f"async_save: {str(async_save).lower()}}}\n"
         f"policy: {{name: {FAST_POLICY}}}\n")
     return run_babysit("run", str(config), cwd=tmp_path, timeout=240), run_dir
 
@@ -46,8 +48,9 @@ def losses(run_dir: Path, attempt: int) -> dict[int, list[float]]:
 def test_relaunch_after_a_crash_resumes_bit_exact(tmp_path: Path) -> None:
     clean, clean_dir = babysat(tmp_path, "clean", "--steps", "24")
     assert clean.returncode == 0, clean.stdout + clean.stderr
+    # The crashed run saves asynchronously, the clean one synchronously: same checkpoints.
     crashed, run_dir = babysat(tmp_path, "crashed", "--steps", "24", "--crash", "0:13",
-                               extra="  max_restarts: 1\n")
+                               extra="  max_restarts: 1\n", async_save=True)
     assert crashed.returncode == 0, crashed.stdout + crashed.stderr
     (resume,) = [e for e in journal(run_dir, "resume") if e.get("from")]
     assert resume["checkpoint_step"] == 10 and resume["cursor"] == 10
@@ -120,3 +123,17 @@ def test_straggler_is_named_and_alerted(tmp_path: Path) -> None:
     assert finding["finding"]["ranks"] == [1] and finding["remedy"]["action"] == "alert"
     assert len(journal(run_dir, "launch")) == 1  # an alert, not a relaunch
     assert "rank 1" in result.stdout
+
+
+def test_bring_your_own_checkpoint_is_registered_and_resumed(tmp_path: Path) -> None:
+    result, run_dir = babysat(tmp_path, "byo", "--steps", "20", "--crash", "1:13",
+                              checkpoint_every=0, extra="  max_restarts: 1\n",
+                              script=WORKERS / "byo_train.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+    saved = [e for e in journal(run_dir, "checkpoint_saved")]
+    assert [e["step"] for e in saved] == [5, 10, 15, 20] and saved[0]["data"]["external"]
+    (resume,) = [e for e in journal(run_dir, "resume") if e.get("from")]
+    assert resume["checkpoint_step"] == 10 and resume["cursor"] == 10
+    # The script loaded its own file (babysit only told it which), and went on from step 11.
+    assert "[r0] loaded my checkpoint of step 10" in result.stdout
+    assert min(losses(run_dir, attempt=1)) == 11
