@@ -206,6 +206,19 @@ class Pipeline:
         ]
         self.rules = Rules(policy)
 
+    def new_attempt(self) -> None:
+        """The workers were relaunched: forget state that spans the gap. A spike pending in the
+        old attempt must not carry over, and a rate measured across the relaunch (or over the
+        new attempt's warm-up against the old one's pace) is no throughput regression. Other
+        baselines (grad norm, stragglers) stay valid: the model did not change character."""
+        d = self.policy.detectors
+        self.detectors = [
+            LossSpikeDetector(d.loss_spike) if isinstance(det, LossSpikeDetector)
+            else ThroughputDetector(d.throughput) if isinstance(det, ThroughputDetector)
+            else det
+            for det in self.detectors
+        ]
+
     def findings(self, record: StepRecord) -> list[Finding]:
         """What the step detectors see in ``record``, before the rules judge it."""
         return [f for det in self.detectors if (f := det.observe(record)) is not None]

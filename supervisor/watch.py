@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from policies.detectors import HangDetector, LossSpikeDetector, classify
+from policies.detectors import HangDetector, classify
 from policies.detectors.crash import CrashClass, CrashSignature
 from policies.loader import load_policy
 from policies.replay import Pipeline
@@ -70,11 +70,7 @@ class Watch:
         self._alive = set()
         self.hang.start(now)
         if directive.attempt > 0:
-            # The new attempt resumes elsewhere (a checkpoint, or step 0): a spike pending in the
-            # old one must not carry over. The other detectors' baselines stay valid.
-            for det in self.pipeline.detectors:
-                if isinstance(det, LossSpikeDetector):
-                    det.reset()
+            self.pipeline.new_attempt()
 
     def observe_rank(self, sample: RankStep, now: float) -> None:
         self.hang.observe(sample, now)

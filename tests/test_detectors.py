@@ -298,3 +298,26 @@ def test_straggler_slow_loader_is_not_mirrored_onto_the_ranks_waiting_for_it() -
                                                     world_size=2))
     assert finding is not None and finding.ranks == (1,)
     assert finding.evidence["1"]["signal"] == "data_wait"
+
+
+def test_a_relaunch_is_not_a_throughput_regression() -> None:
+    # Fast steps, then a relaunch whose first steps run at a third of the pace (warm-up).
+    from policies.loader import load_policy
+    from policies.replay import Pipeline
+    from policies.types import RankStep, StepRecord
+
+    def record(step: int, step_time: float) -> StepRecord:
+        ranks = tuple(RankStep(rank=r, step=step, time=float(step), step_time=step_time,
+                               tokens=100.0) for r in range(2))
+        return StepRecord(step=step, time=float(step), ranks=ranks, world_size=2)
+
+    def slow_findings(relaunch: bool) -> list[str]:
+        pipe = Pipeline(load_policy("default"))
+        for s in range(1, 60):
+            pipe.findings(record(s, 0.1))
+        if relaunch:
+            pipe.new_attempt()
+        return [f.incident.value for s in range(1, 15) for f in pipe.findings(record(s, 0.3))]
+
+    assert slow_findings(relaunch=False) == ["throughput"]  # the same slowdown mid-attempt
+    assert slow_findings(relaunch=True) == []

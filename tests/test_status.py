@@ -81,12 +81,14 @@ def test_json_agrees_with_the_journal_and_metrics(run_dir: Path) -> None:
     # Incidents: the findings the policy acted on; the NaN steps it ignored are counted.
     findings = journal(run_dir, "finding")
     acted = [f for f in findings if f["remedy"]["action"] != "ignore"]
-    assert s["incident_count"] == len(acted) == 1
+    # (A loaded machine may add a timing alert, a straggler say: count what the journal holds.)
+    assert s["incident_count"] == len(acted) >= 1
     set_aside = journal(run_dir, "finding_set_aside")  # NaN steps while workers were replaced
-    assert s["ignored_findings"] == len(findings) - 1 + len(set_aside)
-    incident = s["incidents"][0]
-    assert (incident["incident"], incident["action"], incident["step"], incident["ranks"]) == (
-        "nonfinite", "rollback", acted[0]["finding"]["step"], acted[0]["finding"]["ranks"])
+    assert s["ignored_findings"] == len(findings) - len(acted) + len(set_aside)
+    nan = next(f for f in acted if f["finding"]["incident"] == "nonfinite")
+    incident = next(i for i in s["incidents"] if i["incident"] == "nonfinite")
+    assert (incident["action"], incident["step"], incident["ranks"]) == (
+        "rollback", nan["finding"]["step"], nan["finding"]["ranks"])
     # The relaunch: what attempt 1 was told (the directive) and why.
     told = journal(run_dir, "launch")[1]["directive"]
     again = s["attempt_history"][1]
