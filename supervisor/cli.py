@@ -3,6 +3,7 @@
     babysit run CONFIG.yaml [--run-dir DIR] [torchrun options that override the file]
     babysit run [torchrun options] SCRIPT [script args...]      # drop-in for torchrun
     babysit validate CONFIG.yaml
+    babysit doctor CONFIG.yaml [--send-alert] [--json]
     babysit alert-test CONFIG.yaml
     babysit status RUN_DIR [--json]
     babysit report RUN_DIR [--out PATH]
@@ -82,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="folder for the journal, logs, metrics and checkpoints")
     run.add_argument("--policy", help="built-in policy name or path to a policy YAML")
     run.add_argument("--name", help="name of the run (alerts, default run directory)")
+    run.add_argument("--skip-doctor", action="store_true",
+                     help="start even if the fast pre-flight checks fail")
     torchrun = run.add_argument_group("torchrun options (both dash and underscore spellings)")
     for flag, key, kind in _TORCHRUN_OPTIONS:
         torchrun.add_argument(*_spellings(flag), dest=key, type=kind, default=None)
@@ -97,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="check a config file without running it")
     validate.add_argument("config", metavar="CONFIG.yaml")
+
+    doctor = sub.add_parser(
+        "doctor", help="pre-flight checks before a long run (imports, torch, GPUs, disk, "
+        "checkpoint round trip, rendezvous, alert sinks)")
+    doctor.add_argument("config", metavar="CONFIG.yaml")
+    doctor.add_argument("--send-alert", action="store_true",
+                        help="send a real test alert to every sink (default: only probe them)")
+    doctor.add_argument("--json", action="store_true", help="one JSON list of results")
 
     schema = sub.add_parser("schema", help="print the JSON Schema of run configs (or policies)")
     schema.add_argument("--policy", action="store_true", help="print the policy schema instead")
@@ -129,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         handler = {"run": _run, "validate": _validate, "schema": _schema, "replay": _replay,
-                   "alert-test": _alert_test, "status": _status, "report": _report}
+                   "alert-test": _alert_test, "status": _status, "report": _report,
+                   "doctor": _doctor}
         return handler[args.command](args)
     except (ConfigError, UsageError) as exc:
         print(f"babysit: error: {exc}", file=sys.stderr)
@@ -174,7 +186,16 @@ def _run(args: argparse.Namespace) -> int:
     from supervisor.loop import Supervisor
 
     plan = _plan(args)
-    return Supervisor(plan, Console()).run()
+    console = Console()
+    from supervisor.doctor import Status, fast_checks, render
+
+    results = fast_checks(plan)
+    if any(r.status in (Status.WARN, Status.FAIL) for r in results):
+        console.log(render(results, problems_only=True))
+    if any(r.status is Status.FAIL for r in results) and not args.skip_doctor:
+        console.log("babysit: not starting: fix the failures above, or pass --skip-doctor.")
+        return 1
+    return Supervisor(plan, console).run()
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -187,6 +208,12 @@ def _validate(args: argparse.Namespace) -> int:
           f"{launch.nnodes} node(s), {what}, policy '{p.config.policy.name}', "
           f"run directory {p.run_dir}.")
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from supervisor.doctor import doctor_main
+
+    return doctor_main(args.config, args.send_alert, args.json, sys.stdout)
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -136,3 +136,20 @@ def test_cli_rejects_args_after_config(write_config, capsys) -> None:
     path = write_config("launch: {script: t.py}\n")
     assert main(["run", str(path), "--lr", "1"]) == 2
     assert "launch.args" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "demo-spike.yaml", "demo-hang.yaml"])
+def test_shipped_configs_validate(name: str, capsys) -> None:
+    from tests.conftest import ROOT
+
+    assert main(["validate", str(ROOT / "configs" / name)]) == 0
+    assert "OK" in capsys.readouterr().out
+
+
+def test_run_refuses_to_start_when_a_fast_check_fails(tmp_path: Path, capsys) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import no_such_module_xyz\n")
+    assert main(["run", "--run-dir", str(tmp_path / "run"), str(script)]) == 1
+    out = capsys.readouterr().out
+    assert "no_such_module_xyz" in out and "not starting" in out and "--skip-doctor" in out
+    assert not (tmp_path / "run").exists()  # refused before anything was created
