@@ -161,7 +161,9 @@ class RunConfig(_Section):
     name (or the script's name when launched without a config)."""
     run_dir: str | None = None
     """Folder for everything the run leaves behind (journal, logs, metrics, checkpoints). Default:
-    ``runs/<name>-<date>-<time>`` under the current directory. Reusing a folder resumes that run."""
+    ``runs/<name>-<date>-<time>`` under the current directory. Reusing a folder appends to its
+    journal and continues its attempt numbers, but starts training afresh: resuming a run from
+    its checkpoints after babysit itself was stopped is not implemented yet."""
     checkpoints: CheckpointConfig = CheckpointConfig()
     """Checkpoint settings."""
     policy: PolicyRef = PolicyRef()
