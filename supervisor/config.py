@@ -161,9 +161,10 @@ class RunConfig(_Section):
     name (or the script's name when launched without a config)."""
     run_dir: str | None = None
     """Folder for everything the run leaves behind (journal, logs, metrics, checkpoints). Default:
-    ``runs/<name>-<date>-<time>`` under the current directory. Reusing a folder appends to its
-    journal and continues its attempt numbers, but starts training afresh: resuming a run from
-    its checkpoints after babysit itself was stopped is not implemented yet."""
+    ``runs/<name>-<date>-<time>`` under the current directory. Reusing the folder of a run whose
+    supervisor died (killed, OOM, reboot) takes it over: leftover workers are stopped and the
+    run resumes from its newest checkpoint with the skips and LR scale it had. Reusing a
+    finished run's folder appends a new run to its journal."""
     checkpoints: CheckpointConfig = CheckpointConfig()
     """Checkpoint settings."""
     policy: PolicyRef = PolicyRef()

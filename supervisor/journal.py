@@ -15,6 +15,7 @@ import math
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -91,3 +92,39 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+@dataclass(frozen=True)
+class PriorRun:
+    """What an earlier supervisor of this run directory left behind, read from its journal.
+
+    ``unfinished``: it started and never journaled ``run_finished`` (killed, OOM, reboot), so
+    this supervisor takes over. ``directive``: the last directive it launched workers with
+    (skips and LR scale decided so far). ``pids``: the processes it launched in its last
+    attempt (torchrun and the ranks), which may still run as orphans.
+    """
+
+    last_attempt: int
+    unfinished: bool
+    directive: dict[str, Any] | None
+    pids: tuple[int, ...]
+
+
+def prior_run(entries: list[dict[str, Any]]) -> PriorRun | None:
+    """Pure: the previous supervisor's story, or None for a new run directory."""
+    if not entries:
+        return None
+    last_start = max(i for i, e in enumerate(entries) if e.get("event") == "run_started") \
+        if any(e.get("event") == "run_started" for e in entries) else 0
+    tail = entries[last_start:]
+    last_attempt = max((int(e.get("attempt", 0)) for e in entries), default=0)
+    unfinished = not any(e.get("event") == "run_finished" for e in tail)
+    launches = [e for e in entries if e.get("event") == "launch"]
+    directive = launches[-1].get("directive") if launches else None
+    pids: list[int] = []
+    if launches:
+        pids.append(int(launches[-1].get("pid", 0)))
+        pids += [int(e["data"]["pid"]) for e in tail if e.get("event") == "worker_hello"
+                 and e.get("attempt") == launches[-1].get("attempt")
+                 and isinstance(e.get("data"), dict) and isinstance(e["data"].get("pid"), int)]
+    return PriorRun(last_attempt, unfinished, directive, tuple(p for p in pids if p > 0))

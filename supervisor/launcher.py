@@ -199,18 +199,7 @@ class WorkerGroup:
         return code
 
     def _signal_all(self, sig: signal.Signals) -> None:
-        procs = self.processes()
-        groups = set()
-        for p in procs:
-            with contextlib.suppress(psutil.Error, OSError):
-                groups.add(os.getpgid(p.pid))
-        for pgid in groups:
-            if pgid != os.getpgrp():  # never signal babysit's own group
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pgid, sig)
-        for p in procs:  # processes that share babysit's group, if any
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(sig)
+        signal_groups(self.processes(), sig)
 
     def _reap(self) -> None:
         # Orphans adopted by us (subreaper) become our zombies; collect them, but never torchrun,
@@ -221,6 +210,46 @@ class WorkerGroup:
                 if p.pid != launcher and p.status() == psutil.STATUS_ZOMBIE:
                     with contextlib.suppress(ChildProcessError, OSError):
                         os.waitpid(p.pid, os.WNOHANG)
+
+
+def signal_groups(procs: list[psutil.Process], sig: signal.Signals) -> None:
+    """Send ``sig`` to the process group of each of ``procs`` (torchrun starts every worker in
+    a session of its own), never to babysit's own group, then to each process directly."""
+    groups = set()
+    for p in procs:
+        with contextlib.suppress(psutil.Error, OSError):
+            groups.add(os.getpgid(p.pid))
+    for pgid in groups:
+        if pgid != os.getpgrp():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, sig)
+    for p in procs:  # processes that share babysit's group, if any
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(sig)
+
+
+def stop_leftovers(pids: tuple[int, ...], run_dir: Path, grace_s: float) -> list[int]:
+    """Stop what a killed supervisor of ``run_dir`` left running; returns the pids stopped.
+
+    Only processes whose environment names this run directory count (with their children):
+    pids are reused, and a stranger's process must never be signalled.
+    """
+    ours: dict[int, psutil.Process] = {}
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            if proc.environ().get("BABYSIT_RUN_DIR") == str(run_dir):
+                for p in [proc, *proc.children(recursive=True)]:
+                    ours[p.pid] = p
+    procs = [p for p in ours.values() if _alive(p)]
+    if not procs:
+        return []
+    signal_groups(procs, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    if alive:
+        signal_groups(alive, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5)
+    return sorted(p.pid for p in procs)
 
 
 def _alive(p: psutil.Process) -> bool:

@@ -76,6 +76,7 @@ class Supervisor:
         self._incidents = 0
         self._started = 0.0
         self._first_attempt = 0
+        self._takeover: journal_mod.PriorRun | None = None
         self._rank_pids: dict[int, int] = {}
         self._incident_dir: Path | None = None
         c = plan.config.checkpoints
@@ -108,6 +109,8 @@ class Supervisor:
         (run_dir / "config.yaml").write_text(
             yaml.safe_dump(self.plan.config.model_dump(mode="json"), sort_keys=False))
         self._first_attempt = 1 + max((e.get("attempt", -1) for e in previous), default=-1)
+        prior = journal_mod.prior_run(previous)
+        self._takeover = prior if prior is not None and prior.unfinished else None
         self.machine = sm.Machine(attempt=self._first_attempt)
         self.journal.open()
         self.intake.open()
@@ -121,9 +124,25 @@ class Supervisor:
                       source=self.plan.source, pid=os.getpid(),
                       resumed_journal=bool(previous))
         self.console.log(f"babysit: run '{self.plan.name}' in {run_dir}")
+        if self._takeover is not None:
+            self._take_over(self._takeover)
         for event, fields in self.services.start():
             self._journal(event, **fields)
             self.console.log(f"babysit: {event.replace('_', ' ')}: {fields}")
+
+    def _take_over(self, prior: journal_mod.PriorRun) -> None:
+        """The previous supervisor of this run died without finishing it: stop what it left
+        running, keep what it had decided (skips, LR scale), resume from its checkpoints."""
+        stopped = launcher.stop_leftovers(prior.pids, self.plan.run_dir,
+                                          self.plan.config.launch.stop_grace_s)
+        if prior.directive:
+            self.watch.restore(prior.directive)
+        self._journal("supervisor_takeover", previous_attempt=prior.last_attempt,
+                      stopped_pids=stopped,
+                      skip=[{"start": r.start, "end": r.end} for r in self.watch.skips],
+                      lr_scale=self.watch.lr_scale)
+        self.console.log(f"babysit: taking over an unfinished run (attempt {prior.last_attempt}"
+                         f"); stopped {len(stopped)} leftover process(es)")
 
     def _teardown(self) -> None:
         if self._group is not None and self._group.processes():
@@ -344,7 +363,10 @@ class Supervisor:
     def _launch(self, attempt: int, remedy: Remedy | None) -> None:
         attempt_dir = self._attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=True)
-        resume, entries = self.recovery.resume_for(remedy)
+        if remedy is None and self._takeover is not None and attempt == self._first_attempt:
+            resume, entries = self.recovery.resume_latest()
+        else:
+            resume, entries = self.recovery.resume_for(remedy)
         self._journal_all(entries)
         directive = self.watch.directive_for(attempt, remedy, resume)
         directive.write(attempt_dir / "directive.json")

@@ -93,8 +93,18 @@ class Recovery:
             return None, entries
         rollback = remedy.action is Action.ROLLBACK
         before = remedy.finding.onset_step if rollback else remedy.finding.step + 1
+        return self._choose(before, not rollback, entries)
+
+    def resume_latest(self) -> tuple[Resume | None, list[Entry]]:
+        """For a supervisor taking over a run whose supervisor died: the newest usable
+        checkpoint, pending ones included (nothing suggests they are bad)."""
+        _, entries = self.resume_for(None)
+        return self._choose(2**62, True, entries)
+
+    def _choose(self, before: int, allow_pending: bool,
+                entries: list[Entry]) -> tuple[Resume | None, list[Entry]]:
         try:
-            choice = self.catalog.choose_for_rollback(before, allow_pending=not rollback)
+            choice = self.catalog.choose_for_rollback(before, allow_pending=allow_pending)
         except OSError as exc:
             entries.append(_storage_error("choosing a checkpoint", exc))
             entries.append(("resume", {"from": None, "before_step": before,

@@ -119,6 +119,12 @@ class Watch:
         self.crashes.append(verdict.key())
         return verdict.to_finding(step=step, ranks=(rank,) if rank >= 0 else ())
 
+    def restore(self, directive: dict[str, Any]) -> None:
+        """Carry on from the last directive a previous supervisor of this run launched with:
+        the skip ranges and LR scale it had decided are part of the run, not of the process."""
+        self.skips = [SkipRange(int(r["start"]), int(r["end"])) for r in directive.get("skip", ())]
+        self.lr_scale = float(directive.get("lr_scale", 1.0))
+
     # -- what the next attempt is told ----------------------------------------------------------
 
     def directive_for(self, attempt: int, remedy: Remedy | None,

@@ -199,3 +199,23 @@ def test_journal_evidence_may_carry_any_key(tmp_path: Path) -> None:
     (entry,) = read(tmp_path / "events.jsonl")
     assert entry == {"time": 1.0, "event": "digest", "attempt": 2, "step": 7,
                      "evidence_attempt": 9, "evidence_time": "x", "loss": "nan"}
+
+
+def test_prior_run_reads_what_a_killed_supervisor_left() -> None:
+    from supervisor.journal import prior_run
+
+    assert prior_run([]) is None
+    directive = {"skip": [{"start": 3, "end": 9}], "lr_scale": 0.5}
+    entries = [
+        {"event": "run_started", "attempt": 0},
+        {"event": "launch", "attempt": 0, "pid": 100, "directive": {}},
+        {"event": "worker_hello", "attempt": 0, "rank": 0, "data": {"pid": 101}},
+        {"event": "launch", "attempt": 1, "pid": 200, "directive": directive},
+        {"event": "worker_hello", "attempt": 1, "rank": 0, "data": {"pid": 201}},
+        {"event": "worker_hello", "attempt": 1, "rank": 1, "data": {"pid": "bogus"}},
+    ]
+    prior = prior_run(entries)
+    assert prior is not None and prior.unfinished and prior.last_attempt == 1
+    assert prior.pids == (200, 201) and prior.directive == directive
+    finished = prior_run([*entries, {"event": "run_finished", "attempt": 1}])
+    assert finished is not None and not finished.unfinished

@@ -1,0 +1,62 @@
+"""babysit itself killed (SIGKILL, as the OOM killer or a reboot would): running it again on the
+same run directory stops the workers it left behind and resumes from its checkpoints."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import WORKERS, babysit_env, read_jsonl, run_babysit
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_killed_supervisor_is_taken_over_and_the_run_resumes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
+        f"  args: {json.dumps(['--steps', '40', '--step-sleep', '0.15'])}\n"
+        f"run_dir: {run_dir}\n"
+        "checkpoints: {every_steps: 5, probation_steps: 2}\n")
+    first = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", str(config)],
+                             cwd=tmp_path, env=babysit_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        saved: list[int] = []
+        while time.monotonic() < deadline and not any(s >= 10 for s in saved):
+            time.sleep(0.2)
+            if (run_dir / "events.jsonl").exists():
+                saved = [e["step"] for e in read_jsonl(run_dir / "events.jsonl")
+                         if e["event"] == "checkpoint_saved"]
+        assert any(s >= 10 for s in saved), "no checkpoint within 90 s"
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    before = read_jsonl(run_dir / "events.jsonl")
+    workers = [e["data"]["pid"] for e in before if e["event"] == "worker_hello"]
+    assert all(psutil.pid_exists(p) for p in workers)  # orphans, still training unwatched
+
+    second = run_babysit("run", str(config), cwd=tmp_path, timeout=180)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    journal = read_jsonl(run_dir / "events.jsonl")
+    (takeover,) = [e for e in journal if e["event"] == "supervisor_takeover"]
+    assert set(workers) <= set(takeover["stopped_pids"])
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                   for p in workers)
+    (resume,) = [e for e in journal if e["event"] == "resume" and e.get("from")]
+    assert resume["checkpoint_step"] >= 10
+    new_attempt = max(e["attempt"] for e in before) + 1
+    rows = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["attempt"] == new_attempt]
+    assert rows[0]["step"] == resume["checkpoint_step"] + 1 and rows[-1]["step"] == 40
+    assert journal[-1]["event"] == "run_finished" and journal[-1]["state"] == "succeeded"
