@@ -140,6 +140,10 @@ class CheckpointConfig(_Section):
     async_save: bool = False
     """Save in the background with ``torch.distributed.checkpoint.async_save``; the script then
     needs an ``if __name__ == "__main__":`` guard."""
+    final_grace_s: float = Field(120.0, ge=0)
+    """On SIGTERM (what a scheduler sends before reclaiming the node), seconds babysit waits for
+    the workers to save a final checkpoint before stopping them; 0 stops at once. The next
+    ``babysit run`` with the same run directory resumes from it. SIGINT never waits."""
 
 
 class PolicyRef(_Section):

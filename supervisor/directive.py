@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+CONTROL_FILE = "control.json"
+"""Beside ``directive.json``: requests to a running attempt (``{"checkpoint_at_step": N}``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class SkipRange:

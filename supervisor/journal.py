@@ -98,8 +98,9 @@ def _finite(value: Any) -> Any:
 class PriorRun:
     """What an earlier supervisor of this run directory left behind, read from its journal.
 
-    ``unfinished``: it started and never journaled ``run_finished`` (killed, OOM, reboot), so
-    this supervisor takes over. ``directive``: the last directive it launched workers with
+    ``unfinished``: it started and never journaled ``run_finished`` (killed, OOM, reboot), or
+    it was stopped by a signal (preempted, interrupted): this supervisor takes over.
+    ``directive``: the last directive it launched workers with
     (skips and LR scale decided so far). ``pids``: the processes it launched in its last
     attempt (torchrun and the ranks), which may still run as orphans.
     """
@@ -118,7 +119,8 @@ def prior_run(entries: list[dict[str, Any]]) -> PriorRun | None:
         if any(e.get("event") == "run_started" for e in entries) else 0
     tail = entries[last_start:]
     last_attempt = max((int(e.get("attempt", 0)) for e in entries), default=0)
-    unfinished = not any(e.get("event") == "run_finished" for e in tail)
+    finished = [e for e in tail if e.get("event") == "run_finished"]
+    unfinished = not finished or finished[-1].get("state") == "stopped"
     launches = [e for e in entries if e.get("event") == "launch"]
     directive = launches[-1].get("directive") if launches else None
     pids: list[int] = []

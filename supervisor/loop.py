@@ -39,6 +39,7 @@ from supervisor import journal as journal_mod
 from supervisor.aggregate import StepAggregator, metrics_row
 from supervisor.alerts import Alert, AlertDispatcher
 from supervisor.console import Console
+from supervisor.directive import CONTROL_FILE
 from supervisor.intake import Intake
 from supervisor.plan import RunPlan
 from supervisor.recovery import Recovery
@@ -77,6 +78,7 @@ class Supervisor:
         self._started = 0.0
         self._first_attempt = 0
         self._takeover: journal_mod.PriorRun | None = None
+        self._last_checkpoint = -1
         self._rank_pids: dict[int, int] = {}
         self._incident_dir: Path | None = None
         c = plan.config.checkpoints
@@ -144,6 +146,33 @@ class Supervisor:
         self.console.log(f"babysit: taking over an unfinished run (attempt {prior.last_attempt}"
                          f"); stopped {len(stopped)} leftover process(es)")
 
+    def _final_checkpoint(self) -> None:
+        """SIGTERM is what a scheduler sends before it reclaims the node: ask every rank for a
+        checkpoint a few steps ahead (all ranks must save at the same step), and wait for it
+        within ``checkpoints.final_grace_s`` while still reading telemetry."""
+        grace = self.plan.config.checkpoints.final_grace_s
+        if not (self.plan.config.checkpoints.every_steps and grace > 0 and self._group):
+            return
+        # Ranks of a synchronous job are within a step of each other: 3 ahead is ahead of all.
+        target = self.machine.step + 3
+        control = self._attempt_dir(self.machine.attempt) / CONTROL_FILE
+        tmp = control.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"checkpoint_at_step": target}))
+        os.replace(tmp, control)
+        self._journal("final_checkpoint_requested", target_step=target, grace_s=grace)
+        self.console.log(f"babysit: SIGTERM: asking for a final checkpoint at step {target} "
+                         f"(waiting up to {grace:g} s)")
+        deadline = self.clock() + grace
+        while self.clock() < deadline and self._last_checkpoint < target:
+            time.sleep(TICK_S)
+            self._take_telemetry(deque())  # findings are moot now: the run is stopping
+            self._print_output()
+            if self._group.poll() is not None:
+                break
+        saved = self._last_checkpoint >= target
+        self._journal("final_checkpoint", saved=saved,
+                      checkpoint_step=self._last_checkpoint if saved else None)
+
     def _teardown(self) -> None:
         if self._group is not None and self._group.processes():
             self._group.stop(self.plan.config.launch.stop_grace_s)
@@ -186,6 +215,8 @@ class Supervisor:
     def _gather(self, pending: deque[sm.Event | Finding]) -> None:
         """Turn everything that happened since the last tick into events, in a fixed order."""
         if self._signal is not None:
+            if self._signal == signal.SIGTERM and self.machine.state is sm.State.RUNNING:
+                self._final_checkpoint()
             pending.append(sm.StopRequested(self._signal))
             self._signal = None
         self._take_telemetry(pending)
@@ -282,6 +313,7 @@ class Supervisor:
             self._journal(f"worker_{event.type}", rank=event.rank, data=event.data)
         elif event.type == "checkpoint":
             step = int(event.data.get("step", 0))
+            self._last_checkpoint = max(self._last_checkpoint, step)
             self._journal("checkpoint_saved", step=step, rank=event.rank, data=event.data)
             self._journal_all(self.recovery.on_checkpoint(step))
         elif event.type == "checkpoint_failed":

@@ -38,10 +38,11 @@ import socket
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from supervisor import protocol
-from supervisor.directive import Directive, Resume, SkipRange
+from supervisor.directive import CONTROL_FILE, Directive, Resume, SkipRange
 from supervisor.intake import connect
 from supervisor.saving import Checkpointer
 
@@ -332,6 +333,8 @@ def attach(model: Any = None, optimizer: Any = None, scheduler: Any = None) -> R
     run = Run(rank=rank, world_size=world_size, directive=directive, sock=sock,
               token=bytes.fromhex(token_hex), model=model, optimizer=optimizer,
               scheduler=scheduler)
+    if directive_path:
+        run._checkpointer.control = Path(directive_path).with_name(CONTROL_FILE)
     restored = run._checkpointer.resume()
     if restored is not None:
         run.step_count, run.cursor = restored

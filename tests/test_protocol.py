@@ -217,5 +217,7 @@ def test_prior_run_reads_what_a_killed_supervisor_left() -> None:
     prior = prior_run(entries)
     assert prior is not None and prior.unfinished and prior.last_attempt == 1
     assert prior.pids == (200, 201) and prior.directive == directive
-    finished = prior_run([*entries, {"event": "run_finished", "attempt": 1}])
+    finished = prior_run([*entries, {"event": "run_finished", "attempt": 1, "state": "failed"}])
     assert finished is not None and not finished.unfinished
+    preempted = prior_run([*entries, {"event": "run_finished", "attempt": 1, "state": "stopped"}])
+    assert preempted is not None and preempted.unfinished  # SIGTERM'd runs are resumed

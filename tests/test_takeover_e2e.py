@@ -60,3 +60,44 @@ def test_a_killed_supervisor_is_taken_over_and_the_run_resumes(tmp_path: Path) -
     rows = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["attempt"] == new_attempt]
     assert rows[0]["step"] == resume["checkpoint_step"] + 1 and rows[-1]["step"] == 40
     assert journal[-1]["event"] == "run_finished" and journal[-1]["state"] == "succeeded"
+
+
+def test_sigterm_saves_a_final_checkpoint_and_the_next_run_resumes_from_it(
+        tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
+        f"  args: {json.dumps(['--steps', '40', '--step-sleep', '0.1'])}\n"
+        f"run_dir: {run_dir}\n"
+        # No checkpoint on the cadence before the end: only the final one can be resumed from.
+        "checkpoints: {every_steps: 100, final_grace_s: 60}\n")
+    first = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", str(config)],
+                             cwd=tmp_path, env=babysit_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() \
+                else []
+            if rows and rows[-1]["step"] >= 10:
+                break
+        first.send_signal(signal.SIGTERM)  # what a scheduler sends before reclaiming the node
+        out, _ = first.communicate(timeout=90)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 128 + signal.SIGTERM, out[-3000:]
+    journal = read_jsonl(run_dir / "events.jsonl")
+    (asked,) = [e for e in journal if e["event"] == "final_checkpoint_requested"]
+    (final,) = [e for e in journal if e["event"] == "final_checkpoint"]
+    assert final["saved"] and final["checkpoint_step"] == asked["target_step"]
+    assert journal[-1]["state"] == "stopped"
+
+    second = run_babysit("run", str(config), cwd=tmp_path, timeout=180)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    journal = read_jsonl(run_dir / "events.jsonl")
+    (resume,) = [e for e in journal if e["event"] == "resume" and e.get("from")]
+    assert resume["checkpoint_step"] == asked["target_step"]
+    assert journal[-1]["state"] == "succeeded"
