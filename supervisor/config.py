@@ -278,6 +278,13 @@ def check_environment(config: RunConfig, base: Path, run_dir: Path, source: str)
             f"{source}: launch.script: file '{config.launch.script}' not found (looked at "
             f"{script}). Fix the path; relative paths start at the config file's folder."
         )
+    if run_dir.exists() and run_dir.stat().st_uid != os.geteuid():
+        # The run directory guards the telemetry socket (mode 0700) and holds the journal that
+        # a takeover trusts: a folder someone else owns could hold either, planted.
+        problems.append(
+            f"{source}: run_dir: '{run_dir}' belongs to uid {run_dir.stat().st_uid}, not to you "
+            f"(uid {os.geteuid()}). babysit only uses a run directory it owns; choose another "
+            f"run_dir.")
     folders = (("run_dir", run_dir), ("checkpoints.dir", checkpoint_dir(config, base, run_dir)))
     for key, folder in folders:
         problem = _unwritable(folder)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,15 @@ def test_run_refuses_to_start_when_a_fast_check_fails(tmp_path: Path, capsys) ->
     out = capsys.readouterr().out
     assert "no_such_module_xyz" in out and "not starting" in out and "--skip-doctor" in out
     assert not (tmp_path / "run").exists()  # refused before anything was created
+
+
+def test_a_run_dir_owned_by_someone_else_is_refused(write_config, tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text("")
+    if os.geteuid() == 0:
+        theirs, owner = tmp_path / "theirs", 65534
+        theirs.mkdir()
+        os.chown(theirs, owner, owner)  # nobody's
+    else:
+        theirs, owner = Path("/"), 0  # root's, and we are not root
+    msg = error_of(write_config(f"launch: {{script: t.py}}\nrun_dir: {theirs}\n"))
+    assert "run_dir:" in msg and f"belongs to uid {owner}" in msg and "choose another" in msg

@@ -136,3 +136,21 @@ def test_crash_relaunches_then_stops_on_a_deterministic_repeat(tmp_path: Path) -
     assert journal[-1]["state"] == "failed"
     # Each attempt keeps its own logs.
     assert (run_dir / "attempts" / "1" / "launcher.log").exists()
+
+
+def test_a_script_flooding_stdout_neither_stalls_babysit_nor_loses_its_log(
+        tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_babysit("run", "--nproc-per-node", "2", "--run-dir", str(run_dir),
+                         str(WORKERS / "tiny_train.py"), "--steps", "60", "--flood", "1000",
+                         cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    # Every step was recorded and judged on time: no hang, no gap in the metrics.
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 61))
+    journal = read_jsonl(run_dir / "events.jsonl")
+    assert not any(e["event"] == "finding" and e["finding"]["incident"] == "hang"
+                   for e in journal)
+    # The rank's own log keeps all 60,000 lines, whatever the console had to drop.
+    (log,) = run_dir.glob("attempts/0/torchrun/*/attempt_0/0/stdout.log")
+    with open(log, "rb") as f:
+        assert sum(1 for _ in f) >= 60_000

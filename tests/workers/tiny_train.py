@@ -12,6 +12,7 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
     --spike START:END      global batches START <= i < END are poisoned: a real loss spike
     --nan-at CURSOR        that global batch gives a non-finite loss
     --slow-data RANK:SEC   that rank waits SEC seconds for every batch (a slow loader)
+    --flood LINES          rank 0 prints LINES lines of junk every step
 """
 
 import argparse
@@ -66,6 +67,7 @@ def main() -> None:
     p.add_argument("--nan-at", type=int)
     p.add_argument("--slow-data", type=pair)
     p.add_argument("--exit-code", type=int, default=0)
+    p.add_argument("--flood", type=int, default=0)
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -89,6 +91,9 @@ def main() -> None:
             print(f"rank {rank}: injected hang at step {upcoming}", flush=True)
             time.sleep(3600)
         time.sleep(args.step_sleep)
+        if args.flood and rank == 0:
+            sys.stdout.write(f"flood step {upcoming} " + "x" * 100 + "\n" * 1)
+            sys.stdout.write(("y" * 120 + "\n") * (args.flood - 1))
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad()
         loss.backward()
