@@ -143,6 +143,18 @@ class Finding:
     """Data cursor (global batches consumed) at the onset, when the detector knows it; rollback
     skip ranges and the "same region again" escalation are measured in cursor space."""
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Finding:
+        """The inverse of ``to_json`` (a journal entry read back by a supervisor taking over)."""
+        return cls(
+            incident=Incident(d["incident"]), detector=str(d["detector"]),
+            severity=Severity[str(d["severity"]).upper()], step=int(d["step"]),
+            onset_step=int(d["onset_step"]), message=str(d["message"]),
+            ranks=tuple(int(r) for r in d.get("ranks", ())),
+            evidence=dict(d.get("evidence", {})),
+            onset_cursor=None if d.get("onset_cursor") is None else int(d["onset_cursor"]),
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {
             "incident": self.incident.value,
@@ -190,6 +202,15 @@ class Remedy:
     skip_after: int = 0
     lr_scale: float = 1.0
     backoff_s: float = 0.0
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], finding: Finding) -> Remedy:
+        """The inverse of ``to_json``, given the finding it answered."""
+        return cls(
+            action=Action(d["action"]), finding=finding, reason=str(d["reason"]),
+            skip_before=int(d.get("skip_before", 0)), skip_after=int(d.get("skip_after", 0)),
+            lr_scale=float(d.get("lr_scale", 1.0)), backoff_s=float(d.get("backoff_s", 0.0)),
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -109,6 +109,11 @@ class PriorRun:
     unfinished: bool
     directive: dict[str, Any] | None
     pids: tuple[int, ...]
+    watch_state: dict[str, Any] | None = None
+    """The judgement state journaled after its last finding (see ``Watch.state_dict``)."""
+    pending: dict[str, Any] | None = None
+    """A ``finding`` entry whose rollback or relaunch was decided but never launched: the
+    supervisor died in between, and the remedy must not be lost."""
 
 
 def prior_run(entries: list[dict[str, Any]]) -> PriorRun | None:
@@ -129,4 +134,11 @@ def prior_run(entries: list[dict[str, Any]]) -> PriorRun | None:
         pids += [int(e["data"]["pid"]) for e in tail if e.get("event") == "worker_hello"
                  and e.get("attempt") == launches[-1].get("attempt")
                  and isinstance(e.get("data"), dict) and isinstance(e["data"].get("pid"), int)]
-    return PriorRun(last_attempt, unfinished, directive, tuple(p for p in pids if p > 0))
+    states = [e["state"] for e in entries if e.get("event") == "watch_state"]
+    last_launch = max((i for i, e in enumerate(entries) if e.get("event") == "launch"),
+                      default=-1)
+    pending = [e for e in entries[last_launch + 1:] if e.get("event") == "finding"
+               and e.get("remedy", {}).get("action") in ("rollback", "relaunch")]
+    return PriorRun(last_attempt, unfinished, directive, tuple(p for p in pids if p > 0),
+                    states[-1] if states else None,
+                    pending[-1] if pending and unfinished else None)

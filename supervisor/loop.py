@@ -39,7 +39,7 @@ from supervisor import journal as journal_mod
 from supervisor.aggregate import StepAggregator, metrics_row
 from supervisor.alerts import Alert, AlertDispatcher
 from supervisor.console import Console
-from supervisor.directive import CONTROL_FILE
+from supervisor.directive import CONTROL_FILE, SkipRange
 from supervisor.intake import Intake
 from supervisor.plan import RunPlan
 from supervisor.recovery import Recovery
@@ -78,6 +78,7 @@ class Supervisor:
         self._started = 0.0
         self._first_attempt = 0
         self._takeover: journal_mod.PriorRun | None = None
+        self._inherited: Remedy | None = None
         self._last_checkpoint = -1
         self._rank_pids: dict[int, int] = {}
         self._incident_dir: Path | None = None
@@ -137,10 +138,18 @@ class Supervisor:
         running, keep what it had decided (skips, LR scale), resume from its checkpoints."""
         stopped = launcher.stop_leftovers(prior.pids, self.plan.run_dir,
                                           self.plan.config.launch.stop_grace_s)
-        if prior.directive:
-            self.watch.restore(prior.directive)
+        if prior.watch_state:
+            self.watch.load_state_dict(prior.watch_state)
+        if prior.directive:  # the skips and LR scale the last attempt actually ran with
+            self.watch.skips = [SkipRange(int(r["start"]), int(r["end"]))
+                                for r in prior.directive.get("skip", ())]
+            self.watch.lr_scale = float(prior.directive.get("lr_scale", 1.0))
+        if prior.pending:
+            finding = Finding.from_json(prior.pending["finding"])
+            self._inherited = Remedy.from_json(prior.pending["remedy"], finding)
         self._journal("supervisor_takeover", previous_attempt=prior.last_attempt,
                       stopped_pids=stopped,
+                      inherited_remedy=self._inherited.to_json() if self._inherited else None,
                       skip=[{"start": r.start, "end": r.end} for r in self.watch.skips],
                       lr_scale=self.watch.lr_scale)
         self.console.log(f"babysit: taking over an unfinished run (attempt {prior.last_attempt}"
@@ -191,7 +200,8 @@ class Supervisor:
 
     def _loop(self) -> int:
         pending: deque[sm.Event | Finding] = deque()
-        exit_code = self._perform(sm.Launch(self.machine.attempt, None), pending)
+        # A remedy the previous supervisor decided but died before launching is applied now.
+        exit_code = self._perform(sm.Launch(self.machine.attempt, self._inherited), pending)
         while exit_code is None:
             # Sleep, never wait on the telemetry socket: a waiting reader makes every rank's
             # report pay for waking it (see supervisor.intake).
@@ -337,6 +347,7 @@ class Supervisor:
             self.services.count(finding, remedy)
         self._journal("finding", step=finding.step, finding=finding.to_json(),
                       remedy=remedy.to_json())
+        self._journal("watch_state", state=self.watch.state_dict())
         self._journal_all(self.recovery.on_finding(finding))
         return remedy
 
@@ -395,7 +406,7 @@ class Supervisor:
     def _launch(self, attempt: int, remedy: Remedy | None) -> None:
         attempt_dir = self._attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=True)
-        if remedy is None and self._takeover is not None and attempt == self._first_attempt:
+        if self._takeover is not None and attempt == self._first_attempt and remedy is None:
             resume, entries = self.recovery.resume_latest()
         else:
             resume, entries = self.recovery.resume_for(remedy)

@@ -119,11 +119,20 @@ class Watch:
         self.crashes.append(verdict.key())
         return verdict.to_finding(step=step, ranks=(rank,) if rank >= 0 else ())
 
-    def restore(self, directive: dict[str, Any]) -> None:
-        """Carry on from the last directive a previous supervisor of this run launched with:
-        the skip ranges and LR scale it had decided are part of the run, not of the process."""
-        self.skips = [SkipRange(int(r["start"]), int(r["end"])) for r in directive.get("skip", ())]
-        self.lr_scale = float(directive.get("lr_scale", 1.0))
+    def state_dict(self) -> dict[str, Any]:
+        """What a supervisor taking over this run needs to judge as this one would: the rules'
+        ladders and budget (so no remedy is spent twice), the crash history (so a deterministic
+        crash is still recognised), and the skip ranges and LR scale decided so far."""
+        return {"rules": self.rules.state_dict(),
+                "crashes": [[c.signature, c.step] for c in self.crashes],
+                "skips": [[r.start, r.end] for r in self.skips], "lr_scale": self.lr_scale}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.rules.load_state_dict(d["rules"])
+        self.crashes = [CrashSignature(str(sig), None if step is None else int(step))
+                        for sig, step in d.get("crashes", ())]
+        self.skips = [SkipRange(int(a), int(b)) for a, b in d.get("skips", ())]
+        self.lr_scale = float(d.get("lr_scale", 1.0))
 
     # -- what the next attempt is told ----------------------------------------------------------
 
@@ -132,7 +141,8 @@ class Watch:
         """The directive of ``attempt``, folding in the remedy that caused it: skip ranges and
         LR scale accumulate over the run; ``resume`` is the checkpoint the loop chose."""
         if remedy is not None and remedy.action is Action.ROLLBACK:
-            onset = self._cursor_at.get(remedy.finding.onset_step)
+            # After a takeover the step -> cursor memory is empty; the finding carries its onset.
+            onset = self._cursor_at.get(remedy.finding.onset_step, remedy.finding.onset_cursor)
             detected = self._cursor_at.get(remedy.finding.step, onset)
             if onset is not None and detected is not None:
                 # The batch behind step s is cursor(s) - 1.

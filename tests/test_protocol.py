@@ -221,3 +221,40 @@ def test_prior_run_reads_what_a_killed_supervisor_left() -> None:
     assert finished is not None and not finished.unfinished
     preempted = prior_run([*entries, {"event": "run_finished", "attempt": 1, "state": "stopped"}])
     assert preempted is not None and preempted.unfinished  # SIGTERM'd runs are resumed
+
+
+def test_prior_run_finds_a_remedy_decided_but_never_launched() -> None:
+    from supervisor.journal import prior_run
+
+    finding = {"event": "finding", "attempt": 0, "finding": {"incident": "loss_spike"},
+               "remedy": {"action": "rollback"}}
+    entries = [{"event": "run_started", "attempt": 0},
+               {"event": "launch", "attempt": 0, "pid": 1, "directive": {}},
+               {"event": "watch_state", "attempt": 0, "state": {"lr_scale": 1.0}},
+               finding, {"event": "watch_state", "attempt": 0, "state": {"lr_scale": 0.5}}]
+    prior = prior_run(entries)
+    assert prior is not None and prior.pending == finding  # killed between decision and launch
+    assert prior.watch_state == {"lr_scale": 0.5}
+    relaunched = prior_run([*entries, {"event": "launch", "attempt": 1, "pid": 2}])
+    assert relaunched is not None and relaunched.pending is None  # applied once, not twice
+
+
+def test_watch_state_round_trips_through_json() -> None:
+    import json
+
+    from policies.loader import load_policy
+    from policies.types import Finding, Incident, Severity
+    from supervisor.watch import Watch
+
+    watch = Watch(load_policy("default"))
+    crash = Finding(Incident.CRASH, "crash", Severity.CRITICAL, step=7, onset_step=7,
+                    message="boom", evidence={"class": "user_code", "signature": "E: x",
+                                              "deterministic": False})
+    watch.rules.on_finding(crash, now=100.0)
+    watch.classify_crash(1, {0: "ValueError: x"}, 7)  # remembered for the deterministic check
+    assert len(watch.crashes) == 1
+    watch.lr_scale = 0.25
+    state = json.loads(json.dumps(watch.state_dict()))
+    other = Watch(load_policy("default"))
+    other.load_state_dict(state)
+    assert other.state_dict() == watch.state_dict()

@@ -31,8 +31,11 @@ def test_metrics_endpoint_and_scheduled_jobs_on_a_live_run(tmp_path: Path) -> No
                             stderr=subprocess.STDOUT, text=True)
     try:
         body = ""
+        running = 'babysit_run_state{state="running"} 1.0'
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and "babysit_step " not in body:
+        # The step gauge can lead the state gauge by a tick (steps are observed while telemetry
+        # is read, the state after the transition): wait for both.
+        while time.monotonic() < deadline and not ("babysit_step " in body and running in body):
             time.sleep(0.5)
             started = [e for e in read_jsonl(run_dir / "events.jsonl")
                        if e["event"] == "prometheus_started"] if run_dir.exists() else []
@@ -41,7 +44,7 @@ def test_metrics_endpoint_and_scheduled_jobs_on_a_live_run(tmp_path: Path) -> No
                     assert response.headers["Content-Type"].startswith("text/plain")
                     body = response.read().decode()
         assert started and started[0]["url"].startswith("http://127.0.0.1:")
-        assert "babysit_step " in body and 'babysit_run_state{state="running"} 1.0' in body
+        assert "babysit_step " in body and running in body
         assert 'babysit_rank_step_seconds{rank="1"}' in body
         out, _ = proc.communicate(timeout=120)
     finally:
