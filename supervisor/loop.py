@@ -337,7 +337,9 @@ class Supervisor:
         diagnosis = None
         if finding.incident is Incident.HANG and self._rank_pids:
             finding, diagnosis = self._diagnose_hang(finding)
-        remedy = self.watch.rules.on_finding(finding, self.clock())
+        # Wall-clock time: the rules' cooldowns and budget windows span hours and must survive
+        # a supervisor restart, even across a reboot (the monotonic clock restarts at boot).
+        remedy = self.watch.rules.on_finding(finding, time.time())
         self._incident_dir = None
         if remedy.action in (Action.ROLLBACK, Action.RELAUNCH, Action.STOP):
             self._incident_dir = self._write_incident(finding, remedy, diagnosis)
