@@ -33,6 +33,7 @@ import yaml
 
 from checkpoints import Catalog
 from policies import decide as sm
+from policies.detectors import CrashClass, classify
 from policies.types import Action, Finding, Incident, RankStep, Remedy, Severity, StepRecord
 from supervisor import incident, launcher, protocol, stacks
 from supervisor import journal as journal_mod
@@ -81,6 +82,7 @@ class Supervisor:
         self._inherited: Remedy | None = None
         self._last_checkpoint = -1
         self._rank_pids: dict[int, int] = {}
+        self._closed_ranks: set[int] = set()
         self._incident_dir: Path | None = None
         c = plan.config.checkpoints
         self.recovery = Recovery(Catalog(plan.checkpoint_dir), c.probation_steps, c.keep)
@@ -237,6 +239,8 @@ class Supervisor:
             code = group.poll()
             if code is not None:
                 self._take_telemetry(pending)
+                if code and self._teardown_crash(code):
+                    code = 0
                 pending.append(sm.Exited(code, self._crash_remedy(code) if code else None))
             elif self._ranks_all_alive():
                 # A rank whose process died is a crash in progress (torchrun reports it in a
@@ -319,6 +323,8 @@ class Supervisor:
             pid = event.data.get("pid")
             if isinstance(pid, int) and pid > 0:
                 self._rank_pids[event.rank] = pid
+        elif event.type == "close":
+            self._closed_ranks.add(event.rank)
         if event.type in ("hello", "close", "skip"):
             self._journal(f"worker_{event.type}", rank=event.rank, data=event.data)
         elif event.type == "checkpoint":
@@ -352,6 +358,25 @@ class Supervisor:
         self._journal("watch_state", state=self.watch.state_dict())
         self._journal_all(self.recovery.on_finding(finding))
         return remedy
+
+    def _teardown_crash(self, code: int) -> bool:
+        """Every rank closed its run cleanly and the ranks that failed left no error of their
+        own (killed by a signal, no traceback): the training finished and only the process
+        teardown crashed (gloo in torch 2.13 sometimes aborts at exit with "terminate called
+        without an active exception"). Relaunching would redo nothing; say so and succeed.
+        An exception raised after ``run.close()`` leaves a traceback and stays a crash."""
+        if not self._rank_pids or set(self._rank_pids) - self._closed_ranks:
+            return False
+        logs = launcher.rank_logs(self._attempt_dir(self.machine.attempt))
+        classes = {classify(code, None, launcher.tail(path), None).crash_class
+                   for path in logs.values()}
+        if not classes <= {CrashClass.KILLED, CrashClass.UNKNOWN}:
+            return False
+        self._journal("teardown_crash", exit_code=code, closed_ranks=sorted(self._closed_ranks))
+        self._notify(sm.Notify(Severity.WARNING, f"every rank finished and closed, then the "
+                               f"process teardown crashed (torchrun exit {code}); counted as "
+                               f"finished"))
+        return True
 
     def _ranks_all_alive(self) -> bool:
         for pid in self._rank_pids.values():
@@ -425,6 +450,7 @@ class Supervisor:
         env = self._worker_env(attempt_dir, attempt)
         self.intake.forget_connections()
         self._rank_pids = {}
+        self._closed_ranks = set()
         self._aggregator.reset()
         self.watch.new_attempt(self.clock(), directive)
         self._group = launcher.WorkerGroup(command, env, Path.cwd(), attempt_dir / "launcher.log",

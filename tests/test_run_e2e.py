@@ -154,3 +154,29 @@ def test_a_script_flooding_stdout_neither_stalls_babysit_nor_loses_its_log(
     (log,) = run_dir.glob("attempts/0/torchrun/*/attempt_0/0/stdout.log")
     with open(log, "rb") as f:
         assert sum(1 for _ in f) >= 60_000
+
+
+def test_a_crash_in_teardown_after_every_rank_closed_counts_as_finished(
+        tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_babysit("run", "--nproc-per-node", "2", "--run-dir", str(run_dir),
+                         str(WORKERS / "tiny_train.py"), "--steps", "10",
+                         "--after-close", "abort", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    journal = read_jsonl(run_dir / "events.jsonl")
+    (teardown,) = [e for e in journal if e["event"] == "teardown_crash"]
+    assert teardown["exit_code"] != 0 and teardown["closed_ranks"] == [0, 1]
+    assert len([e for e in journal if e["event"] == "launch"]) == 1  # nothing redone
+    assert journal[-1]["state"] == "succeeded"
+
+
+def test_an_exception_after_close_is_still_a_crash(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_babysit("run", "--nproc-per-node", "2", "--run-dir", str(run_dir),
+                         str(WORKERS / "tiny_train.py"), "--steps", "10",
+                         "--after-close", "raise", cwd=tmp_path)
+    assert result.returncode == 1, result.stdout[-3000:]
+    journal = read_jsonl(run_dir / "events.jsonl")
+    assert not any(e["event"] == "teardown_crash" for e in journal)
+    finding = next(e["finding"] for e in journal if e["event"] == "finding")
+    assert finding["evidence"]["class"] == "user_code"

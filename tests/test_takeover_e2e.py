@@ -54,7 +54,8 @@ def test_a_killed_supervisor_is_taken_over_and_the_run_resumes(tmp_path: Path) -
     assert set(workers) <= set(takeover["stopped_pids"])
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                    for p in workers)
-    (resume,) = [e for e in journal if e["event"] == "resume" and e.get("from")]
+    after = journal[journal.index(takeover):]
+    resume = next(e for e in after if e["event"] == "resume" and e.get("from"))
     assert resume["checkpoint_step"] >= 10
     new_attempt = max(e["attempt"] for e in before) + 1
     rows = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["attempt"] == new_attempt]

@@ -13,6 +13,8 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
     --nan-at CURSOR        that global batch gives a non-finite loss
     --slow-data RANK:SEC   that rank waits SEC seconds for every batch (a slow loader)
     --flood LINES          rank 0 prints LINES lines of junk every step
+    --after-close KIND     rank 0 then aborts (``abort``, as gloo's teardown sometimes does) or
+                           raises (``raise``) after the run closed cleanly
 """
 
 import argparse
@@ -68,6 +70,7 @@ def main() -> None:
     p.add_argument("--slow-data", type=pair)
     p.add_argument("--exit-code", type=int, default=0)
     p.add_argument("--flood", type=int, default=0)
+    p.add_argument("--after-close", choices=["abort", "raise"])
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -104,6 +107,10 @@ def main() -> None:
     print(f"rank {rank} done at step {run.step_count} pid {os.getpid()}", flush=True)
     run.close()
     dist.destroy_process_group()
+    if rank == 0 and args.after_close == "abort":
+        os.abort()
+    if rank == 0 and args.after_close == "raise":
+        raise RuntimeError("uploading the final model failed")
     sys.exit(args.exit_code if rank == 0 else 0)
 
 
