@@ -49,6 +49,8 @@ from supervisor.services import Services
 from supervisor.watch import Watch
 
 TICK_S = 0.1
+WATCH_STATE_EVERY = 100
+"""Steps between journaled judgement states (a few KB each: the detectors' windows)."""
 
 
 class Supervisor:
@@ -313,6 +315,9 @@ class Supervisor:
         if self.machine.state not in (sm.State.STARTING, sm.State.RUNNING):
             return  # the workers are being replaced: their last steps judge nothing
         pending.extend(self.watch.observe_record(record))
+        if record.step % WATCH_STATE_EVERY == 0:
+            # So a supervisor taking over inherits the baselines, not only the last finding's.
+            self._journal("watch_state", state=self.watch.state_dict())
 
     def _worker_event(self, event: protocol.WorkerEvent) -> None:
         self.watch.observe_event(event, self.clock())

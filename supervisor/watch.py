@@ -125,7 +125,8 @@ class Watch:
         crash is still recognised), and the skip ranges and LR scale decided so far."""
         return {"rules": self.rules.state_dict(),
                 "crashes": [[c.signature, c.step] for c in self.crashes],
-                "skips": [[r.start, r.end] for r in self.skips], "lr_scale": self.lr_scale}
+                "skips": [[r.start, r.end] for r in self.skips], "lr_scale": self.lr_scale,
+                "detectors": self.pipeline.state_dict()["detectors"]}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.rules.load_state_dict(d["rules"])
@@ -133,6 +134,9 @@ class Watch:
                         for sig, step in d.get("crashes", ())]
         self.skips = [SkipRange(int(a), int(b)) for a, b in d.get("skips", ())]
         self.lr_scale = float(d.get("lr_scale", 1.0))
+        if "detectors" in d:  # the baselines: a taken-over run judges at once, no new warm-up
+            self.pipeline.load_state_dict({"detectors": d["detectors"],
+                                           "rules": self.rules.state_dict()})
 
     # -- what the next attempt is told ----------------------------------------------------------
 

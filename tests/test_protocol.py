@@ -254,7 +254,19 @@ def test_watch_state_round_trips_through_json() -> None:
     watch.classify_crash(1, {0: "ValueError: x"}, 7)  # remembered for the deterministic check
     assert len(watch.crashes) == 1
     watch.lr_scale = 0.25
+    from policies.types import RankStep, StepRecord
+
+    def record(step: int, loss: float) -> StepRecord:
+        ranks = tuple(RankStep(rank=r, step=step, time=float(step), cursor=step, loss=loss,
+                               step_time=0.1) for r in range(2))
+        return StepRecord(step=step, time=float(step), ranks=ranks, world_size=2)
+
+    for step in range(1, 40):  # a baseline worth keeping
+        watch.observe_record(record(step, 2.0 + 0.01 * (step % 3)))
     state = json.loads(json.dumps(watch.state_dict()))
     other = Watch(load_policy("default"))
     other.load_state_dict(state)
     assert other.state_dict() == watch.state_dict()
+    # The taken-over watch judges the next spike at once, exactly as the original would.
+    spike = [w.observe_record(record(40, 9.0)) for w in (watch, other)]
+    assert spike[0] == spike[1] and [f.incident.value for f in spike[1]] == ["loss_spike"]
