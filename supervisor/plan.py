@@ -51,17 +51,23 @@ def from_file(path: str | Path, run_dir: str | None = None,
         data["launch"] = {**(launch if isinstance(launch, dict) else {}), **launch_overrides}
     data.update(overrides or {})
     base = Path(path).resolve().parent
-    return _resolve(cfg.parse(data, str(path)), base, str(path), Path(path).stem, run_dir)
+    return resolve(cfg.parse(data, str(path)), base, str(path), Path(path).stem, run_dir)
 
 
 def from_mapping(data: dict[str, Any], source: str, base: Path, stem: str,
                  run_dir: str | None = None) -> RunPlan:
     """Same as ``from_file`` for a config built in memory (the torchrun-style command line)."""
-    return _resolve(cfg.parse(data, source), base, source, stem, run_dir)
+    return resolve(cfg.parse(data, source), base, source, stem, run_dir)
 
 
-def _resolve(config: cfg.RunConfig, base: Path, source: str, stem: str,
-             run_dir_override: str | None) -> RunPlan:
+def resolve(config: cfg.RunConfig, base: Path, source: str, stem: str,
+            run_dir_override: str | None = None, check: bool = True) -> RunPlan:
+    """Fill in every default (name, run directory, script path, interpreter, checkpoint folder).
+
+    With ``check`` the file-system, policy and alert checks run too and every problem found is
+    raised as one ``ConfigError``; ``babysit doctor`` resolves without them so that it can report
+    each problem as a check of its own, with its own fix.
+    """
     script = cfg.resolve_script(config, base)
     if config.name:
         name = config.name
@@ -75,11 +81,12 @@ def _resolve(config: cfg.RunConfig, base: Path, source: str, stem: str,
         run_dir = Path(config.run_dir).resolve()
     else:
         run_dir = cfg.default_run_dir(name).resolve()
-    problems = cfg.check_environment(config, base, run_dir, source)
-    problems += _check_policy(config, source)
-    problems += _check_alerts(config, source)
-    if problems:
-        raise cfg.ConfigError("\n".join(problems))
+    if check:
+        problems = cfg.check_environment(config, base, run_dir, source)
+        problems += _check_policy(config, source)
+        problems += _check_alerts(config, source)
+        if problems:
+            raise cfg.ConfigError("\n".join(problems))
     return RunPlan(
         config=config, source=source, base=base, name=name, run_dir=run_dir, script=script,
         python=config.launch.python or sys.executable,

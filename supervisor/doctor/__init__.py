@@ -28,7 +28,6 @@ an unexpected exception becomes a failure naming it. Exit code 0 only when nothi
 from __future__ import annotations
 
 import json
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -116,7 +115,9 @@ def load(config_path: str) -> tuple[CheckResult, RunPlan | None]:
         return CheckResult("config", Status.FAIL, str(exc).replace("\n", "; "),
                            "Fix the keys named; `babysit schema` documents every key.",
                            time.monotonic() - start), None
-    plan = _resolve_leniently(config, config_path)
+    source = Path(config_path)
+    plan = plan_mod.resolve(config, source.resolve().parent, config_path, source.stem,
+                            check=False)
     from policies.loader import PolicyError, load_policy
 
     try:
@@ -134,17 +135,6 @@ def _config_ok(plan: RunPlan, seconds: float) -> CheckResult:
     return CheckResult("config", Status.PASS, f"{plan.source} validates: run '{plan.name}', "
                        f"{launch.nproc_per_node} worker(s)/node x {launch.nnodes} node(s), "
                        f"{what}, policy '{plan.config.policy.name}'", None, seconds)
-
-
-def _resolve_leniently(config: cfg.RunConfig, path: str) -> RunPlan:
-    """``plan.from_file``'s resolution without its file-system checks (same defaults)."""
-    base = Path(path).resolve().parent
-    name = config.name or Path(path).stem
-    run_dir = (Path(config.run_dir) if config.run_dir else cfg.default_run_dir(name)).resolve()
-    return RunPlan(config=config, source=path, base=base, name=name, run_dir=run_dir,
-                   script=cfg.resolve_script(config, base),
-                   python=config.launch.python or sys.executable,
-                   checkpoint_dir=cfg.checkpoint_dir(config, base, run_dir))
 
 
 def doctor_main(config_path: str, send_alert: bool, as_json: bool, out: TextIO) -> int:
