@@ -50,7 +50,7 @@ class Journal:
             entry["step"] = step
         for key, value in evidence.items():
             entry[f"evidence_{key}" if key in _RESERVED else key] = value
-        line = json.dumps(_finite(entry), separators=(",", ":")) + "\n"
+        line = json.dumps(json_safe(entry), separators=(",", ":")) + "\n"
         with self._lock:
             if self._file is None:
                 raise RuntimeError("Journal.write() before open()")
@@ -83,14 +83,14 @@ def read(path: Path) -> Iterator[dict[str, Any]]:
         return
 
 
-def _finite(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """JSON has no NaN/Inf; keep them readable as strings instead of emitting invalid JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 

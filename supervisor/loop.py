@@ -307,7 +307,7 @@ class Supervisor:
     def _record(self, record: StepRecord, pending: deque[sm.Event | Finding]) -> None:
         assert self._metrics is not None
         row = metrics_row(record, self.machine.attempt)
-        self._metrics.write(json.dumps(journal_mod._finite(row), separators=(",", ":")) + "\n")
+        self._metrics.write(json.dumps(journal_mod.json_safe(row), separators=(",", ":")) + "\n")
         self._metrics.flush()
         self._recent.append((record.time, record.step))
         self._last_loss = record.loss

@@ -418,7 +418,7 @@ class StepSummary:
     def to_row(self, attempt: int) -> dict[str, Any]:
         """One ``metrics.jsonl`` line: ``metrics_row``'s summary keys (``loss_median`` is the
         sketch's, within alpha) with the per-rank lists replaced by quantiles and the ranks of
-        the extremes. Non-finite floats may appear; the loop's ``journal._finite`` cleans them."""
+        the extremes. Non-finite floats may appear; the loop's ``journal.json_safe`` cleans them."""
         row: dict[str, Any] = {
             "step": self.step, "time": round(self.time, 6), "attempt": attempt,
             "cursor": self.cursor, "n_ranks": self.n_ranks, "world_size": self.world_size,

@@ -53,7 +53,7 @@ EVENTS = "events.jsonl"
 METRICS = "metrics.jsonl"
 TAIL_ROWS = 50
 RECENT_INCIDENTS = 10
-# Metrics keys whose values may be written as "nan"/"inf" strings (see journal._finite).
+# Metrics keys whose values may be written as "nan"/"inf" strings (see journal.json_safe).
 _FLOAT_KEYS = ("loss", "loss_min", "loss_median", "loss_max", "grad_norm", "lr", "tokens",
                "step_time")
 _LIST_KEYS = ("loss_per_rank", "step_time_per_rank", "data_wait_per_rank")
@@ -499,7 +499,7 @@ def status_main(run_dir: str, as_json: bool, out: TextIO, err: TextIO | None = N
         print(f"babysit: error: {exc}", file=err or sys.stderr)
         return 2
     if as_json:
-        out.write(json.dumps(journal_mod._finite(s), indent=2) + "\n")
+        out.write(json.dumps(journal_mod.json_safe(s), indent=2) + "\n")
     else:
         out.write(render(s))
     return 0
