@@ -32,6 +32,7 @@ from policies.detectors import (
     GradNormDetector,
     LossSpikeDetector,
     NonFiniteDetector,
+    RankDepartureDetector,
     StragglerDetector,
     ThroughputDetector,
 )
@@ -192,6 +193,7 @@ class Pipeline:
     Call ``observe(record)`` once per merged step, in order; ``now`` defaults to
     ``record.time``. Hangs and crashes are not step-driven: the supervisor feeds the
     ``HangDetector`` and ``classify`` itself and hands their findings to ``decide(finding)``.
+    Nor are fingerprints: the supervisor feeds each rank's digests to its ``SdcDetector``.
     """
 
     def __init__(self, policy: Policy) -> None:
@@ -202,6 +204,7 @@ class Pipeline:
             LossSpikeDetector(d.loss_spike),
             GradNormDetector(d.grad_norm),
             StragglerDetector(d.straggler),
+            RankDepartureDetector(d.rank_departure),
             ThroughputDetector(d.throughput),
         ]
         self.rules = Rules(policy)
@@ -210,7 +213,8 @@ class Pipeline:
         """The workers were relaunched: forget state that spans the gap. A spike pending in the
         old attempt must not carry over, and a rate measured across the relaunch (or over the
         new attempt's warm-up against the old one's pace) is no throughput regression. Other
-        baselines (grad norm, stragglers) stay valid: the model did not change character."""
+        baselines (grad norm, stragglers, each rank's loss level) stay valid: the model did not
+        change character, and a rank that departed still sits where it did."""
         d = self.policy.detectors
         self.detectors = [
             LossSpikeDetector(d.loss_spike) if isinstance(det, LossSpikeDetector)
@@ -241,8 +245,12 @@ class Pipeline:
                 "rules": self.rules.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """A detector missing from ``d`` (a state saved by an older babysit, before it
+        existed) starts fresh instead of failing the takeover."""
+        saved = d["detectors"]
         for det in self.detectors:
-            det.load_state_dict(d["detectors"][det.name])
+            if det.name in saved:
+                det.load_state_dict(saved[det.name])
         self.rules.load_state_dict(d["rules"])
 
 

@@ -9,9 +9,11 @@
    ladder resets after ``reset_after_steps`` / ``reset_after_s`` of quiet;
    crashes follow the ``crash`` section instead: per-class relaunch limits, exponential backoff,
    stop on a deterministic repeat, numerical crashes rolled back;
-4. escalation (rollbacks): an onset within ``escalation_window`` batches of a previous rollback's
-   skip range is the same region again: the skip range grows by ``escalation_skip_factor`` per
-   repeat and ``lr_factor`` is applied once more;
+4. escalation (rollbacks): an onset within ``escalation_window`` batches of a previous
+   rollback's skip range is the same region again: the skip range grows by
+   ``escalation_skip_factor`` per repeat and ``lr_factor`` is applied once more. SDC rollbacks
+   are the exception: they skip nothing and keep the LR (the data is fine, the hardware is
+   not), and leave no skip range behind;
 5. budget: a disruptive remedy (rollback, relaunch) that would exceed ``max_interventions`` in
    ``window_s`` becomes STOP.
 
@@ -75,6 +77,12 @@ class Rules:
         st.update(rung=st["rung"] + 1, step=finding.step, time=now)
         why = f"{name} intervention {rung + 1} -> ladder rung {rung + 1}/{len(resp.ladder)}: " \
               f"{action.value}"
+        if action is Action.ROLLBACK and finding.incident is Incident.SDC:
+            # Not a bad region of data: skipping batches or lowering the LR would change the run
+            # for nothing. Roll back to before the corruption and replay the same steps.
+            return Remedy(Action.ROLLBACK, finding, why + "; silent data corruption is the "
+                          "hardware's fault, not the data's or the LR's: no batches skipped, "
+                          "LR kept", skip_before=0, skip_after=0, lr_scale=1.0)
         if action is Action.ROLLBACK:
             return self._rollback(finding, why)
         return Remedy(action, finding, why)

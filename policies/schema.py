@@ -25,6 +25,8 @@ from policies.detectors import (
     HangConfig,
     LossSpikeConfig,
     NonFiniteConfig,
+    RankDepartureConfig,
+    SdcConfig,
     StragglerConfig,
     ThroughputConfig,
 )
@@ -49,7 +51,12 @@ class Detectors(_Model):
     straggler: StragglerConfig = StragglerConfig()
     """One rank's own work persistently slower than its peers'."""
     throughput: ThroughputConfig = ThroughputConfig()
-    """Steps/s or tokens/s persistently below the moving baseline."""
+    """Steps/s, tokens/s or MFU persistently below the moving baseline."""
+    rank_departure: RankDepartureConfig = RankDepartureConfig()
+    """One rank's loss leaves its own level while its peers' stay
+    (policies/detectors/rank_departure.py)."""
+    sdc: SdcConfig = SdcConfig()
+    """Per-rank parameter and probe digests that must agree (policies/detectors/sdc.py)."""
 
 
 class Response(_Model):
@@ -108,10 +115,16 @@ class Incidents(_Model):
     """A rank lagging its peers: tell a human."""
     throughput: Response = _ladder(A.ALERT, act_on="warning", cooldown_s=600.0)
     """The job got slower: tell a human."""
+    rank_departure: Response = _ladder(A.ALERT, act_on="warning", cooldown_s=600.0)
+    """One rank's loss left its own level (a bad shard, a bad GPU): tell a human, naming it."""
+    sdc: Response = _ladder(A.ROLLBACK, A.STOP)
+    """Replicas disagree on bits they must share: roll back to before the last agreeing check
+    (no batches skipped, LR kept: the data is fine, the hardware is not); again -> stop."""
 
     @model_validator(mode="after")
     def _skip_only_for_grad(self) -> Incidents:
-        for name in ("loss_spike", "nonfinite", "hang", "straggler", "throughput"):
+        for name in ("loss_spike", "nonfinite", "hang", "straggler", "throughput",
+                     "rank_departure", "sdc"):
             if Action.SKIP_STEP in getattr(self, name).ladder:
                 raise ValueError(
                     f"incidents.{name}.ladder: skip_step only makes sense for grad_spike (the "

@@ -59,6 +59,11 @@ class StepRecord:
     time: float
     ranks: tuple[RankStep, ...]
     world_size: int
+    flops_per_token: float | None = None
+    """Model FLOPs per token of training (forward + backward, about 6 x parameters for a dense
+    transformer), when the job declared it. Used only for ``mfu``."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of ONE device (e.g. 989e12 for an H100's dense bf16), when declared."""
 
     @property
     def loss(self) -> float | None:
@@ -87,6 +92,25 @@ class StepRecord:
         """Tokens processed by the whole job in this step."""
         values = [r.tokens for r in self.ranks if r.tokens is not None]
         return sum(values) if values else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens per second of the whole job: ``tokens / step_time``; None when either is not
+        reported (or the step time is not a positive number)."""
+        tokens, st = self.tokens, self.step_time
+        if tokens is None or st is None or not math.isfinite(st) or st <= 0.0:
+            return None
+        return tokens / st
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation, a fraction of the job's peak: ``tokens_per_s x
+        flops_per_token / (peak_flops x world_size)``. None unless every input was reported or
+        declared: an absent input is never guessed."""
+        rate, fpt, peak = self.tokens_per_s, self.flops_per_token, self.peak_flops
+        if rate is None or fpt is None or peak is None or peak <= 0.0 or self.world_size <= 0:
+            return None
+        return rate * fpt / (peak * self.world_size)
 
     @property
     def cursor(self) -> int:
@@ -120,6 +144,11 @@ class Incident(str, enum.Enum):
     CRASH = "crash"
     STRAGGLER = "straggler"
     THROUGHPUT = "throughput"
+    RANK_DEPARTURE = "rank_departure"
+    """One rank's loss moved away from its own past while its peers' did not."""
+    SDC = "sdc"
+    """Silent data corruption: ranks that must compute identical bits (parameter digests, a
+    fixed probe) disagree."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from policies.detectors import (
     NonFiniteDetector,
     StragglerConfig,
     StragglerDetector,
+    ThroughputConfig,
     ThroughputDetector,
 )
 from policies.types import Incident, RankStep, Severity, StepRecord
@@ -281,6 +282,76 @@ def test_throughput_hiccups_do_not_warn() -> None:
     det = ThroughputDetector()
     assert all(det.observe(rec(s, step_time=3.0 if s % 7 == 0 else 0.5)) is None
                for s in range(1, 300))
+
+
+def mfu_rec(step: int, step_time: float | None, tokens: float | None = 4096.0, *,
+            flops: float | None = 6 * 125e6, peak: float | None = 1.536e13,
+            world: int = 2) -> StepRecord:
+    r = rec(step, step_time=step_time, tokens=tokens, world=world)
+    return StepRecord(step=r.step, time=r.time, ranks=r.ranks, world_size=world,
+                      flops_per_token=flops, peak_flops=peak)
+
+
+def test_step_record_tokens_per_s_and_mfu_only_from_reported_inputs() -> None:
+    r = mfu_rec(1, 0.5)
+    # 2 ranks x 4096 tokens in 0.5 s; 750 MFLOP per token; 2 devices of 15.36 TFLOP/s.
+    assert r.tokens_per_s == pytest.approx(16384.0)
+    assert r.mfu == pytest.approx(0.4)
+    assert mfu_rec(1, 0.5, flops=None).mfu is None
+    assert mfu_rec(1, 0.5, peak=None).mfu is None
+    assert mfu_rec(1, 0.5, tokens=None).tokens_per_s is None
+    assert mfu_rec(1, 0.5, tokens=None).mfu is None
+    assert mfu_rec(1, None).tokens_per_s is None
+    assert mfu_rec(1, 0.0).tokens_per_s is None
+    # Records built the old way still work, and know nothing about MFU.
+    assert rec(1, step_time=0.5, tokens=10.0).mfu is None
+
+
+def test_throughput_can_watch_mfu() -> None:
+    det = ThroughputDetector(ThroughputConfig(metric="mfu"))
+    fired = []
+    for s in range(1, 200):
+        f = det.observe(mfu_rec(s, 0.5 if s < 100 else 1.0))
+        if f is not None:
+            fired.append(f)
+    assert [(f.step, f.onset_step) for f in fired] == [(109, 100)]
+    ev = fired[0].evidence
+    assert ev["metric"] == "mfu" and ev["unit"] == "MFU"
+    assert ev["rate"] == pytest.approx(0.2) and ev["baseline"] == pytest.approx(0.4)
+    assert "MFU 20.0%" in fired[0].message and "MFU 40.0%" in fired[0].message
+
+
+def test_throughput_mfu_skips_records_that_cannot_say_their_mfu() -> None:
+    det = ThroughputDetector(ThroughputConfig(metric="mfu"))
+    # Slow steps without the model's FLOPs declared are no evidence: not even of a slowdown.
+    assert all(det.observe(mfu_rec(s, 0.5 if s < 100 else 5.0, flops=None if s >= 100 else
+                                   750e6)) is None for s in range(1, 200))
+    assert len(det.state_dict()["window"]["values"]) == 64
+
+
+def test_throughput_tokens_per_s_skips_steps_without_tokens() -> None:
+    det = ThroughputDetector(ThroughputConfig(metric="tokens_per_s"))
+    fired = [f for s in range(1, 200)
+             if (f := det.observe(rec(s, step_time=0.5 if s < 100 else 1.0,
+                                      tokens=None if s % 3 == 0 else 100.0))) is not None]
+    assert len(fired) == 1 and fired[0].evidence["metric"] == "tokens_per_s"
+    assert fired[0].evidence["unit"] == "tokens/s" and "tokens/s" in fired[0].message
+    # auto falls back to steps/s for those steps; tokens_per_s never does.
+    quiet = ThroughputDetector(ThroughputConfig(metric="tokens_per_s"))
+    assert all(quiet.observe(rec(s, step_time=0.5 if s < 100 else 1.0)) is None
+               for s in range(1, 200))
+
+
+def test_throughput_steps_per_s_ignores_the_tokens() -> None:
+    # Half the tokens per step at the same pace: tokens/s halves, steps/s does not move.
+    def stream(metric: str) -> list[str]:
+        det = ThroughputDetector(ThroughputConfig.model_validate({"metric": metric}))
+        return [f.evidence["metric"] for s in range(1, 200)
+                if (f := det.observe(rec(s, step_time=0.5,
+                                         tokens=100.0 if s < 100 else 50.0))) is not None]
+
+    assert stream("auto") == ["tokens_per_s"]
+    assert stream("steps_per_s") == []
 
 
 def test_straggler_slow_loader_is_not_mirrored_onto_the_ranks_waiting_for_it() -> None:

@@ -139,3 +139,49 @@ def test_yaml_syntax_error_names_the_line(tmp_path: Path) -> None:
 def test_non_mapping_file(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="must hold a mapping"):
         load_policy(write(tmp_path, "- a\n- b\n"), {})
+
+
+def test_new_incidents_have_ladders_in_every_builtin() -> None:
+    d, c, a = (load_policy(n, {}) for n in ("default", "conservative", "aggressive"))
+    assert d.incidents.rank_departure.ladder == [Action.ALERT]
+    assert d.incidents.rank_departure.act_on == "warning"
+    assert d.incidents.rank_departure.cooldown_s == 600.0
+    assert d.incidents.sdc.ladder == [Action.ROLLBACK, Action.STOP]
+    assert d.incidents.sdc.act_on == "critical"
+    assert c.incidents.sdc.ladder == [Action.STOP]
+    assert a.incidents.sdc.ladder == [Action.ROLLBACK, Action.ROLLBACK, Action.STOP]
+    assert d.detectors.throughput.metric == "auto"
+    assert d.detectors.sdc.self_check_keys == ("probe",)
+
+
+def test_new_detector_settings_load_and_are_checked() -> None:
+    p = load_policy("default", {"detectors.rank_departure.patience": 20,
+                                "detectors.sdc.self_check_keys": ["probe", "probe2"],
+                                "detectors.throughput.metric": "mfu"})
+    assert p.detectors.rank_departure.patience == 20
+    assert p.detectors.sdc.self_check_keys == ("probe", "probe2")
+    assert p.detectors.throughput.metric == "mfu"
+    with pytest.raises(PolicyError, match="must not exceed window"):
+        load_policy("default", {"detectors.rank_departure.min_history": 100})
+    with pytest.raises(PolicyError) as e:
+        load_policy("default", {"detectors.throughput.metric": "flops"})
+    assert "'detectors.throughput.metric'" in str(e.value) and "mfu" in str(e.value)
+
+
+def test_skip_step_is_refused_for_the_new_incidents() -> None:
+    for name in ("rank_departure", "sdc"):
+        with pytest.raises(PolicyError, match="skip_step only makes sense for grad_spike"):
+            load_policy("default", {f"incidents.{name}.ladder": ["skip_step"]})
+
+
+def test_babysit_schema_policy_documents_the_new_sections(capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    import json
+
+    from supervisor.cli import main
+
+    assert main(["schema", "--policy"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert {"rank_departure", "sdc"} <= set(schema["$defs"]["Incidents"]["properties"])
+    assert {"rank_departure", "sdc"} <= set(schema["$defs"]["Detectors"]["properties"])
+    assert "metric" in schema["$defs"]["ThroughputConfig"]["properties"]

@@ -108,3 +108,15 @@ def test_real_curves_clean_runs_never_roll_back_and_the_160m_spike_is_flagged() 
                    policy)
     flagged = [d for d in spiky if d.detector == "loss_spike" and 1190 <= d.step <= 1440]
     assert flagged, "the genuine early spikes of the 160m run were not flagged"
+
+
+def test_a_pipeline_state_saved_before_the_new_detectors_still_loads() -> None:
+    # A supervisor taking over a run journaled by an older babysit: detectors that did not
+    # exist then start fresh instead of failing the takeover.
+    from policies.replay import Pipeline
+
+    pipe = Pipeline(load_policy("default", {}))
+    state = json.loads(json.dumps(pipe.state_dict()))
+    assert "rank_departure" in state["detectors"]
+    del state["detectors"]["rank_departure"]
+    Pipeline(load_policy("default", {})).load_state_dict(state)

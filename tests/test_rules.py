@@ -156,3 +156,25 @@ def test_state_round_trip_through_json_changes_nothing() -> None:
         b.load_state_dict(json.loads(json.dumps(b.state_dict())))
         rb = b.on_finding(f, float(i))
         assert ra == rb
+
+
+def test_sdc_rollback_skips_no_data_and_keeps_the_lr_then_stops() -> None:
+    rules = Rules(policy())
+    sdc = Incident.SDC
+    first = rules.on_finding(finding(sdc, step=500, onset=401, cursor=401), 0.0)
+    assert first.action is Action.ROLLBACK
+    assert (first.skip_before, first.skip_after, first.lr_scale) == (0, 0, 1.0)
+    assert "no batches skipped" in first.reason and "LR kept" in first.reason
+    # It leaves no skip region behind: a loss spike there later is a first offence.
+    spike = rules.on_finding(finding(step=520, onset=405, cursor=405), 10.0)
+    assert (spike.skip_before, spike.skip_after, spike.lr_scale) == (10, 50, 0.5)
+    assert rules.on_finding(finding(sdc, step=600, onset=501), 20.0).action is Action.STOP
+
+
+def test_rank_departure_alerts_with_a_cooldown() -> None:
+    rules = Rules(policy())
+    rd = Incident.RANK_DEPARTURE
+    warn = Severity.WARNING
+    assert rules.on_finding(finding(rd, severity=warn), 0.0).action is Action.ALERT
+    assert rules.on_finding(finding(rd, severity=warn), 300.0).action is Action.IGNORE
+    assert rules.on_finding(finding(rd, severity=warn), 700.0).action is Action.ALERT

@@ -12,7 +12,9 @@ NonFinite         StepRecord           NONFINITE: CRITICAL at once, names the ra
 GradNorm          StepRecord / value   GRAD_SPIKE: WARNING (worker skips the step)
 Hang              RankStep + check()   HANG: CRITICAL, names the rank(s) that differ
 Straggler         StepRecord           STRAGGLER: WARNING naming the rank
-Throughput        StepRecord           THROUGHPUT: WARNING
+Throughput        StepRecord           THROUGHPUT: WARNING (steps/s, tokens/s or MFU)
+RankDeparture     StepRecord           RANK_DEPARTURE: WARNING naming the rank
+Sdc               per-rank digests     SDC: CRITICAL, names the ranks that disagree
 classify()        exit + log tail      CrashVerdict (class, signature, deterministic)
 ================  ===================  ===========================================
 """
@@ -22,6 +24,12 @@ from policies.detectors.grad_norm import GradNormConfig, GradNormDetector
 from policies.detectors.hang import HangConfig, HangDetector
 from policies.detectors.loss_spike import LossSpikeConfig, LossSpikeDetector
 from policies.detectors.nonfinite import NonFiniteConfig, NonFiniteDetector
+from policies.detectors.rank_departure import (
+    RankDepartureConfig,
+    RankDepartureDetector,
+    loss_spread,
+)
+from policies.detectors.sdc import SdcConfig, SdcDetector
 from policies.detectors.straggler import StragglerConfig, StragglerDetector
 from policies.detectors.throughput import ThroughputConfig, ThroughputDetector
 
@@ -37,9 +45,14 @@ __all__ = [
     "LossSpikeDetector",
     "NonFiniteConfig",
     "NonFiniteDetector",
+    "RankDepartureConfig",
+    "RankDepartureDetector",
+    "SdcConfig",
+    "SdcDetector",
     "StragglerConfig",
     "StragglerDetector",
     "ThroughputConfig",
     "ThroughputDetector",
     "classify",
+    "loss_spread",
 ]

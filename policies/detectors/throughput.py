@@ -1,21 +1,32 @@
-"""Throughput drops: steps/s (tokens/s when reported) persistently below its moving baseline.
+"""Throughput drops: steps/s, tokens/s or MFU persistently below its moving baseline.
 
-The rate of a step is ``tokens / step_time`` when the ranks report tokens, else
-``1 / step_time``, where ``step_time`` is the slowest rank's (the step as the job experiences
-it). A step is slow when its rate is below ``baseline / factor``; ``patience`` slow steps in a
+The rate of a step depends on ``metric``, with ``step_time`` the slowest rank's (the step as the
+job experiences it):
+
+- ``auto`` (the default): ``tokens / step_time`` when the ranks report tokens, else
+  ``1 / step_time``;
+- ``steps_per_s``: ``1 / step_time``, whatever else is reported;
+- ``tokens_per_s``: ``StepRecord.tokens_per_s``; steps without tokens are skipped;
+- ``mfu``: ``StepRecord.mfu`` (model FLOPs utilisation, a fraction of the job's peak); steps
+  whose record lacks ``flops_per_token`` or ``peak_flops`` are skipped. MFU is tokens/s times
+  constants, so it fires exactly when tokens/s would; what it adds is a number a person can
+  judge without knowing the model ("MFU fell from 41 % to 20 %").
+
+A step is slow when its rate is below ``baseline / factor``; ``patience`` slow steps in a
 row give one WARNING, and no more until the rate has recovered. Slow steps stay out of the
 baseline while the episode is undecided; once reported, they are let in, so a permanent change
 (a smaller batch, a slower node after a relaunch) becomes the new normal instead of an alarm
 that never ends.
 
 Calling rules: one ``observe`` per merged ``StepRecord``; records without ``step_time`` (the
-first step of an attempt) are skipped. Units: seconds, tokens as reported.
+first step of an attempt), and records whose rate is not a positive finite number, are skipped.
+Units: seconds, tokens as reported, MFU as a fraction (0.4 = 40 %).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -23,8 +34,15 @@ from policies.detectors._base import DetectorConfig, r4
 from policies.detectors._window import SortedWindow
 from policies.types import Finding, Incident, Severity, StepRecord
 
+Metric = Literal["auto", "steps_per_s", "tokens_per_s", "mfu"]
+
+_UNITS = {"steps_per_s": "steps/s", "tokens_per_s": "tokens/s", "mfu": "MFU"}
+
 
 class ThroughputConfig(DetectorConfig):
+    metric: Metric = "auto"
+    """What to watch: auto (tokens/s when the ranks report tokens, else steps/s), steps_per_s,
+    tokens_per_s, or mfu (needs the job to declare flops_per_token and peak_flops)."""
     window: int = Field(default=64, ge=4, le=100_000)
     """Accepted steps in the moving median of the rate."""
     min_history: int = Field(default=16, ge=2)
@@ -55,13 +73,33 @@ class ThroughputDetector:
         self._onset: int | None = None
         self._reported = False
 
-    def observe(self, record: StepRecord) -> Finding | None:
+    def _rate(self, record: StepRecord) -> tuple[str, float] | None:
+        """(metric, rate) of one step, or None when the step has no usable rate."""
         st = record.step_time
         if st is None or not math.isfinite(st) or st <= 0.0:
             return None
-        tokens = record.tokens
-        unit = "tokens/s" if tokens else "steps/s"
-        rate = (tokens or 1.0) / st
+        metric = self.config.metric
+        rate: float | None
+        if metric == "auto":
+            tokens = record.tokens
+            metric = "tokens_per_s" if tokens else "steps_per_s"
+            rate = (tokens or 1.0) / st
+        elif metric == "steps_per_s":
+            rate = 1.0 / st
+        elif metric == "tokens_per_s":
+            rate = record.tokens_per_s
+        else:
+            rate = record.mfu
+        if rate is None or not math.isfinite(rate) or rate <= 0.0:
+            return None
+        return metric, rate
+
+    def observe(self, record: StepRecord) -> Finding | None:
+        got = self._rate(record)
+        if got is None:
+            return None
+        metric, rate = got
+        unit = _UNITS[metric]
         w = self._window
         if len(w) < self.config.min_history:
             w.push(rate)
@@ -92,10 +130,10 @@ class ThroughputDetector:
             severity=Severity.WARNING,
             step=record.step,
             onset_step=self._onset,
-            message=f"throughput {slow:.4g} {unit} for {self.config.patience} steps since step "
-            f"{self._onset}, below its baseline {baseline:.4g} {unit} "
+            message=f"throughput {_show(slow, metric)} for {self.config.patience} steps since "
+            f"step {self._onset}, below its baseline {_show(baseline, metric)} "
             f"({baseline / slow:.2f}x slower)",
-            evidence={"unit": unit, "rate": r4(slow), "baseline": r4(baseline),
+            evidence={"metric": metric, "unit": unit, "rate": r4(slow), "baseline": r4(baseline),
                       "slowdown": r4(baseline / slow), "steps": self.config.patience},
         )
 
@@ -108,3 +146,9 @@ class ThroughputDetector:
         self._pending = [float(v) for v in d["pending"]]
         self._onset = d["onset"]
         self._reported = bool(d["reported"])
+
+
+def _show(rate: float, metric: str) -> str:
+    if metric == "mfu":
+        return f"MFU {rate:.1%}"
+    return f"{rate:.4g} {_UNITS[metric]}"
