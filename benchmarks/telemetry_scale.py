@@ -7,8 +7,9 @@ Simulated ranks report one step per simulated second: step time 0.5 s with logno
 falling loss with per-rank noise. Every report is packed with ``protocol.encode_step``, the
 worker's wire format. Two supervisor-side approaches consume the same reports:
 
-- ``naive``: today's path: ``StepAggregator`` holds every ``RankStep`` of the steps in flight,
-  ``metrics_row`` writes per-rank lists, and the last ``--history`` rows are kept.
+- ``naive``: gather everything: ``StepAggregator`` holds every ``RankStep`` of the steps in flight,
+  ``metrics_row`` writes per-rank lists (as it did at every world size before it switched to
+  quantiles above ``PER_RANK_LIMIT`` ranks), and the last ``--history`` rows are kept.
 - ``sketch``: ``SummaryAggregator`` holds one ``StepSummary`` per step in flight (mergeable stats
   and a quantile sketch per signal), ``StepSummary.to_row`` writes quantiles and the ranks of the
   extremes, the last ``--history`` rows are kept, plus the raw ring (last 4 steps, packed).
@@ -61,6 +62,8 @@ from supervisor.aggregate import StepAggregator, metrics_row
 from supervisor.intake import Intake, connect
 from supervisor.sketch import SummaryAggregator
 
+UNLIMITED = 1 << 30
+
 TOKEN = os.urandom(protocol.TOKEN_BYTES)
 TICK_S = 0.1  # supervisor.loop.TICK_S
 CONNECTIONS = 64
@@ -111,7 +114,8 @@ class Approach(Protocol):
 
 
 class Naive:
-    """Gather everything: the current StepAggregator + metrics_row with per-rank lists."""
+    """Gather everything: StepAggregator + metrics_row with per-rank lists at any world size
+    (what babysit did before rows switched to quantiles above ``PER_RANK_LIMIT`` ranks)."""
 
     name = "naive"
 
@@ -124,11 +128,11 @@ class Naive:
 
     def feed(self, sample: RankStep) -> None:
         for record in self.agg.add(sample):
-            self._row(record.step, metrics_row(record, attempt=0))
+            self._row(record.step, metrics_row(record, attempt=0, per_rank_limit=UNLIMITED))
 
     def finish(self) -> None:
         for record in self.agg.flush():
-            self._row(record.step, metrics_row(record, attempt=0))
+            self._row(record.step, metrics_row(record, attempt=0, per_rank_limit=UNLIMITED))
 
     def _row(self, step: int, row: dict[str, Any]) -> None:
         self.row_bytes = len(json.dumps(row, separators=(",", ":")))

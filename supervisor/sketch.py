@@ -17,11 +17,13 @@ summaries, and the result equals summarising all ranks in one place (exactly, no
 the tests check it). Pure logic, stdlib only (and ``RankStep``); values keep the units the
 worker reported.
 
-Plugging it into the control loop (``supervisor.loop``) above some world size, say 256::
+Where it is used:
 
-    self._aggregator = SummaryAggregator(world, keep_raw=4)     # instead of StepAggregator
-    for summary in self._aggregator.add(rank_step): ...         # same calling rules
-    row = summary.to_row(attempt)                               # instead of metrics_row()
+- ``supervisor.aggregate.metrics_row`` writes ``StepSummary.to_row`` instead of per-rank lists
+  above ``PER_RANK_LIMIT`` ranks: the metrics file is what grows with the run, and a row of
+  8,192 ranks' values is 508 KiB a step.
+- ``SummaryAggregator`` shares ``StepAggregator``'s emission rule (``aggregate.Completion``)
+  and holds a step in constant memory: the shape a node's supervisor can send a leader.
 
 Detectors read ``StepRecord``; a summary answers the same questions under other names:
 ``record.loss`` is ``summary.mean_loss``, ``grad_norm`` is ``max_grad_norm``, ``step_time`` is
@@ -41,6 +43,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from policies.types import RankStep
+from supervisor.aggregate import Completion
 
 DEFAULT_ALPHA = 0.005
 DEFAULT_MAX_BUCKETS = 2048
@@ -507,38 +510,32 @@ class RawRing:
         self._data.clear()
 
 
-class SummaryAggregator:
-    """``StepAggregator`` for large world sizes: same calling rules and emission rule (a step
-    is emitted once every rank reported it or a later step; ``max_pending`` bounds memory when a
-    rank goes silent), but a step is held as a ``StepSummary``, never as a list of reports.
-    The raw reports of the last ``keep_raw`` steps are kept in ``ring``."""
+class SummaryAggregator(Completion[StepSummary, StepSummary]):
+    """``StepAggregator`` for large world sizes: the same calling and emission rules
+    (``supervisor.aggregate.Completion``), but a step is held as a ``StepSummary``, never as a
+    list of reports. The raw reports of the last ``keep_raw`` steps are kept in ``ring``. This is
+    what a node's supervisor can send a leader: summaries merge exactly."""
 
     def __init__(self, world_size: int, max_pending: int = 1024, keep_raw: int = 4,
                  alpha: float = DEFAULT_ALPHA) -> None:
-        self.world_size = world_size
-        self.max_pending = max_pending
+        super().__init__(world_size, max_pending)
         self.alpha = alpha
         self.ring = RawRing(keep_raw)
-        self._pending: dict[int, StepSummary] = {}
 
-    def add(self, sample: RankStep) -> list[StepSummary]:
-        summary = self._pending.get(sample.step)
-        if summary is None:
-            summary = self._pending[sample.step] = StepSummary(
-                sample.step, self.world_size, self.alpha)
-        summary.add(sample)
+    def _open(self, step: int) -> StepSummary:
+        return StepSummary(step, self.world_size, self.alpha)
+
+    def _add(self, bucket: StepSummary, sample: RankStep) -> None:
+        bucket.add(sample)
         self.ring.add(sample)
-        if summary.n_ranks >= self.world_size:
-            return [self._pending.pop(s) for s in sorted(self._pending) if s <= sample.step]
-        if len(self._pending) > self.max_pending:
-            return [self._pending.pop(min(self._pending))]
-        return []
 
-    def flush(self) -> list[StepSummary]:
-        """Emit everything pending (the attempt ended)."""
-        return [self._pending.pop(s) for s in sorted(self._pending)]
+    def _count(self, bucket: StepSummary) -> int:
+        return bucket.n_ranks
+
+    def _close(self, step: int, bucket: StepSummary) -> StepSummary:
+        return bucket
 
     def reset(self) -> None:
         """Forget pending steps and the ring (a new attempt starts)."""
-        self._pending.clear()
+        super().reset()
         self.ring.clear()
