@@ -15,7 +15,26 @@ from pathlib import Path
 from typing import Any
 
 CONTROL_FILE = "control.json"
-"""Beside ``directive.json``: requests to a running attempt (``{"checkpoint_at_step": N}``)."""
+"""Beside ``directive.json``: the supervisor's requests to the running attempt, one JSON object.
+
+Each rank ``stat``s it between steps and re-reads it whenever it changes (``saving.Checkpointer``).
+The supervisor writes it whole and atomically (temp file + ``os.replace``), and every key is
+optional; both may be present:
+
+- ``"checkpoint_at_step": N``: save a checkpoint at step N as well as on the cadence (before a
+  preemption). Only the current version counts: a version without it asks for nothing.
+- ``"checkpoint_every": K, "from_step": S``: from step S on, save at each step that is a multiple
+  of K (K >= 1); steps before S keep the cadence they had. The change persists until another one
+  replaces it, even when a later version of the file leaves these keys out. Without
+  ``from_step`` it applies from the step after the one at which the file was read.
+
+Ranks read the file at different moments, yet every save is collective, so both steps must be
+ones no rank has reached yet when the file is written: ahead of the newest step reported by more
+than the ranks' spread plus the telemetry lag. Write a new cadence only after every rank passed
+the previous change's ``from_step``: a rank that never saw that change would disagree about the
+steps between. Library saves must be on in the directive (``checkpoint_every`` > 0) for any of
+this to apply. The file is per attempt; a new attempt starts from its directive's cadence.
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +77,8 @@ class Directive:
     checkpoint_async: bool = False
     grad_guard: dict[str, Any] = field(default_factory=dict)
     """Settings of the in-process grad-norm guard; empty disables it."""
+    sdc_every: int = 0
+    """Send the silent-data-corruption digests every N steps (``sdc.every_steps``); 0: off."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,6 +95,7 @@ class Directive:
             checkpoint_every=int(obj.get("checkpoint_every", 0)),
             checkpoint_async=bool(obj.get("checkpoint_async", False)),
             grad_guard=dict(obj.get("grad_guard", {})),
+            sdc_every=int(obj.get("sdc_every", 0)),
         )
 
     def write(self, path: Path) -> None:

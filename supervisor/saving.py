@@ -12,6 +12,12 @@ A save happens at the top of the next ``batches()`` iteration, not inside ``step
 script's ``opt.step()``, ``zero_grad()`` and ``sched.step()`` for step *k* have all run by
 then, and batch *k+1* has not been drawn, so the checkpoint holds exactly "after step k, cursor
 k". Saving inside ``step()`` would capture the weights before that step's update.
+
+The supervisor can steer a running attempt through its control file (``CONTROL_FILE`` beside
+the directive, contract in ``supervisor.directive``): a one-off checkpoint at a given step
+(before a preemption) and a new cadence from a given step on (``supervisor.cadence``). Rank 0
+reports each save's blocking seconds, the stall training paid, so the supervisor can weigh the
+cost of a checkpoint against the work an interruption loses.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,11 +45,15 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self._emit = emit
         self._pending: Any = None  # an async SaveHandle not yet committed
+        self._pending_blocking = 0.0  # seconds its staging stalled training; sent on commit
         self._last_saved = -1
         self.control: Path | None = None
         """The supervisor's control file (set by ``attach()`` when babysit runs)."""
-        self._control_seen: int | None = None
+        self._control_seen: tuple[int, int, int] | None = None
         self._control_step: int | None = None
+        self._cadence: list[tuple[int, int]] = [(0, directive.checkpoint_every)]
+        """``(from_step, every)`` pieces in step order: the directive's cadence, then each
+        change the control file made. Pieces wholly in the past are dropped as steps go by."""
 
     @property
     def enabled(self) -> bool:
@@ -76,13 +87,18 @@ class Checkpointer:
         Call between steps, on every rank."""
         if not self.enabled or step == 0 or step == self._last_saved:
             return
-        if step % self.directive.checkpoint_every and step != self._requested_step():
+        requested = self._read_control(step)
+        if step % self.every(step) and step != requested:
             return
         import checkpoints
 
         self._last_saved = step
+        started = time.perf_counter()
         try:
             with phase("checkpoint"):
+                # save() would wait for an async save still writing anyway; waiting here lets
+                # that one be announced (or its failure reported) under its own step.
+                self._finish_pending()
                 handle = checkpoints.save(
                     str(self.directive.checkpoint_dir), step, cursor, lr_scale, self.model,
                     self.optimizer, self.scheduler, async_save=self.directive.checkpoint_async)
@@ -91,33 +107,65 @@ class Checkpointer:
             # full disk must cost a checkpoint, never the run. The last good one still stands.
             self._failed(step, exc)
             return
+        # The stall training paid: the whole save when synchronous, the staging copy (and any
+        # wait for the previous async save) when asynchronous; the writes overlap training.
+        blocking = time.perf_counter() - started
         if handle.committed:
-            self._announce(handle)
+            self._announce(handle, blocking)
         else:
-            self._pending = handle
+            self._pending, self._pending_blocking = handle, blocking
 
-    def _requested_step(self) -> int | None:
-        """The step the supervisor asked every rank to checkpoint at (preemption), if any.
+    def every(self, step: int) -> int:
+        """The cadence in force at ``step``: a save at each step that is a multiple of it."""
+        every = self._cadence[0][1]
+        for start, value in self._cadence:
+            if start > step:
+                break
+            every = value
+        return every
 
-        It is a file beside the directive: one ``stat`` per step (about 2.6 us here when absent;
-        between steps, never in ``step()``), read only when its mtime changes. Every rank reads
-        the same step, chosen ahead of the newest one reported, so all ranks meet in the same
-        collective save.
+    def _read_control(self, step: int) -> int | None:
+        """Apply the supervisor's control file; return the step it asks a checkpoint at, if any.
+
+        One ``stat`` per step (about 2.6 us here when absent; between steps, never in
+        ``step()``); the file is read and parsed only when it changed. The supervisor replaces
+        it atomically, so a new version has a new inode even within one mtime tick. Every rank
+        reads the same requests, chosen ahead of the newest step reported, so all ranks meet in
+        the same collective save.
         """
         if self.control is None:
             return None
         try:
-            mtime = os.stat(self.control).st_mtime_ns
+            st = os.stat(self.control)
         except OSError:
             return None
-        if mtime != self._control_seen:  # read and parse only when the request changed
-            self._control_seen = mtime
+        seen = (st.st_mtime_ns, st.st_ino, st.st_size)
+        if seen != self._control_seen:
+            self._control_seen = seen
             try:
-                self._control_step = int(
-                    json.loads(self.control.read_text())["checkpoint_at_step"])
-            except (OSError, ValueError, KeyError, TypeError):
-                self._control_step = None
+                request = json.loads(self.control.read_text())
+            except (OSError, ValueError):
+                request = None
+            self._apply_control(request if isinstance(request, dict) else {}, step)
+        while len(self._cadence) > 1 and self._cadence[1][0] <= step:
+            self._cadence.pop(0)  # a piece wholly in the past
         return self._control_step
+
+    def _apply_control(self, request: dict[str, Any], step: int) -> None:
+        """``checkpoint_at_step`` is what the current file asks (absent: nothing);
+        ``checkpoint_every`` changes the cadence from ``from_step`` on (absent: the next step)
+        and stays in force when a later version of the file leaves it out."""
+        self._control_step = _as_int(request.get("checkpoint_at_step"))
+        every = _as_int(request.get("checkpoint_every"))
+        if every is None or every < 1:
+            return
+        start = _as_int(request.get("from_step"))
+        start = step + 1 if start is None else start
+        if self._cadence[-1] == (start, every):
+            return  # the same change, rewritten beside a new checkpoint_at_step
+        self._cadence = [piece for piece in self._cadence if piece[0] < start] + [(start, every)]
+        if self.rank == 0:
+            self._emit("cadence", every_steps=every, from_step=start)
 
     def poll(self) -> None:
         """Finish an async save when its writes are done (cheap; call once per step)."""
@@ -133,13 +181,24 @@ class Checkpointer:
             return
         if done:
             handle, self._pending = self._pending, None
-            self._announce(handle)
+            self._announce(handle, self._pending_blocking)
 
     def close(self) -> None:
-        if self._pending is not None:
-            handle, self._pending = self._pending, None
+        self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        """Wait for the async save in flight, if any, and announce it or report its failure."""
+        if self._pending is None:
+            return
+        import checkpoints
+
+        handle, self._pending = self._pending, None
+        try:
             handle.wait()
-            self._announce(handle)
+        except checkpoints.CheckpointError as exc:
+            self._failed(handle.step, exc)
+            return
+        self._announce(handle, self._pending_blocking)
 
     def saved_externally(self, path: str | os.PathLike[str], step: int, cursor: int,
                          lr_scale: float) -> None:
@@ -159,10 +218,22 @@ class Checkpointer:
         if self.rank == 0:
             self._emit("checkpoint_failed", step=step, error=str(exc)[:2000])
 
-    def _announce(self, handle: Any) -> None:
+    def _announce(self, handle: Any, blocking_s: float) -> None:
+        """``blocking_s``: seconds rank 0's training stalled for this save (see maybe_save)."""
         if self.rank == 0:
             self._emit("checkpoint", step=handle.step, path=str(handle.path), external=False,
-                       asynchronous=handle.is_async)
+                       asynchronous=handle.is_async, blocking_s=round(blocking_s, 6))
+
+
+def _as_int(value: Any) -> int | None:
+    """A JSON integer (an integral float too), else None: a malformed field asks nothing."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
 
 
 def _barrier() -> None:
