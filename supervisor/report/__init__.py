@@ -4,8 +4,11 @@ Writes ``PATH`` (default ``RUN_DIR/report.html``) and its figures in a folder be
 after it (``RUN_DIR/report/*.png``), linked relatively so the pair can be copied anywhere:
 
 - ``training.png``: loss (plus grad norm and LR) by step, one colour per attempt, relaunch and
-  rollback lines, shaded batches that a later attempt skipped, non-finite values as red marks;
-- ``step_times.png``: each rank's step time over the run, and each rank's median;
+  rollback lines, shaded batches that a later attempt skipped, non-finite values as red marks,
+  the band of per-rank losses and rank_departure findings, when reported;
+- ``throughput.png``: tokens/s and MFU by step, when the run reported them;
+- ``step_times.png``: each rank's step time over the run, and each rank's median (large worlds:
+  the median, p99 and slowest rank's step time, and which ranks were the slowest most often);
 - ``timeline.png``: every finding over time, by kind, coloured by the policy's action.
 
 Calling rules: reads only the run directory (safe while the run is live; a torn last line is
@@ -38,8 +41,8 @@ def write_report(run_dir: str | Path, out_path: str | Path | None = None) -> Pat
     elif out.suffix.lower() not in (".html", ".htm"):
         out = out.with_name(out.name + ".html")  # else the figure folder would take its name
     fig_dir = out.parent / out.stem
-    drawers = {"training": plots.plot_training, "step_times": plots.plot_step_times,
-               "timeline": plots.plot_timeline}
+    drawers = {"training": plots.plot_training, "throughput": plots.plot_throughput,
+               "step_times": plots.plot_step_times, "timeline": plots.plot_timeline}
     figures: dict[str, str | None] = {}
     for name, draw in drawers.items():
         png = fig_dir / f"{name}.png"

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from supervisor.status import METRICS, History, parse_metrics_line
+from supervisor.status import METRICS, History, parse_metrics_line, to_float
 
 SAMPLE_ROWS = 60_000
 """Files with more rows are thinned while reading: every k-th row, plus every row with a
@@ -44,6 +44,25 @@ class Curve:
     grad_bad: Bools
     lr: Floats
     tokens: Floats
+    tokens_per_s: Floats
+    """Job-wide tokens per second of the step; NaN where not reported."""
+    mfu: Floats
+    """Model FLOPs utilisation, a fraction 0..1; NaN where not reported."""
+    loss_min: Floats
+    """The per-rank loss summary (finite losses only); NaN where not reported."""
+    loss_median: Floats
+    loss_max: Floats
+    step_time_p50: Floats
+    """Step-time quantiles over ranks (s): the rows of large worlds carry these instead of
+    per-rank lists. NaN where not reported."""
+    step_time_p99: Floats
+    step_time_max: Floats
+    step_time_max_rank: Floats
+    """The slowest rank of the step (a float column so that NaN can say "not reported")."""
+
+    def has(self, key: str) -> bool:
+        """Whether column ``key`` holds any finite value."""
+        return bool(np.isfinite(getattr(self, key)).any())
 
 
 @dataclass
@@ -146,8 +165,9 @@ def _column(rows: list[dict[str, Any]], key: str) -> tuple[Floats, Bools]:
     values = np.full(len(rows), np.nan)
     bad = np.zeros(len(rows), dtype=bool)
     for i, row in enumerate(rows):
-        v = row.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+        # "nan"/"inf" strings of keys that status.parse_metrics_line leaves alone (quantiles).
+        v = to_float(row.get(key))
+        if v is not None:
             values[i] = v
             bad[i] = not math.isfinite(v)
     values[bad] = np.nan
@@ -169,12 +189,23 @@ def _merge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if len(group) == 1:
             merged.append(group[0])
             continue
-        row = {"step": step, "time": max(_nums(group, "time"), default=None),
-               "cursor": max(_nums(group, "cursor"), default=None),
+        # Quantiles and rates cannot be combined from parts: take them from the row that covers
+        # the most ranks; extremes combine exactly.
+        widest = max(group, key=_rank_count)
+        row = {**{k: widest.get(k) for k in _FROM_WIDEST},
+               "step": step, "time": max(_finite(group, "time"), default=None),
+               "cursor": max(_finite(group, "cursor"), default=None),
                "lr": next(iter(_nums(group, "lr")), None),
                "grad_norm": _worst(_nums(group, "grad_norm"), max),
-               "tokens": sum(_nums(group, "tokens")) if _nums(group, "tokens") else None}
-        weighted = [(r["loss"], len(r.get("ranks") or [0])) for r in group
+               "tokens": sum(_nums(group, "tokens")) if _nums(group, "tokens") else None,
+               "loss_min": min(_finite(group, "loss_min"), default=None),
+               "loss_max": max(_finite(group, "loss_max"), default=None)}
+        slowest = [r for r in group if _finite([r], "step_time_max")]
+        if slowest:
+            top = max(slowest, key=lambda r: _finite([r], "step_time_max")[0])
+            row["step_time_max"] = top["step_time_max"]
+            row["step_time_max_rank"] = top.get("step_time_max_rank")
+        weighted = [(r["loss"], _rank_count(r)) for r in group
                     if isinstance(r.get("loss"), float)]
         if weighted:
             row["loss"] = sum(v * n for v, n in weighted) / sum(n for _, n in weighted)
@@ -182,9 +213,23 @@ def _merge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return merged
 
 
+_FROM_WIDEST = ("tokens_per_s", "mfu", "loss_median", "step_time_p50", "step_time_p99")
+
+
+def _rank_count(row: dict[str, Any]) -> int:
+    """How many ranks a row covers: its ``ranks`` list, or ``n_ranks`` (large worlds)."""
+    if isinstance(row.get("ranks"), list):
+        return max(1, len(row["ranks"]))
+    n = row.get("n_ranks")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+
 def _nums(rows: list[dict[str, Any]], key: str) -> list[float]:
-    return [float(r[key]) for r in rows
-            if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    return [v for r in rows if (v := to_float(r.get(key))) is not None]
+
+
+def _finite(rows: list[dict[str, Any]], key: str) -> list[float]:
+    return [v for v in _nums(rows, key) if math.isfinite(v)]
 
 
 def _worst(values: list[float], pick: Any) -> float | None:
@@ -197,9 +242,14 @@ def _curve(attempt: int, rows: list[dict[str, Any]]) -> Curve:
     rows = _merge(rows)
     loss, loss_bad = _column(rows, "loss")
     grad, grad_bad = _column(rows, "grad_norm")
-    return Curve(attempt, _column(rows, "step")[0], _column(rows, "time")[0],
-                 _column(rows, "cursor")[0], loss, loss_bad, grad, grad_bad,
-                 _column(rows, "lr")[0], _column(rows, "tokens")[0])
+
+    def col(key: str) -> Floats:
+        return _column(rows, key)[0]
+
+    return Curve(attempt, col("step"), col("time"), col("cursor"), loss, loss_bad, grad, grad_bad,
+                 col("lr"), col("tokens"), col("tokens_per_s"), col("mfu"), col("loss_min"),
+                 col("loss_median"), col("loss_max"), col("step_time_p50"), col("step_time_p99"),
+                 col("step_time_max"), col("step_time_max_rank"))
 
 
 def _add_rank_times(ranks: dict[int, RankTimes], row: dict[str, Any], attempt: int) -> None:

@@ -1,4 +1,5 @@
-"""The report's HTML page: summary, figures (relative links), attempts, incidents, checkpoints.
+"""The report's HTML page: summary, figures (relative links), attempts, incidents, silent data
+corruption checks, checkpoints and their cadence.
 
 One self-contained file plus its PNG folder; no scripts, no external assets, so it opens from a
 laptop after ``scp -r`` of the run directory, or from a CI artifact.
@@ -15,13 +16,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from supervisor.report.data import RunData
-from supervisor.status import describe_attempt, duration
+from supervisor.status import describe_attempt, duration, to_float
 
 # The journal events the report already shows in its own sections; others are listed raw.
 KNOWN_EVENTS = {"run_started", "launch", "worker_hello", "worker_close", "worker_skip", "state",
                 "finding", "alert", "stop_workers", "workers_stopped", "backoff", "run_finished",
-                "finding_set_aside", "incident", "resume"}
+                "finding_set_aside", "incident", "resume", "sdc_check", "cadence_advice",
+                "cadence_adopted"}
+SHOWN = 20  # newest SDC disagreements and cadence changes listed; older ones are counted
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1240px; color: #222; }
 h1 { font-size: 1.5em; margin-bottom: 0.2em; } h2 { font-size: 1.15em; margin-top: 1.8em; }
@@ -72,8 +77,8 @@ def render(data: RunData, snap: dict[str, Any], figures: dict[str, str | None],
              f"<h1>babysit report: {_e(name)}</h1>",
              f"<p class='muted'>{_e(snap['run_dir'])}; generated {_clock(time.time())}</p>",
              _summary(data, snap), _figures(data, figures), "<h2>Attempts</h2>",
-             _attempts(data, snap), "<h2>Incidents</h2>", _incidents(data, page),
-             "<h2>Checkpoints</h2>", _checkpoints(snap), _other_events(data),
+             _attempts(data, snap), "<h2>Incidents</h2>", _incidents(data, page), _sdc(data),
+             "<h2>Checkpoints</h2>", _checkpoints(snap), _cadence(data), _other_events(data),
              f"<p class='muted'>Journal: <code>{_e(snap['journal'])}</code>; metrics: "
              f"<code>{_e(snap['metrics'])}</code> ({data.rows:,} rows).</p></body></html>"]
     return "\n".join(p for p in parts if p)
@@ -86,6 +91,8 @@ def _summary(data: RunData, s: dict[str, Any]) -> str:
     speed = f"{s['steps_per_s']:.2f} steps/s" if s["steps_per_s"] is not None else "-"
     if s["tokens_per_s"] is not None:
         speed += f", {s['tokens_per_s']:,.0f} tokens/s"
+    if s.get("mfu") is not None:
+        speed += f", MFU {100 * s['mfu']:.1f}% (median)"
     rows = [("state", state), ("exit code", _e(s["exit_code"])),
             ("started", _clock(s["started"])),
             ("finished", _clock(s["finished"]) if s["finished"] else
@@ -94,17 +101,44 @@ def _summary(data: RunData, s: dict[str, Any]) -> str:
             ("attempts", f"{s['attempts']} launched, last #{_e(s['attempt'])}"),
             ("last step", f"{_e(s['step'])}, loss {_num(s['loss'])}"),
             ("speed (last 50 steps)", speed),
+            ("throughput (whole run)", _throughput(data)),
+            ("rank losses (last step)", _spread(s.get("loss_spread"))),
             ("incidents", f"{s['incident_count']} acted on, {s['ignored_findings']} ignored")]
-    return _table([], [[f"<b>{_e(k)}</b>", v] for k, v in rows], "kv")
+    return _table([], [[f"<b>{_e(k)}</b>", v] for k, v in rows if v is not None], "kv")
+
+
+def _throughput(data: RunData) -> str | None:
+    """Medians over every step of the run, or None when it reported neither tokens/s nor MFU."""
+    parts = []
+    for key, fmt in (("tokens_per_s", "{:,.0f} tokens/s"), ("mfu", "MFU {:.1%}")):
+        values = np.concatenate([getattr(c, key) for c in data.curves] or [np.empty(0)])
+        values = values[np.isfinite(values)]
+        if len(values):
+            parts.append(fmt.format(float(np.median(values))))
+    return ", ".join(parts) + " (medians over all steps)" if parts else None
+
+
+def _spread(spread: dict[str, Any] | None) -> str | None:
+    if not spread:
+        return None
+    return (f"min {_num(spread['min'])} (rank {_e(spread['min_rank'])}), median "
+            f"{_num(spread['median'])}, max {_num(spread['max'])} (rank {_e(spread['max_rank'])})")
 
 
 def _figures(data: RunData, figures: dict[str, str | None]) -> str:
     captions = {
         "training": "Loss, grad norm and LR by step; one colour per attempt. Dashed lines: the "
                     "incident that ended an attempt and the action taken. Hatched: batches a "
-                    "later attempt skipped (as first trained on). Red x at the top: non-finite.",
+                    "later attempt skipped (as first trained on). Red x at the top: non-finite. "
+                    "Shaded around the loss, when reported: the lowest to the highest rank's "
+                    "loss; red triangles: a rank whose loss departed from the others.",
+        "throughput": "Job-wide tokens per second and model FLOPs utilisation (MFU) by step, "
+                      "whichever the run reported; one colour per attempt, a rolling median "
+                      "over the raw values (faint), the run's median dashed.",
         "step_times": "Each rank's step time over the run; a straggler stands out as a high "
-                      "line (or a bright row) and a red bar.",
+                      "line (or a bright row) and a red bar. Large worlds report no per-rank "
+                      "times: then the median, p99 and slowest rank's step time, and the ranks "
+                      "that were the slowest most often.",
         "timeline": "Every finding over time, one row per kind, coloured by the policy's action.",
     }
     out = []
@@ -200,3 +234,130 @@ def _other_events(data: RunData) -> str:
                      f"<code>{_e(text[:300])}</code>"])
     return ("<h2>Other journal events</h2>" + f"<p class='muted'>{len(other)} in all; the newest "
             f"50:</p>" + _table(["time", "event", "attempt", "step", "evidence"], rows))
+
+
+def _events(data: RunData, kind: str) -> list[dict[str, Any]]:
+    return [e for e in data.history.events if e.get("event") == kind]
+
+
+def _ranges(ranks: list[int]) -> str:
+    """"0-2, 4, 6-7": ranks as runs, so 64 ranks read as one short line."""
+    runs: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _rank_ids(values: Any) -> list[int]:
+    out = []
+    for v in values if isinstance(values, (list, dict)) else ():
+        try:
+            out.append(int(v))
+        except (TypeError, ValueError):
+            continue  # a malformed rank id: show the rest
+    return out
+
+
+def _digests(digests: Any, disagreeing: set[int], keys: int = 6) -> str:
+    """Each compared key's digests, grouped by value: the odd one out reads at a glance (bold:
+    the group holding a disagreeing rank)."""
+    if not isinstance(digests, dict) or not digests:
+        return "-"
+    lines = []
+    for key, by_rank in list(digests.items())[:keys]:
+        groups: dict[str, list[int]] = {}
+        for rank, digest in (by_rank.items() if isinstance(by_rank, dict) else ()):
+            groups.setdefault(str(digest), []).extend(_rank_ids([rank]))
+        parts = []
+        for digest, ranks in sorted(groups.items(), key=lambda g: -len(g[1])):
+            text = (f"<code>{_e(digest)}</code> rank{'s' if len(ranks) > 1 else ''} "
+                    f"{_e(_ranges(ranks))}")
+            parts.append(f"<b>{text}</b>" if len(groups) > 1 and disagreeing & set(ranks)
+                         else text)
+        lines.append(f"<code>{_e(key)}</code>: " + "; ".join(parts))
+    if len(digests) > keys:
+        lines.append(f"<span class='muted'>and {len(digests) - keys} more</span>")
+    return "<br>".join(lines)
+
+
+def _sdc(data: RunData) -> str:
+    """The ``sdc_check`` events: how many, whether all agreed, and each disagreement."""
+    checks = _events(data, "sdc_check")
+    if not checks:
+        return ""
+    steps = [e["step"] for e in checks if isinstance(e.get("step"), int)]
+    bad = [e for e in checks if e.get("agree") is False]
+    agreed = [e["step"] for e in checks if e.get("agree") is True and isinstance(e.get("step"),
+                                                                                   int)]
+    last_ok = max(agreed) if agreed else (bad[-1].get("last_agreeing_step") if bad else None)
+    span = f" between steps {min(steps)} and {max(steps)}" if steps else ""
+    out = ["<h2>Silent data corruption checks</h2>",
+           f"<p>{len(checks)} check(s){span}, comparing {_e(checks[-1].get('ranks'))} ranks' "
+           f"digests of state that should be identical across them."]
+    if not bad:
+        out[-1] += " <b class='state-succeeded'>All agreed.</b></p>"
+        return "\n".join(out)
+    out[-1] += (f" <b class='state-failed'>{len(bad)} disagreed.</b> Last step at which all "
+                f"compared ranks agreed: <b>{_e(last_ok)}</b>.</p>")
+    rows = []
+    for e in bad[-SHOWN:]:
+        odd = set(_rank_ids(e.get("disagreeing")))
+        rows.append([_e(e.get("step")), _e(e.get("attempt")), _e(e.get("ranks")),
+                     f"<b>{_e(_ranges(sorted(odd)) or '-')}</b>", _e(e.get("last_agreeing_step")),
+                     _digests(e.get("digests"), odd)])
+    if len(bad) > SHOWN:
+        out.append(f"<p class='muted'>The newest {SHOWN} of {len(bad)} disagreements:</p>")
+    out.append(_table(["step", "attempt", "ranks compared", "disagreeing ranks",
+                       "last agreeing step", "digests"], rows))
+    return "\n".join(out)
+
+
+def _share(v: Any) -> str:
+    x = to_float(v)
+    return "-" if x is None else f"{x:.1%}" if math.isfinite(x) else str(x)
+
+
+def _seconds(v: Any) -> str:
+    x = to_float(v)
+    return duration(x) if x is not None and math.isfinite(x) else "-"
+
+
+def _cadence(data: RunData) -> str:
+    """The newest ``cadence_advice`` (checkpoint interval against its cost and the failure
+    rate) and every ``cadence_adopted`` change."""
+    advice, adopted = _events(data, "cadence_advice"), _events(data, "cadence_adopted")
+    if not advice and not adopted:
+        return ""
+    out = ["<h2>Checkpoint cadence</h2>"]
+    if advice:
+        a = advice[-1]
+        out.append(f"<p>{_e(a.get('summary'))} <span class='muted'>(the newest advice, step "
+                   f"{_e(a.get('step'))}; {len(advice)} in all)</span></p>")
+        configured, optimal = a.get("configured_steps"), a.get("optimal_steps")
+        optimal_s = to_float(a.get("optimal_interval_s"))
+        configured_s = None  # seconds per step, as the advice measured it, times the interval
+        if isinstance(configured, int) and isinstance(optimal, int) and optimal > 0 \
+                and optimal_s is not None:
+            configured_s = configured * optimal_s / optimal
+        rows = [["<b>interval</b>", f"every {_e(configured)} steps"
+                 + (f" (about {_seconds(configured_s)})" if configured_s is not None else ""),
+                 f"every {_e(optimal)} steps ({_seconds(optimal_s)})"],
+                ["<b>expected waste</b>", _share(a.get("waste_configured")),
+                 _share(a.get("waste_optimal"))]]
+        out.append(_table(["", "configured", "optimal"], rows))
+        tau = (f"{_seconds(a.get('tau_s'))} (source: {_e(a.get('tau_source'))}; "
+               f"{_e(a.get('interruptions'))} interruption(s) seen in "
+               f"{_seconds(a.get('observed_s'))})")
+        out.append(_table([], [["<b>blocking cost C</b>",
+                                f"{_seconds(a.get('blocking_s'))} of training per checkpoint"],
+                               ["<b>tau</b>", f"mean time between interruptions: {tau}"]], "kv"))
+    if adopted:
+        items = [f"<li>step {_e(e.get('from_step', e.get('step')))}: checkpoint every "
+                 f"{_e(e.get('old_every'))} -&gt; {_e(e.get('new_every'))} steps"
+                 + (f" ({_e(e.get('reason'))})" if e.get("reason") else "") + "</li>"
+                 for e in adopted[-SHOWN:]]
+        out.append(f"<p>Adopted ({len(adopted)} change(s)):</p><ul>{''.join(items)}</ul>")
+    return "\n".join(out)

@@ -1,7 +1,8 @@
-"""The report's three figures, drawn with matplotlib's Agg backend (no display needed).
+"""The report's figures, drawn with matplotlib's Agg backend (no display needed).
 
 Each ``plot_*`` function takes a ``RunData`` and a PNG path, writes the file and returns True, or
-returns False when the run has nothing to draw (no metrics: a script without the worker API).
+returns False when the run has nothing to draw (no metrics: a script without the worker API; no
+tokens/s or MFU: a script that did not give tokens, FLOPs per token and peak FLOP/s).
 Legends sit outside the axes so they never cover data; every axis says what and in which unit.
 """
 
@@ -17,16 +18,20 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: never look for a display
 
 import matplotlib.pyplot as plt
+import matplotlib.ticker as mticker
 import matplotlib.transforms as mtransforms
 import numpy as np
 
-from supervisor.report.data import Curve, Floats, RunData
+from supervisor.report.data import Curve, Floats, RankTimes, RunData
 
 DPI = 110
 WIDTH = 11.0
 MAX_POINTS = 20_000  # per line; more only slows drawing, a 1,100-pixel-wide figure can't show it
 SMOOTH_FROM = 300  # points per line beyond which a rolling median is drawn over the raw values
 HEATMAP_RANKS = 9  # from this many ranks on, lines per rank are unreadable: draw a heatmap
+DEPARTURE_LABELS = 20  # rank_departure markers beyond this many are drawn without their text
+SLOWEST_SHARE = 0.2  # a rank slowest in more than this share of steps is marked a straggler
+SI = mticker.EngFormatter(sep="")  # 120k tokens/s, 1.5M: the digits a reader compares
 ACTION_COLOURS = {"ignore": "#b0b0b0", "set_aside": "#d9d9d9", "alert": "#ff9f1c",
                   "skip_step": "#e9c46a", "relaunch": "#1f77b4", "rollback": "#9b5de5",
                   "stop": "#d62828"}
@@ -64,6 +69,10 @@ def _save(fig: Any, path: Path) -> None:
     plt.close(fig)
 
 
+def _name(data: RunData) -> str:
+    return data.history.name or data.history.run_dir.name
+
+
 def _attempt_label(data: RunData, attempt: int) -> str:
     a = next((x for x in data.history.attempts if x.attempt == attempt), None)
     label = f"attempt {attempt}"
@@ -97,12 +106,12 @@ def plot_training(data: RunData, path: Path) -> bool:
         ax.grid(True, alpha=0.3)
         if _wants_log(np.concatenate([getattr(c, key) for c in curves])):
             ax.set_yscale("log")
+    _draw_rank_loss(axs[0], curves, data)
     for ax in axs:
         _draw_skips(ax, data, first=ax is axs[0])
         _draw_interventions(ax, data, first=ax is axs[0])
     axs[-1].set_xlabel("optimizer step")
-    name = data.history.name or data.history.run_dir.name
-    axs[0].set_title(f"{name}: training curves by attempt", loc="left", pad=16)
+    axs[0].set_title(f"{_name(data)}: training curves by attempt", loc="left", pad=16)
     handles, labels = axs[0].get_legend_handles_labels()
     order = sorted(range(len(labels)), key=lambda i: not labels[i].startswith("attempt "))
     axs[0].legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left",
@@ -137,6 +146,55 @@ def _draw_series(ax: Any, curves: list[Curve], key: str, data: RunData) -> None:
             ax.scatter(steps, np.full(len(steps), 0.96), transform=edge, marker="x", s=28,
                        color="#d62828", zorder=5, clip_on=False, label=bad_label)
             bad_label = "_nolegend_"
+
+
+def _draw_rank_loss(ax: Any, curves: list[Curve], data: RunData) -> None:
+    """The band from the lowest to the highest rank's loss around the median rank's (when the
+    rows carry the per-rank summary), and a labelled marker at each rank_departure finding."""
+    band_label = "loss across ranks: min-max, median dotted"
+    for c in curves:
+        if not c.has("loss_median"):
+            continue
+        s = _stride(len(c.step))
+        ax.fill_between(c.step[::s], c.loss_min[::s], c.loss_max[::s], color=_colour(c.attempt),
+                        alpha=0.16, lw=0, label=band_label)
+        # Beneath the mean loss line: it shows only where the median rank parts from the mean.
+        ax.plot(c.step[::s], c.loss_median[::s], color=_colour(c.attempt), lw=0.8, ls=":",
+                zorder=1.5)
+        band_label = "_nolegend_"
+    # One marker per (step, rank); -1: a finding that named no rank gets a marker, no label.
+    departures = sorted({(i.step, r, i.attempt) for i in data.history.incidents
+                         + data.history.ignored
+                         if i.incident == "rank_departure" and i.step is not None
+                         for r in i.ranks or [-1]})
+    marker_label = "rank_departure finding"
+    for n, (step, rank, attempt) in enumerate(departures):
+        y, pinned = _departure_height(curves, step, attempt)
+        where = mtransforms.blended_transform_factory(ax.transData, ax.transAxes) if pinned \
+            else ax.transData
+        ax.scatter([step], [y], transform=where, marker="v", s=46, color="#d62828",
+                   edgecolor="black", lw=0.6, zorder=6, clip_on=False, label=marker_label)
+        marker_label = "_nolegend_"
+        if n < DEPARTURE_LABELS and rank >= 0:
+            ax.annotate(f"rank {rank}", (step, y), xycoords=where, xytext=(4, 5),
+                        textcoords="offset points", fontsize=8, color="#d62828", zorder=6)
+
+
+def _departure_height(curves: list[Curve], step: int, attempt: int) -> tuple[float, bool]:
+    """Where a departure marker goes: the loss extreme farther from the median at that step (the
+    departing rank is that extreme), else the mean loss; (0.9, True) means "pin it near the top
+    of the axes", when the step has no finite loss at all."""
+    for c in sorted(curves, key=lambda c: (c.attempt != attempt, -c.attempt)):
+        at = np.nonzero(c.step == step)[0]
+        if not len(at):
+            continue
+        i = int(at[0])
+        low, mid, high = c.loss_min[i], c.loss_median[i], c.loss_max[i]
+        if np.isfinite([low, mid, high]).all():
+            return float(high if high - mid >= mid - low else low), False
+        if np.isfinite(c.loss[i]):
+            return float(c.loss[i]), False
+    return 0.9, True
 
 
 def _draw_skips(ax: Any, data: RunData, first: bool) -> None:
@@ -183,20 +241,78 @@ def _draw_interventions(ax: Any, data: RunData, first: bool) -> None:
                        if first else None)
 
 
-# -- (b) per-rank step time -----------------------------------------------------------------------
+# -- (b) throughput ------------------------------------------------------------------------------
+
+
+def plot_throughput(data: RunData, path: Path) -> bool:
+    """Tokens per second (top) and MFU in percent (below), whichever the run reported, over
+    steps, one colour per attempt: a rolling median over the raw values drawn faint, and the
+    run's median as a dashed line."""
+    curves = [c for c in data.curves if len(c.step)]
+    panels = [(key, label, scale) for key, label, scale in
+              (("tokens_per_s", "tokens/s (job)", 1.0), ("mfu", "MFU (%)", 100.0))
+              if any(c.has(key) for c in curves)]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False, layout="constrained",
+                             figsize=(WIDTH, 1.2 + 2.2 * len(panels)))
+    axs = list(axes[:, 0])
+    for ax, (key, label, scale) in zip(axs, panels, strict=True):
+        every: list[Floats] = []
+        for c in curves:
+            values: Floats = getattr(c, key) * scale
+            keep = np.isfinite(values)
+            if not keep.any():
+                continue
+            x, y = c.step[keep], values[keep]
+            every.append(y)
+            s = _stride(len(x))
+            ax.plot(x[::s], y[::s], color=_colour(c.attempt), lw=0.6, alpha=0.3)
+            ax.plot(x[::s], _rolling_median(y, max(9, len(y) // 100))[::s],
+                    color=_colour(c.attempt), lw=1.4,
+                    label=_attempt_label(data, c.attempt) if ax is axs[0] else None)
+        median = float(np.median(np.concatenate(every)))
+        ax.axhline(median, color="#555555", lw=0.9, ls="--")
+        shown = f"{median:.1f}%" if key == "mfu" else SI(float(f"{median:.3g}"))
+        ax.text(0.995, median, f"run median {shown}", fontsize=8, color="#555555", ha="right",
+                va="bottom", transform=mtransforms.blended_transform_factory(ax.transAxes,
+                                                                             ax.transData))
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        if key == "tokens_per_s":
+            ax.yaxis.set_major_formatter(SI)
+        ax.grid(True, alpha=0.3)
+        _draw_interventions(ax, data, first=ax is axs[0])
+    axs[-1].set_xlabel("optimizer step")
+    axs[0].set_title(f"{_name(data)}: throughput by attempt (rolling median; raw values faint)",
+                     loc="left", pad=16)
+    axs[0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    _save(fig, path)
+    return True
+
+
+# -- (c) per-rank step time -----------------------------------------------------------------------
 
 
 def plot_step_times(data: RunData, path: Path) -> bool:
     """Per-rank step time over wall time (rolling median lines, or a heatmap of each rank's time
-    relative to the step's median when there are many ranks) and each rank's median as bars."""
+    relative to the step's median when there are many ranks) and each rank's median as bars.
+    Rows of large worlds carry no per-rank lists: then the median, p99 and slowest rank's step
+    time are drawn instead, and how often each rank was the slowest."""
     ranks = {r: t for r, t in data.ranks.items() if t.step_time}
-    if not ranks:
+    quantiles = [c for c in data.curves
+                 if c.has("time") and (c.has("step_time_p50") or c.has("step_time_max"))]
+    if not ranks and not quantiles:
         return False
-    span = max(max(t.time) for t in ranks.values()) - data.t0
-    div, xlabel = _time_axis(span)
+    ends = [max(t.time) for t in ranks.values()] if ranks else [
+        float(np.nanmax(c.time)) for c in quantiles]
+    div, xlabel = _time_axis(max(ends) - data.t0)
     fig, (ax, bars) = plt.subplots(1, 2, figsize=(WIDTH, 3.8), layout="constrained",
                                    gridspec_kw={"width_ratios": [4, 1]})
-    if len(ranks) < HEATMAP_RANKS:
+    if not ranks:
+        _draw_quantiles(ax, bars, quantiles, data, div)
+        ax.set_title("step time across ranks (launches marked #n)", loc="left", pad=14)
+    elif len(ranks) < HEATMAP_RANKS:
         for i, (rank, t) in enumerate(ranks.items()):
             attempts = np.array(t.attempt)
             for n, attempt in enumerate(dict.fromkeys(t.attempt)):
@@ -212,10 +328,17 @@ def plot_step_times(data: RunData, path: Path) -> bool:
         ax.set_ylim(bottom=0)
     else:
         _heatmap(fig, ax, ranks, data.t0, div)
+    if ranks:
+        ax.set_title("step time per rank (launches marked #n)", loc="left", pad=14)
+        _median_bars(bars, ranks)
     _mark_launches(ax, data, div, "#", "#555555", ":")
     ax.set_xlabel(xlabel)
     ax.grid(True, alpha=0.3)
-    ax.set_title("step time per rank (launches marked #n)", loc="left", pad=14)
+    _save(fig, path)
+    return True
+
+
+def _median_bars(bars: Any, ranks: dict[int, RankTimes]) -> None:
     medians = [float(np.median(t.step_time)) * 1000.0 for t in ranks.values()]
     overall = float(np.median(medians))
     colours = ["#d62828" if m > 1.3 * overall else "#1f77b4" for m in medians]
@@ -227,8 +350,43 @@ def plot_step_times(data: RunData, path: Path) -> bool:
     bars.set_xlabel("median step time (ms)")
     bars.set_ylabel("rank")
     bars.set_title("red: >1.3x the median", fontsize=9, loc="left", pad=14)
-    _save(fig, path)
-    return True
+
+
+def _draw_quantiles(ax: Any, bars: Any, curves: list[Curve], data: RunData,
+                    div: float) -> None:
+    """The large-world step-time view: quantile lines over time, and the ranks that were the
+    slowest most often (a straggler is the slowest in most steps; by chance, no rank is)."""
+    lines = (("step_time_p50", "#1f77b4", "median rank"), ("step_time_p99", "#ff7f0e", "p99"),
+             ("step_time_max", "#d62828", "slowest rank"))
+    for key, colour, label in lines:
+        for c in curves:
+            y: Floats = getattr(c, key) * 1000.0
+            keep = np.isfinite(y) & np.isfinite(c.time)
+            if not keep.any():
+                continue
+            x = (c.time[keep] - data.t0) / div
+            s = _stride(int(keep.sum()))
+            ax.plot(x[::s], _rolling_median(y[keep], 9)[::s], lw=1.2, color=colour, label=label)
+            label = "_nolegend_"  # one legend entry per quantile, one line per attempt
+    ax.set_ylabel("step time (ms), rolling median of 9")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.set_ylim(bottom=0)
+    slowest = np.concatenate([c.step_time_max_rank for c in curves])
+    slowest = slowest[np.isfinite(slowest)].astype(int)
+    if not len(slowest):
+        bars.set_axis_off()
+        return
+    ids, counts = np.unique(slowest, return_counts=True)
+    top = np.argsort(-counts, kind="stable")[:10]
+    shares = counts[top] / len(slowest)
+    bars.barh([str(r) for r in ids[top]], shares * 100.0,
+              color=["#d62828" if x > SLOWEST_SHARE else "#1f77b4" for x in shares])
+    for row, x in enumerate(shares):
+        bars.text(x * 100.0, row, f" {x:.0%}", va="center", fontsize=8)
+    bars.invert_yaxis()
+    bars.set_xlabel("% of steps as the slowest")
+    bars.set_ylabel("rank")
+    bars.set_title(f"red: slowest in >{SLOWEST_SHARE:.0%}", fontsize=9, loc="left", pad=14)
 
 
 def _rolling_median(values: Floats, window: int) -> Floats:
@@ -238,7 +396,9 @@ def _rolling_median(values: Floats, window: int) -> Floats:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows stay NaN, quietly
         medians = np.nanmedian(windows, axis=1)
-    out: Floats = np.concatenate([values[: window - 1], medians])
+        # The first points have fewer before them: a median of those, not the raw noise.
+        head = [np.nanmedian(values[: i + 1]) for i in range(window - 1)]
+    out: Floats = np.concatenate([np.asarray(head, dtype=np.float64), medians])
     return out
 
 
@@ -287,7 +447,7 @@ def _mark_launches(ax: Any, data: RunData, div: float, prefix: str, colour: str,
                 color=colour, ha="center", va="bottom", transform=top)
 
 
-# -- (c) incident timeline ------------------------------------------------------------------------
+# -- (d) incident timeline ------------------------------------------------------------------------
 
 
 def plot_timeline(data: RunData, path: Path) -> bool:
