@@ -90,12 +90,15 @@ class Batches:
     ``self[i]`` depends only on ``(seed, i, rank)``; ``seek(cursor)`` makes the next ``iter()``
     yield batches ``cursor, cursor + 1, ...`` without end. Batches in ``corrupt`` (a range of
     global indices) get random targets: a data fault that only skipping those batches cures.
+    From global batch ``bad_from`` on, this rank's shard has random targets: one bad shard.
     """
 
     def __init__(self, data: torch.Tensor, batch_size: int, block_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1, corrupt: range = range(0)) -> None:
+                 rank: int = 0, world_size: int = 1, corrupt: range = range(0),
+                 bad_from: int | None = None) -> None:
         self.data, self.batch_size, self.block_size = data, batch_size, block_size
         self.seed, self.rank, self.world_size, self.corrupt = seed, rank, world_size, corrupt
+        self.bad_from = bad_from
         self.cursor = 0
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +108,7 @@ class Batches:
         starts = starts[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
         windows = self.data[starts[:, None] + torch.arange(self.block_size + 1)].long()
         x, y = windows[:, :-1], windows[:, 1:]
-        if i in self.corrupt:
+        if i in self.corrupt or (self.bad_from is not None and i >= self.bad_from):
             y = torch.randint(256, y.shape, generator=g)
         return x, y
 
@@ -181,6 +184,10 @@ def parse_args() -> argparse.Namespace:
     f.add_argument("--crash", type=pair_of(int), metavar="RANK:STEP", help="RANK raises")
     f.add_argument("--slow", type=pair_of(float), metavar="RANK:FACTOR",
                    help="RANK takes FACTOR times as long per step")
+    f.add_argument("--bad-shard", type=pair_of(int), metavar="RANK:CURSOR",
+                   help="from global batch CURSOR on, RANK's shard has random targets")
+    p.add_argument("--peak-flops", type=float, metavar="FLOP/S",
+                   help="one device's peak FLOP/s, for babysit's MFU (none: no MFU)")
     return p.parse_args()
 
 
@@ -195,8 +202,9 @@ def main() -> None:
     split = int(0.9 * len(data))
     corrupt = range(*args.corrupt) if args.corrupt else range(0)
     shard = dict(rank=rank, world_size=world_size)
+    bad = args.bad_shard
     train = Batches(data[:split], args.batch_size, args.block_size, args.seed, **shard,
-                    corrupt=corrupt)
+                    corrupt=corrupt, bad_from=bad[1] if bad and bad[0] == rank else None)
     val = Batches(data[split:], args.batch_size, args.block_size, args.seed + 1, **shard)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -222,11 +230,13 @@ def main() -> None:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         return loss.item()
 
-    run = attach(model=raw, optimizer=opt, scheduler=sched)
+    params = sum(p.numel() for p in raw.parameters())
+    # MFU by the 6 x parameters rule; the peak is the hardware's, so only when given.
+    run = attach(model=raw, optimizer=opt, scheduler=sched, param_count=params,
+                 peak_flops=args.peak_flops)
     faults = Faults(args, rank, run.directive.attempt)
     tokens = args.batch_size * args.block_size  # per rank per step
     if rank == 0:
-        params = sum(p.numel() for p in raw.parameters())
         print(f"{params / 1e6:.2f}M params, {len(data) / 1e6:.1f} MB of text, "
               f"{world_size} rank(s), {args.steps} steps", flush=True)
 

@@ -125,6 +125,32 @@ class LaunchConfig(_Section):
         return self
 
 
+class CadenceConfig(_Section):
+    """Checkpoint cadence advice: the interval that minimises expected lost work (docs/cadence.md).
+
+    babysit measures a checkpoint's blocking cost C on this run and the mean time between
+    interruptions tau (this run's own crashes, hangs, rollbacks and preemptions, weighed against
+    the prior), and journals the Young/Daly interval sqrt(2 C tau) beside the configured one."""
+
+    auto: bool = False
+    """Adopt the advised interval while the run goes on (within ``min_steps``..``max_steps``);
+    by default babysit only reports it."""
+    min_steps: int = Field(10, ge=1)
+    """Fewest steps between checkpoints that ``auto`` may choose."""
+    max_steps: int = Field(100_000, ge=1)
+    """Most steps between checkpoints that ``auto`` may choose."""
+    mtbf_prior_s: float = Field(86_400.0, gt=0)
+    """Prior mean time between interruptions, seconds (a day); it counts as one interruption
+    observed, so a few real ones soon outweigh it."""
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> CadenceConfig:
+        if self.min_steps > self.max_steps:
+            raise ValueError(f"min_steps ({self.min_steps}) must not exceed max_steps "
+                             f"({self.max_steps})")
+        return self
+
+
 class CheckpointConfig(_Section):
     """Where and how often the worker API saves checkpoints."""
 
@@ -144,6 +170,17 @@ class CheckpointConfig(_Section):
     """On SIGTERM (what a scheduler sends before reclaiming the node), seconds babysit waits for
     the workers to save a final checkpoint before stopping them; 0 stops at once. The next
     ``babysit run`` with the same run directory resumes from it. SIGINT never waits."""
+    cadence: CadenceConfig = CadenceConfig()
+    """Advice on ``every_steps`` from this run's measured costs, and its opt-in adoption."""
+
+
+class SdcCheckConfig(_Section):
+    """The silent-data-corruption check: ranks compare checksums of values that must agree."""
+
+    every_steps: int = Field(0, ge=0)
+    """Every N steps each rank checksums its replicated parameters and runs a fixed arithmetic
+    probe on its device; the supervisor compares them across ranks and names the rank that
+    disagrees. 0 (default) turns the check off. Needs ``attach(model=...)``."""
 
 
 class PolicyRef(_Section):
@@ -171,6 +208,8 @@ class RunConfig(_Section):
     finished run's folder appends a new run to its journal."""
     checkpoints: CheckpointConfig = CheckpointConfig()
     """Checkpoint settings."""
+    sdc: SdcCheckConfig = SdcCheckConfig()
+    """The opt-in silent-data-corruption check."""
     policy: PolicyRef = PolicyRef()
     """The policy that maps incidents to actions."""
     alerts: AlertsConfig = AlertsConfig()

@@ -19,6 +19,7 @@ Metrics (gauges unless said otherwise; a value not yet known is absent, not 0)::
     babysit_loss                                 loss at that step (mean over ranks)
     babysit_steps_per_second
     babysit_tokens_per_second
+    babysit_mfu                                  model FLOPs utilisation, 0..1 (when reported)
     babysit_rank_step_seconds{rank}              each rank's latest step time
     babysit_interventions_total{incident,action} counter
     babysit_dropped_reports_total                counter: reports the workers could not send
@@ -133,7 +134,7 @@ class Exporter:
 
     def update(self, *, state: str | None = None, attempt: int | None = None,
                steps_per_second: float | None = None, tokens_per_second: float | None = None,
-               dropped_reports: int | None = None) -> None:
+               mfu: float | None = None, dropped_reports: int | None = None) -> None:
         """Set the values given; ``None`` leaves a value as it was.
 
         ``state``: a ``policies.decide.State`` value such as ``"running"``. A new ``attempt``
@@ -151,6 +152,8 @@ class Exporter:
                 self._values["steps_per_second"] = steps_per_second
             if tokens_per_second is not None:
                 self._values["tokens_per_second"] = tokens_per_second
+            if mfu is not None:
+                self._values["mfu"] = mfu
             if dropped_reports is not None:
                 self._values["dropped_reports"] = dropped_reports
 
@@ -240,6 +243,7 @@ _SCALARS = (
     ("loss", "babysit_loss", "Loss at the newest step, mean over ranks."),
     ("steps_per_second", "babysit_steps_per_second", "Recent optimizer steps per second."),
     ("tokens_per_second", "babysit_tokens_per_second", "Recent tokens per second, whole job."),
+    ("mfu", "babysit_mfu", "Model FLOPs utilisation (0..1): achieved over peak FLOP/s."),
     ("host_memory_available", "babysit_host_memory_available_bytes",
      "Host memory available to new allocations."),
     ("disk_free", "babysit_disk_free_bytes", "Free bytes on the checkpoint file system."),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import queue
 import secrets
@@ -39,12 +40,14 @@ from supervisor import incident, launcher, protocol, stacks
 from supervisor import journal as journal_mod
 from supervisor.aggregate import StepAggregator, metrics_row
 from supervisor.alerts import Alert, AlertDispatcher
+from supervisor.cadence import INTERRUPTING_ACTIONS, CadenceAdvisor, CadenceKeeper, replay_journal
 from supervisor.console import Console
-from supervisor.directive import CONTROL_FILE, SkipRange
+from supervisor.control import ControlFile
+from supervisor.directive import SkipRange
 from supervisor.intake import Intake
 from supervisor.plan import RunPlan
+from supervisor.progress import Progress
 from supervisor.recovery import Recovery
-from supervisor.schedule import DigestSnapshot
 from supervisor.services import Services
 from supervisor.watch import Watch
 
@@ -74,10 +77,9 @@ class Supervisor:
         self._aggregator = StepAggregator(plan.world_size or 1)
         self._wake_at: float | None = None
         self._metrics: IO[str] | None = None
-        self._recent: deque[tuple[float, int]] = deque(maxlen=64)
-        self._last_loss: float | None = None
-        self._last_incident = "none"
-        self._incidents = 0
+        self.progress = Progress()
+        self.control = ControlFile()
+        self._tick_at: float | None = None
         self._started = 0.0
         self._first_attempt = 0
         self._takeover: journal_mod.PriorRun | None = None
@@ -88,6 +90,8 @@ class Supervisor:
         self._incident_dir: Path | None = None
         c = plan.config.checkpoints
         self.recovery = Recovery(Catalog(plan.checkpoint_dir), c.probation_steps, c.keep)
+        self.cadence = CadenceKeeper(CadenceAdvisor(c.every_steps, c.cadence.mtbf_prior_s),
+                                     c.cadence.auto, c.cadence.min_steps, c.cadence.max_steps)
         self.journal = journal_mod.Journal(plan.run_dir / "events.jsonl")
         self.alerts = AlertDispatcher.from_config(plan.config.alerts,
                                                   on_result=self._alert_result)
@@ -116,6 +120,7 @@ class Supervisor:
         (run_dir / "config.yaml").write_text(
             yaml.safe_dump(self.plan.config.model_dump(mode="json"), sort_keys=False))
         self._first_attempt = 1 + max((e.get("attempt", -1) for e in previous), default=-1)
+        self._restore_cadence(previous)
         prior = journal_mod.prior_run(previous)
         self._takeover = prior if prior is not None and prior.unfinished else None
         self.machine = sm.Machine(attempt=self._first_attempt)
@@ -159,6 +164,16 @@ class Supervisor:
         self.console.log(f"babysit: taking over an unfinished run (attempt {prior.last_attempt}"
                          f"); stopped {len(stopped)} leftover process(es)")
 
+    def _restore_cadence(self, previous: list[dict[str, Any]]) -> None:
+        """Earlier runs in this directory: their interruptions, checkpoint costs and running
+        time count, and an interval auto-adoption chose stays in force."""
+        if not previous:
+            return
+        replay_journal(self.cadence.advisor, previous)
+        adopted = [e.get("new_every") for e in previous if e.get("event") == "cadence_adopted"]
+        if adopted and isinstance(adopted[-1], int) and self.plan.config.checkpoints.cadence.auto:
+            self.cadence.advisor.every_steps = self.watch.checkpoint_every = adopted[-1]
+
     def _final_checkpoint(self) -> None:
         """SIGTERM is what a scheduler sends before it reclaims the node: ask every rank for a
         checkpoint a few steps ahead (all ranks must save at the same step), and wait for it
@@ -168,10 +183,7 @@ class Supervisor:
             return
         # Ranks of a synchronous job are within a step of each other: 3 ahead is ahead of all.
         target = self.machine.step + 3
-        control = self._attempt_dir(self.machine.attempt) / CONTROL_FILE
-        tmp = control.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"checkpoint_at_step": target}))
-        os.replace(tmp, control)
+        self.control.request(checkpoint_at_step=target)
         self._journal("final_checkpoint_requested", target_step=target, grace_s=grace)
         self.console.log(f"babysit: SIGTERM: asking for a final checkpoint at step {target} "
                          f"(waiting up to {grace:g} s)")
@@ -236,6 +248,9 @@ class Supervisor:
         self._take_telemetry(pending)
         self._print_output()
         now = self.clock()
+        if self.machine.state is sm.State.RUNNING and self._tick_at is not None:
+            self.cadence.advisor.on_run_time(now - self._tick_at)
+        self._tick_at = now
         group = self._group
         if group is not None and self.machine.state in (sm.State.STARTING, sm.State.RUNNING):
             code = group.poll()
@@ -251,7 +266,7 @@ class Supervisor:
         if self._wake_at is not None and now >= self._wake_at:
             self._wake_at = None
             pending.append(sm.BackoffElapsed())
-        self.services.publish(self._snapshot(), tuple(self._rank_pids.values()))
+        self.services.publish(self.progress.snapshot(self.machine), tuple(self._rank_pids.values()))
         for (event, fields), line in self.services.drain():
             self._journal(event, **fields)
             if line:
@@ -299,7 +314,7 @@ class Supervisor:
                     self._record(record, pending)
                 newest = max(newest or 0, message.step)
             else:
-                self._worker_event(message)
+                self._worker_event(message, pending)
         if newest is not None:
             pending.append(sm.Progress(newest))
             self._journal_all(self.recovery.on_progress(newest))
@@ -309,8 +324,9 @@ class Supervisor:
         row = metrics_row(record, self.machine.attempt)
         self._metrics.write(json.dumps(journal_mod.json_safe(row), separators=(",", ":")) + "\n")
         self._metrics.flush()
-        self._recent.append((record.time, record.step))
-        self._last_loss = record.loss
+        self.progress.observe(record)
+        if record.step_time is not None:
+            self.cadence.advisor.on_step_time(record.step_time)
         self.services.observe_step(record)
         if self.machine.state not in (sm.State.STARTING, sm.State.RUNNING):
             return  # the workers are being replaced: their last steps judge nothing
@@ -319,7 +335,8 @@ class Supervisor:
             # So a supervisor taking over inherits the baselines, not only the last finding's.
             self._journal("watch_state", state=self.watch.state_dict())
 
-    def _worker_event(self, event: protocol.WorkerEvent) -> None:
+    def _worker_event(self, event: protocol.WorkerEvent,
+                      pending: deque[sm.Event | Finding]) -> None:
         self.watch.observe_event(event, self.clock())
         if event.type == "hello":
             world = event.data.get("world_size")
@@ -328,6 +345,9 @@ class Supervisor:
             pid = event.data.get("pid")
             if isinstance(pid, int) and pid > 0:
                 self._rank_pids[event.rank] = pid
+            if event.rank == 0:  # MFU's inputs: the script's own numbers, or none at all
+                self._aggregator.flops_per_token = _positive(event.data.get("flops_per_token"))
+                self._aggregator.peak_flops = _positive(event.data.get("peak_flops"))
         elif event.type == "close":
             self._closed_ranks.add(event.rank)
         if event.type in ("hello", "close", "skip"):
@@ -337,12 +357,45 @@ class Supervisor:
             self._last_checkpoint = max(self._last_checkpoint, step)
             self._journal("checkpoint_saved", step=step, rank=event.rank, data=event.data)
             self._journal_all(self.recovery.on_checkpoint(step))
+            self._advise_cadence(event.data.get("blocking_s"))
+        elif event.type == "cadence":
+            self._journal("cadence_applied", rank=event.rank, data=event.data)
+        elif event.type == "fingerprint":
+            check = self.watch.observe_fingerprint(event, self._aggregator.world_size)
+            if check is not None:
+                self._journal("sdc_check", step=check.step, agree=check.agree, ranks=check.ranks,
+                              last_agreeing_step=check.last_agreeing_step,
+                              disagreeing=list(check.finding.ranks) if check.finding else [],
+                              digests=check.finding.evidence.get("digests")
+                              if check.finding else None)
+                if check.finding is not None:
+                    pending.append(check.finding)
         elif event.type == "checkpoint_failed":
             step = int(event.data.get("step", 0))
             error = str(event.data.get("error", ""))
             self._journal("checkpoint_failed", step=step, error=error)
             self._notify(sm.Notify(Severity.WARNING, f"checkpoint at step {step} failed to "
                                    f"save; training goes on from the last good one: {error}"))
+
+    def _advise_cadence(self, blocking_s: Any) -> None:
+        """A checkpoint was saved: update the cadence advice, and adopt it when ``auto``."""
+        if isinstance(blocking_s, (int, float)) and not isinstance(blocking_s, bool):
+            self.cadence.advisor.on_checkpoint(float(blocking_s))
+        advice, adoption = self.cadence.after_checkpoint(self.machine.step)
+        if advice is not None:
+            self._journal("cadence_advice", summary=advice.summary(), **advice.to_json())
+            self.console.log(f"babysit: cadence: {advice.summary()}")
+        if adoption is not None:
+            old = self.watch.checkpoint_every
+            self.watch.checkpoint_every = adoption.every_steps  # and for the next attempts
+            self.control.request(checkpoint_every=adoption.every_steps,
+                                 from_step=adoption.from_step)
+            self._journal("cadence_adopted", old_every=old, new_every=adoption.every_steps,
+                          from_step=adoption.from_step,
+                          reason="checkpoints.cadence.auto: the advised interval is outside "
+                                 "the 20% band around the one in force")
+            self.console.log(f"babysit: cadence: checkpointing every {adoption.every_steps} "
+                             f"steps from step {adoption.from_step} (was {old})")
 
     def _judge(self, finding: Finding) -> Remedy:
         diagnosis = None
@@ -355,8 +408,10 @@ class Supervisor:
         if remedy.action in (Action.ROLLBACK, Action.RELAUNCH, Action.STOP):
             self._incident_dir = self._write_incident(finding, remedy, diagnosis)
         if remedy.action is not Action.IGNORE:
-            self._incidents += 1
-            self._last_incident = f"{finding.incident.value}@{finding.step}"
+            self.progress.intervened(finding)
+            self.console.log(f"babysit: {finding.message}")
+        if remedy.action.value in INTERRUPTING_ACTIONS:
+            self.cadence.advisor.on_interruption(finding.incident.value, time.time())
             self.services.count(finding, remedy)
         self._journal("finding", step=finding.step, finding=finding.to_json(),
                       remedy=remedy.to_json())
@@ -445,6 +500,7 @@ class Supervisor:
         self._journal_all(entries)
         directive = self.watch.directive_for(attempt, remedy, resume)
         directive.write(attempt_dir / "directive.json")
+        self.control.new_attempt(attempt_dir)
         launch = self.plan.config.launch
         endpoint = launch.rdzv_endpoint or f"127.0.0.1:{launcher.free_port()}"
         command = launcher.torchrun_command(
@@ -516,39 +572,16 @@ class Supervisor:
             prefix = f"[r{line.rank}] " if line.rank is not None else "[torchrun] "
             self.console.log(prefix + line.text)
 
-    def _steps_per_s(self) -> float | None:
-        if len(self._recent) < 2:
-            return None
-        (t0, s0), (t1, s1) = self._recent[0], self._recent[-1]
-        return (s1 - s0) / (t1 - t0) if t1 > t0 else None
-
-    def _snapshot(self) -> DigestSnapshot:
-        m = self.machine
-        return DigestSnapshot(state=m.state.value, attempt=m.attempt, step=m.step or None,
-                              loss=self._last_loss, steps_per_second=self._steps_per_s(),
-                              interventions=self._incidents,
-                              last_incident=None if self._last_incident == "none"
-                              else self._last_incident)
-
     def _show_status(self) -> None:
-        m = self.machine
-        loss = f"{self._last_loss:.4f}" if self._last_loss is not None else "-"
-        rate = self._steps_per_s()
-        speed = f"{rate:.1f} steps/s" if rate is not None else "- steps/s"
-        self.console.status(
-            f"babysit | {m.state.value} | attempt {m.attempt} | step {m.step} | loss {loss} | "
-            f"{speed} | last incident: {self._last_incident}")
+        self.console.status(self.progress.status_line(self.machine))
 
     def _summary(self, code: int) -> None:
         m = self.machine
-        elapsed = self.clock() - self._started
-        attempts = m.attempt - self._first_attempt + 1
-        loss = f"{self._last_loss:.4f}" if self._last_loss is not None else "n/a"
+        line = self.progress.summary(m, self.clock() - self._started,
+                                     m.attempt - self._first_attempt + 1)
         self.console.close()
-        self.console.log(
-            f"babysit: {m.state.value} ({m.reason}) after {elapsed:.1f} s, {attempts} attempt(s), "
-            f"step {m.step}, last loss {loss}, {self._incidents} incident(s). "
-            f"Journal: {self.plan.run_dir / 'events.jsonl'}; exit code {code}.")
+        self.console.log(f"{line} Journal: {self.plan.run_dir / 'events.jsonl'}; exit code "
+                         f"{code}.")
 
     def _journal_all(self, entries: list[tuple[str, dict[str, Any]]]) -> None:
         for event, fields in entries:
@@ -557,3 +590,10 @@ class Supervisor:
     def _journal(self, event: str, /, step: int | None = None, **evidence: Any) -> None:
         self.journal.write(event, time.time(), self.machine.attempt,
                            step if step is not None else (self.machine.step or None), **evidence)
+
+
+def _positive(value: Any) -> float | None:
+    """A positive finite number from a rank's event, else None (never a guess)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf:
+        return float(value)
+    return None

@@ -103,6 +103,8 @@ class DigestSnapshot:
     loss: float | None = None
     steps_per_second: float | None = None
     tokens_per_second: float | None = None
+    mfu: float | None = None
+    """Model FLOPs utilisation, 0..1 (only when the script gave FLOPs per token and peak)."""
     interventions: int = 0
     """Remedies taken since babysit started (cumulative; the digest reports the difference)."""
     last_incident: str | None = None
@@ -132,6 +134,8 @@ def digest(now: DigestSnapshot, before: DigestSnapshot | None, period_s: float,
         parts.append(f"{now.steps_per_second:.2f} steps/s")
     if now.tokens_per_second is not None:
         parts.append(f"{now.tokens_per_second:,.0f} tokens/s")
+    if now.mfu is not None:
+        parts.append(f"MFU {100 * now.mfu:.1f}%")
     interventions = f"{interventions_since} intervention(s)"
     if interventions_since and now.last_incident:
         interventions += f" (last: {now.last_incident})"
@@ -143,6 +147,7 @@ def digest(now: DigestSnapshot, before: DigestSnapshot | None, period_s: float,
         "period_s": round(period_s, 1), "state": now.state, "attempt": now.attempt,
         "step": now.step, "steps_since": steps_since, "loss": now.loss,
         "steps_per_second": now.steps_per_second, "tokens_per_second": now.tokens_per_second,
+        "mfu": now.mfu,
         "interventions_since": interventions_since, "interventions_total": now.interventions,
         "last_incident": now.last_incident, "health_warnings": kinds,
     }

@@ -64,7 +64,8 @@ class Services:
         if self.exporter is not None:
             self.exporter.update(state=snapshot.state, attempt=snapshot.attempt,
                                  steps_per_second=snapshot.steps_per_second,
-                                 tokens_per_second=snapshot.tokens_per_second)
+                                 tokens_per_second=snapshot.tokens_per_second,
+                                 mfu=snapshot.mfu)
 
     def observe_step(self, record: StepRecord) -> None:
         if self.exporter is not None:

@@ -22,6 +22,15 @@ non-finite floats are the strings ``"nan"``/``"inf"`` as in the journal)::
     attempt, attempts           the current attempt number; how many attempts were launched
     step, loss                  the newest metrics row's step and mean loss
     steps_per_s, tokens_per_s   over the newest (up to) 50 rows of the current attempt
+    mfu                         median model FLOPs utilisation (0..1) over those rows; null unless
+                                the script gave tokens, FLOPs per token and peak FLOP/s
+    loss_spread                 the newest row's per-rank loss: {min, min_rank, median, max,
+                                max_rank}, or null
+    sdc                         silent-data-corruption checks, or null when none ran: {checks,
+                                last_agreeing_step, disagreements: the newest 5 {step, ranks}}
+    cadence                     the newest checkpoint cadence advice (the journal's
+                                cadence_advice fields, with "summary"), or null; plus
+                                "adopted_every": the interval auto-adoption set last, or null
     incident_count              findings acted on (action != "ignore")
     ignored_findings            findings not acted on: ignored by the policy (cooldowns, below
                                 threshold) or set aside while the workers were being replaced
@@ -55,7 +64,7 @@ TAIL_ROWS = 50
 RECENT_INCIDENTS = 10
 # Metrics keys whose values may be written as "nan"/"inf" strings (see journal.json_safe).
 _FLOAT_KEYS = ("loss", "loss_min", "loss_median", "loss_max", "grad_norm", "lr", "tokens",
-               "step_time")
+               "step_time", "tokens_per_s", "mfu")
 _LIST_KEYS = ("loss_per_rank", "step_time_per_rank", "data_wait_per_rank")
 
 
@@ -369,6 +378,47 @@ def rates(rows: list[dict[str, Any]]) -> tuple[float | None, float | None]:
     return steps, per_s
 
 
+def median_mfu(rows: list[dict[str, Any]]) -> float | None:
+    """Median MFU over ``rows`` of the newest attempt among them (None when none reported)."""
+    if not rows:
+        return None
+    values = sorted(v for r in rows if r.get("attempt") == rows[-1].get("attempt")
+                    and (v := _num(r.get("mfu"))) is not None)
+    return values[len(values) // 2] if values else None
+
+
+def row_loss_spread(row: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The per-rank loss summary of one metrics row (as ``rank_departure.loss_spread`` made
+    it): the rank whose loss departs shows as the min or max rank, far from the median."""
+    if not row or _num(row.get("loss_median")) is None:
+        return None
+    return {"min": _num(row.get("loss_min")), "min_rank": row.get("loss_min_rank"),
+            "median": _num(row.get("loss_median")), "max": _num(row.get("loss_max")),
+            "max_rank": row.get("loss_max_rank")}
+
+
+def sdc_checks(h: History) -> dict[str, Any] | None:
+    """What the journal's ``sdc_check`` entries say: how many, and where ranks disagreed."""
+    checks = [e for e in h.events if e.get("event") == "sdc_check"]
+    if not checks:
+        return None
+    bad = [{"step": e.get("step"), "ranks": e.get("disagreeing") or []}
+           for e in checks if e.get("agree") is False]
+    return {"checks": len(checks), "last_agreeing_step": checks[-1].get("last_agreeing_step"),
+            "disagreements": bad[-5:]}
+
+
+def cadence(h: History) -> dict[str, Any] | None:
+    """The newest cadence advice and the newest interval auto-adoption set."""
+    advice = next((e for e in reversed(h.events) if e.get("event") == "cadence_advice"), None)
+    if advice is None:
+        return None
+    keep = {k: v for k, v in advice.items() if k not in ("event", "time", "attempt", "step")}
+    adopted = next((e.get("new_every") for e in reversed(h.events)
+                    if e.get("event") == "cadence_adopted"), None)
+    return {**keep, "adopted_every": adopted}
+
+
 def snapshot(run_dir: str | Path, now: float | None = None) -> dict[str, Any]:
     """The status object documented in the module docstring. Raises NotARunDir."""
     now = time.time() if now is None else now
@@ -404,7 +454,9 @@ def snapshot(run_dir: str | Path, now: float | None = None) -> dict[str, Any]:
         "last_update": max(times, default=None),
         "attempt": attempt, "attempts": len(h.attempts),
         "step": step, "loss": last.get("loss") if last else None,
-        "steps_per_s": steps_per_s, "tokens_per_s": tokens_per_s,
+        "steps_per_s": steps_per_s, "tokens_per_s": tokens_per_s, "mfu": median_mfu(tail),
+        "loss_spread": row_loss_spread(last),
+        "sdc": sdc_checks(h), "cadence": cadence(h),
         "incident_count": len(h.incidents), "ignored_findings": len(h.ignored),
         "incidents": [i.to_json() for i in h.incidents[-RECENT_INCIDENTS:]],
         "attempt_history": [a.to_json() for a in h.attempts],
@@ -470,7 +522,25 @@ def render(s: dict[str, Any], now: float | None = None) -> str:
     speed = f"{s['steps_per_s']:.2f} steps/s" if s["steps_per_s"] is not None else "- steps/s"
     if s["tokens_per_s"] is not None:
         speed += f", {s['tokens_per_s']:,.0f} tokens/s"
+    if s["mfu"] is not None:
+        speed += f", MFU {100 * s['mfu']:.1f}%"
     row("speed", speed)
+    spread = s["loss_spread"]
+    if spread is not None:
+        row("rank loss", f"min {_fmt(spread['min'])} (rank {_fmt(spread['min_rank'])}), median "
+                         f"{_fmt(spread['median'])}, max {_fmt(spread['max'])} (rank "
+                         f"{_fmt(spread['max_rank'])})")
+    if s["sdc"] is not None:
+        sdc = s["sdc"]
+        bad = "; ".join(f"step {d['step']} ranks {','.join(map(str, d['ranks']))}"
+                        for d in sdc["disagreements"])
+        row("sdc checks", f"{sdc['checks']} run, last agreeing step "
+                          f"{_fmt(sdc['last_agreeing_step'])}"
+            + (f"; disagreed at {bad}" if bad else "; all agreed"))
+    if s["cadence"] is not None:
+        adopted = s["cadence"]["adopted_every"]
+        row("cadence", str(s["cadence"].get("summary", "-"))
+            + (f" (auto: now every {adopted} steps)" if adopted else ""))
     row("incidents", f"{s['incident_count']} acted on, {s['ignored_findings']} ignored"
                      + (" (newest last):" if s["incidents"] else ""))
     for i in s["incidents"]:

@@ -8,17 +8,35 @@ testable. It is the one place that knows which detector observes which stream.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from policies.detectors import HangDetector, classify
 from policies.detectors.crash import CrashClass, CrashSignature
+from policies.detectors.sdc import SdcDetector
 from policies.loader import load_policy
 from policies.replay import Pipeline
 from policies.schema import Policy
-from policies.types import Action, Finding, RankStep, Remedy, StepRecord
+from policies.types import Action, Finding, Incident, RankStep, Remedy, StepRecord
 from supervisor.directive import Directive, Resume, SkipRange, merge_skips
 from supervisor.plan import RunPlan
 from supervisor.protocol import WorkerEvent
+
+
+@dataclass(frozen=True, slots=True)
+class SdcCheck:
+    """A completed silent-data-corruption check: every rank's digests at ``step`` compared."""
+
+    step: int
+    ranks: int
+    finding: Finding | None
+    """Set when a rank disagreed (and was not already named in this attempt)."""
+    last_agreeing_step: int | None
+
+    @property
+    def agree(self) -> bool:
+        return self.last_agreeing_step == self.step
+
 
 _SPECIFICITY = [CrashClass.USER_CODE, CrashClass.OOM, CrashClass.HARDWARE, CrashClass.NUMERICAL,
                 CrashClass.NETWORK, CrashClass.KILLED, CrashClass.UNKNOWN]
@@ -30,19 +48,25 @@ _CURSOR_MEMORY = 4096
 
 class Watch:
     def __init__(self, policy: Policy, checkpoint_every: int = 0,
-                 checkpoint_dir: str | None = None, checkpoint_async: bool = False) -> None:
+                 checkpoint_dir: str | None = None, checkpoint_async: bool = False,
+                 sdc_every: int = 0) -> None:
         """``checkpoint_dir`` is always passed to the workers: scripts that save their own
-        checkpoints register them there even when babysit does not save (every = 0)."""
+        checkpoints register them there even when babysit does not save (every = 0).
+        ``checkpoint_every`` may change during the run (cadence adoption); the next attempt's
+        directive carries the cadence in force."""
         self.policy = policy
         self.pipeline = Pipeline(policy)
         self.rules = self.pipeline.rules
         self.hang = HangDetector(policy.detectors.hang)
+        self.sdc = SdcDetector(policy.detectors.sdc)
+        self.sdc_every = sdc_every
+        self.checkpoint_every = checkpoint_every
         self.skips: list[SkipRange] = []
         self.lr_scale = 1.0
         self.crashes: list[CrashSignature] = []
         self._cursor_at: OrderedDict[int, int] = OrderedDict()
         self._alive: set[int] = set()
-        self._checkpoint = (checkpoint_every, checkpoint_dir, checkpoint_async)
+        self._checkpoint_dir, self._checkpoint_async = checkpoint_dir, checkpoint_async
 
     @classmethod
     def from_plan(cls, plan: RunPlan) -> Watch:
@@ -60,7 +84,7 @@ class Watch:
             overrides["crash"] = crash
         c = plan.config.checkpoints
         return cls(load_policy(name, overrides), c.every_steps,
-                   str(plan.checkpoint_dir), c.async_save)
+                   str(plan.checkpoint_dir), c.async_save, plan.config.sdc.every_steps)
 
     # -- streams --------------------------------------------------------------------------------
 
@@ -71,6 +95,7 @@ class Watch:
         self.hang.start(now)
         if directive.attempt > 0:
             self.pipeline.new_attempt()
+            self.sdc.new_attempt()
 
     def observe_rank(self, sample: RankStep, now: float) -> None:
         self.hang.observe(sample, now)
@@ -83,6 +108,18 @@ class Watch:
         elif event.type == "phase":
             self.hang.phase(event.rank, str(event.data.get("name", "?")),
                             bool(event.data.get("begin")), now)
+
+    def observe_fingerprint(self, event: WorkerEvent, world_size: int) -> SdcCheck | None:
+        """One rank's silent-data-corruption digests; the verdict once every rank's are in."""
+        digests, step = event.data.get("digests"), event.data.get("step")
+        if not isinstance(digests, dict) or not isinstance(step, int):
+            return None
+        checked = self.sdc.checked_step
+        finding = self.sdc.observe(event.rank, step, digests, world_size)
+        if self.sdc.checked_step == checked:
+            return None  # the check is not complete yet
+        return SdcCheck(step=step, ranks=world_size, finding=finding,
+                        last_agreeing_step=self.sdc.last_agreeing_step)
 
     def observe_record(self, record: StepRecord) -> list[Finding]:
         self._cursor_at[record.step] = record.cursor
@@ -126,7 +163,8 @@ class Watch:
         return {"rules": self.rules.state_dict(),
                 "crashes": [[c.signature, c.step] for c in self.crashes],
                 "skips": [[r.start, r.end] for r in self.skips], "lr_scale": self.lr_scale,
-                "detectors": self.pipeline.state_dict()["detectors"]}
+                "detectors": self.pipeline.state_dict()["detectors"],
+                "sdc": self.sdc.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.rules.load_state_dict(d["rules"])
@@ -134,6 +172,8 @@ class Watch:
                         for sig, step in d.get("crashes", ())]
         self.skips = [SkipRange(int(a), int(b)) for a, b in d.get("skips", ())]
         self.lr_scale = float(d.get("lr_scale", 1.0))
+        if "sdc" in d:  # the checks that agreed, and each device's first probe
+            self.sdc.load_state_dict(d["sdc"])
         if "detectors" in d:  # the baselines: a taken-over run judges at once, no new warm-up
             self.pipeline.load_state_dict({"detectors": d["detectors"],
                                            "rules": self.rules.state_dict()})
@@ -144,7 +184,10 @@ class Watch:
                       resume: Resume | None = None) -> Directive:
         """The directive of ``attempt``, folding in the remedy that caused it: skip ranges and
         LR scale accumulate over the run; ``resume`` is the checkpoint the loop chose."""
-        if remedy is not None and remedy.action is Action.ROLLBACK:
+        # An SDC rollback goes back past the corruption, but the data was not at fault: it
+        # skips nothing and keeps the LR (the rules set no scale for it).
+        if remedy is not None and remedy.action is Action.ROLLBACK \
+                and remedy.finding.incident is not Incident.SDC:
             # After a takeover the step -> cursor memory is empty; the finding carries its onset.
             onset = self._cursor_at.get(remedy.finding.onset_step, remedy.finding.onset_cursor)
             detected = self._cursor_at.get(remedy.finding.step, onset)
@@ -153,12 +196,12 @@ class Watch:
                 self.skips.append(SkipRange(max(0, onset - 1 - remedy.skip_before),
                                             detected + remedy.skip_after))
             self.lr_scale *= remedy.lr_scale
-        every, folder, use_async = self._checkpoint
         guard: dict[str, Any] = {}
         if self.policy.incidents.grad_spike.ladder[0] is Action.SKIP_STEP:
             guard = self.policy.detectors.grad_norm.model_dump()
         return Directive(
             attempt=attempt, resume=resume, skip=merge_skips(self.skips),
-            lr_scale=self.lr_scale, checkpoint_dir=folder, checkpoint_every=every,
-            checkpoint_async=use_async, grad_guard=guard,
+            lr_scale=self.lr_scale, checkpoint_dir=self._checkpoint_dir,
+            checkpoint_every=self.checkpoint_every, checkpoint_async=self._checkpoint_async,
+            grad_guard=guard, sdc_every=self.sdc_every,
         )

@@ -33,6 +33,7 @@ Calling rules:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import sys
@@ -90,6 +91,8 @@ class Run:
         self._checkpointer = Checkpointer(directive, rank, model, optimizer, scheduler,
                                           self._event)
         self._guard = _grad_guard(directive.grad_guard)
+        self._fingerprint = _fingerprinter(directive.sdc_every, model, rank)
+        self._fingerprinted = -1
         if optimizer is not None and directive.lr_scale != 1.0:
             self._install_lr_scale(optimizer, directive.lr_scale)
 
@@ -121,6 +124,7 @@ class Run:
             # next batch is not drawn, so a checkpoint here is exactly (step, cursor).
             self._checkpointer.maybe_save(self.step_count, self.cursor, self.directive.lr_scale,
                                           self.phase)
+            self._check_integrity()
             skip = self._skip_at(self.cursor)
             if skip is not None:
                 self._event("skip", start=skip.start, end=skip.end)
@@ -134,6 +138,16 @@ class Run:
             self._data_wait += _perf() - t0
             self.cursor += 1
             yield batch
+
+    def _check_integrity(self) -> None:
+        """The silent-data-corruption check, between steps: every rank's parameters are the
+        same here (step k's update is done, batch k+1 not drawn), so the supervisor can compare
+        their digests at this step across ranks."""
+        fp = self._fingerprint
+        if fp is None or self.step_count == self._fingerprinted or not fp.due(self.step_count):
+            return
+        self._fingerprinted = self.step_count
+        self._event("fingerprint", step=self.step_count, digests=fp.digests())
 
     def _position(
         self,
@@ -305,14 +319,33 @@ class Run:
         self._hooks.append(optimizer.register_step_post_hook(post))
 
 
-def attach(model: Any = None, optimizer: Any = None, scheduler: Any = None) -> Run:
+def attach(
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    *,
+    flops_per_token: float | None = None,
+    param_count: int | None = None,
+    peak_flops: float | None = None,
+) -> Run:
     """Connect this rank to its babysit supervisor, or return a no-op ``Run`` if there is none.
 
     Call it after ``init_process_group`` and after building the model, optimizer and scheduler
     exactly as for a fresh start: on a relaunch it restores them from the checkpoint the
     supervisor chose (a collective). ``optimizer`` is also needed for the LR scale a rollback
     sets. Reads only ``BABYSIT_*`` and torchrun's ``RANK``/``WORLD_SIZE`` variables.
+
+    MFU (model FLOPs utilisation) needs three numbers babysit cannot know, so it is reported
+    only when the script gives them: ``tokens`` in each ``step()``, the training FLOPs per token
+    (``flops_per_token``, forward plus backward; or ``param_count``, for the 6 x parameters
+    rule of dense transformers, which ignores attention's share), and ``peak_flops``, one
+    device's peak FLOP/s at the training precision (989e12 for an H100 SXM in dense BF16). A
+    "token" is whatever unit ``tokens`` counts: a vision script passes images and FLOPs per
+    image.
     """
+    flops_per_token = _flops_per_token(flops_per_token, param_count)
+    if peak_flops is not None:
+        peak_flops = _positive("peak_flops", peak_flops)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     path = os.environ.get(protocol.ENV_SOCKET)
@@ -340,8 +373,37 @@ def attach(model: Any = None, optimizer: Any = None, scheduler: Any = None) -> R
         run.step_count, run.cursor = restored
     run._event("hello", pid=os.getpid(), host=socket.gethostname(), world_size=world_size,
                local_rank=int(os.environ.get("LOCAL_RANK", "0")), step=run.step_count,
-               cursor=run.cursor)
+               cursor=run.cursor, flops_per_token=flops_per_token, peak_flops=peak_flops)
     return run
+
+
+def _positive(name: str, value: Any) -> float:
+    number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"attach({name}={value!r}): give a positive, finite number")
+    return number
+
+
+def _flops_per_token(flops_per_token: Any, param_count: Any) -> float | None:
+    if flops_per_token is not None:
+        return _positive("flops_per_token", flops_per_token)
+    if param_count is not None:
+        return 6.0 * _positive("param_count", param_count)
+    return None
+
+
+def _fingerprinter(every: int, model: Any, rank: int) -> Any:
+    """The SDC check's digests, when the run's config turns it on (``sdc.every_steps``)."""
+    if not every:
+        return None
+    if model is None:
+        if rank == 0:
+            print("babysit: sdc.every_steps is set but attach() got no model; the silent data "
+                  "corruption check is off. Pass attach(model=...).", file=sys.stderr, flush=True)
+        return None
+    from supervisor.fingerprint import Fingerprinter
+
+    return Fingerprinter(every, model)
 
 
 def _grad_guard(settings: dict[str, Any]) -> Any:

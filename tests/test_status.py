@@ -29,7 +29,8 @@ STATUS_KEYS = {
     "run_dir", "journal", "metrics", "name", "state", "live", "reason", "exit_code",
     "supervisor_pid", "started", "finished", "elapsed_s", "last_update", "attempt", "attempts",
     "step", "loss", "steps_per_s", "tokens_per_s", "incident_count", "ignored_findings",
-    "incidents", "attempt_history", "checkpoint_dir", "checkpoints",
+    "incidents", "attempt_history", "checkpoint_dir", "checkpoints", "mfu", "loss_spread", "sdc",
+    "cadence",
 }
 
 
@@ -104,8 +105,8 @@ def test_human_view_says_the_same_compactly(run_dir: Path) -> None:
     lines = out.splitlines()
     assert lines[0] == f"babysit status: demo_train  ({run_dir})"
     labels = [line[2:14].strip() for line in lines[1:] if line.startswith("  ") and line[2] != " "]
-    assert labels == ["state", "time", "progress", "speed", "incidents", "attempts",
-                      "checkpoints", "journal"]
+    assert labels == ["state", "time", "progress", "speed", "rank loss", "incidents",
+                      "attempts", "checkpoints", "journal"]
     assert "  state       succeeded (workers finished), exit code 0" in lines
     assert "attempt 1 (2 launched), step 60, loss " in out
     start, end = json.loads(status(run_dir, True)[1])["attempt_history"][1]["skip"][0]

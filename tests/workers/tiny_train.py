@@ -1,4 +1,7 @@
-"""A tiny 2-rank gloo job using the worker API, for end-to-end tests. Seconds, not minutes.
+"""A tiny gloo job using the worker API, for end-to-end tests. Seconds, not minutes.
+
+Any world size works (the tests use 2 ranks): each rank takes its 4 rows of a global batch of
+``4 * world_size`` rows.
 
 The model has dropout and the optimizer is Adam with a StepLR schedule, so a resume is exact
 only if weights, optimizer state, scheduler and every RNG stream come back. Global batch ``i``
@@ -7,6 +10,14 @@ is a pure function of ``i`` (the loader can ``seek``), so skipping batches is ex
 Faults, at a rank and step (``run.step_count``, the steps completed) or at a data cursor:
     --crash RANK:STEP      raise just before that step's backward
     --hang RANK:STEP       sleep forever there, outside the all-reduce the other rank waits in
+    --corrupt RANK:STEP    silent data corruption: right after that step's optimizer update, flip
+                           one mantissa bit of the first layer's first weight on that rank only,
+                           as a cosmic ray in HBM would. Nothing fails or is logged; that rank's
+                           parameters just differ from its peers' from then on (bit 16, a 2**-7
+                           relative change: the lowest bit would be rounded away by the next
+                           identical update within a step or two, so the fault would heal)
+    --bad-shard RANK:CURSOR  from that global batch on, that rank's shard has wrong labels (x3):
+                           its loss departs from its peers' while theirs stays normal
     --every-attempt        process faults strike on every attempt (default: the first only,
                            like a machine fault a relaunch cures)
     --spike START:END      global batches START <= i < END are poisoned: a real loss spike
@@ -33,11 +44,16 @@ def pair(text: str) -> tuple[int, float]:
     return int(a), float(b)
 
 
-class Batches:
-    """Rank ``rank``'s half of global batch ``i``, for any ``i``; ``seek`` moves the start."""
+def flip_bit(param: torch.Tensor, bit: int = 16) -> None:
+    """Flip mantissa bit ``bit`` of float32 ``param``'s first element, behind autograd's back."""
+    param.data.view(torch.int32).view(-1)[:1].bitwise_xor_(1 << bit)
 
-    def __init__(self, rank: int, args: argparse.Namespace) -> None:
-        self.rank, self.args, self.start = rank, args, 0
+
+class Batches:
+    """Rank ``rank``'s 4 rows of global batch ``i``, for any ``i``; ``seek`` moves the start."""
+
+    def __init__(self, rank: int, world_size: int, args: argparse.Namespace) -> None:
+        self.rank, self.world_size, self.args, self.start = rank, world_size, args, 0
 
     def seek(self, cursor: int) -> None:
         self.start = cursor
@@ -46,8 +62,13 @@ class Batches:
         i = self.start
         while True:
             g = torch.Generator().manual_seed(1000 + i)
-            x = torch.randn(8, 16, generator=g)[self.rank * 4:(self.rank + 1) * 4]
+            # The global batch is 4 rows per rank; for 2 ranks exactly the batches the tests'
+            # expected values were computed with.
+            x = torch.randn(4 * self.world_size, 16, generator=g)[self.rank * 4:(self.rank + 1) * 4]
             y = x.sum(dim=1, keepdim=True)
+            bad = self.args.bad_shard
+            if bad and bad[0] == self.rank and i >= bad[1]:
+                y = y * 3.0
             if self.args.spike and self.args.spike[0] <= i < self.args.spike[1]:
                 y = y * 40.0  # poisoned labels: the loss jumps by orders of magnitude
             if self.args.nan_at == i:
@@ -64,6 +85,10 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.02)
     p.add_argument("--crash", type=pair)
     p.add_argument("--hang", type=pair)
+    p.add_argument("--corrupt", type=pair)
+    p.add_argument("--bad-shard", type=pair)
+    p.add_argument("--flops-per-token", type=float, help="passed to attach() for MFU")
+    p.add_argument("--peak-flops", type=float, help="passed to attach() for MFU")
     p.add_argument("--every-attempt", action="store_true")
     p.add_argument("--spike", type=pair)
     p.add_argument("--nan-at", type=int)
@@ -81,10 +106,11 @@ def main() -> None:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
-    run = attach(model=model, optimizer=opt, scheduler=sched)
+    run = attach(model=model, optimizer=opt, scheduler=sched,
+                 flops_per_token=args.flops_per_token, peak_flops=args.peak_flops)
     faults_on = args.every_attempt or run.directive.attempt == 0
 
-    for x, y in run.batches(Batches(rank, args)):
+    for x, y in run.batches(Batches(rank, dist.get_world_size(), args)):
         if run.step_count >= args.steps:
             break
         upcoming = run.step_count + 1
@@ -103,6 +129,8 @@ def main() -> None:
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
         if run.step(loss=loss.item(), grad_norm=float(gnorm), tokens=4):
             opt.step()
+        if faults_on and args.corrupt and args.corrupt == (rank, run.step_count):
+            flip_bit(model[0].weight)
         sched.step()
     print(f"rank {rank} done at step {run.step_count} pid {os.getpid()}", flush=True)
     run.close()
