@@ -29,14 +29,12 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-import psutil
 import yaml
 
 from checkpoints import Catalog
 from policies import decide as sm
-from policies.detectors import CrashClass, classify
 from policies.types import Action, Finding, Incident, RankStep, Remedy, Severity, StepRecord
-from supervisor import incident, launcher, protocol, stacks
+from supervisor import forensics, launcher, protocol
 from supervisor import journal as journal_mod
 from supervisor.aggregate import StepAggregator, metrics_row
 from supervisor.alerts import Alert, AlertDispatcher
@@ -259,7 +257,7 @@ class Supervisor:
                 if code and self._teardown_crash(code):
                     code = 0
                 pending.append(sm.Exited(code, self._crash_remedy(code) if code else None))
-            elif self._ranks_all_alive():
+            elif forensics.ranks_all_alive(self._rank_pids.values()):
                 # A rank whose process died is a crash in progress (torchrun reports it in a
                 # moment), not a hang: its peers wait on a connection that is already gone.
                 pending.extend(self.watch.check(now))
@@ -298,6 +296,10 @@ class Supervisor:
         elif isinstance(action, sm.Notify):
             self._notify(action)
         elif isinstance(action, sm.Finish):
+            advice = self.cadence.advisor.advice()
+            if advice is not None:  # the whole run's figures, for status and report
+                self._journal("cadence_advice", summary=advice.summary(), final=True,
+                              **advice.to_json())
             self._journal("run_finished", state=self.machine.state.value, exit_code=action.code,
                           reason=self.machine.reason)
             return action.code
@@ -400,19 +402,25 @@ class Supervisor:
     def _judge(self, finding: Finding) -> Remedy:
         diagnosis = None
         if finding.incident is Incident.HANG and self._rank_pids:
-            finding, diagnosis = self._diagnose_hang(finding)
+            finding, diagnosis, fields = forensics.diagnose_hang(finding, self._rank_pids)
+            self._journal("hang_diagnosis", **fields)
         # Wall-clock time: the rules' cooldowns and budget windows span hours and must survive
         # a supervisor restart, even across a reboot (the monotonic clock restarts at boot).
         remedy = self.watch.rules.on_finding(finding, time.time())
         self._incident_dir = None
         if remedy.action in (Action.ROLLBACK, Action.RELAUNCH, Action.STOP):
-            self._incident_dir = self._write_incident(finding, remedy, diagnosis)
+            # The alert's title says what babysit does; this line says what it saw.
+            self.console.log(f"babysit: {finding.message}")
+            self._incident_dir = forensics.write_incident(
+                self.plan.run_dir, self._attempt_dir(self.machine.attempt),
+                self.machine.attempt, finding, remedy, diagnosis)
+            self._journal("incident", step=finding.step, dir=str(self._incident_dir),
+                          incident=finding.incident.value, ranks=list(finding.ranks))
         if remedy.action is not Action.IGNORE:
             self.progress.intervened(finding)
-            self.console.log(f"babysit: {finding.message}")
+            self.services.count(finding, remedy)
         if remedy.action.value in INTERRUPTING_ACTIONS:
             self.cadence.advisor.on_interruption(finding.incident.value, time.time())
-            self.services.count(finding, remedy)
         self._journal("finding", step=finding.step, finding=finding.to_json(),
                       remedy=remedy.to_json())
         self._journal("watch_state", state=self.watch.state_dict())
@@ -420,17 +428,10 @@ class Supervisor:
         return remedy
 
     def _teardown_crash(self, code: int) -> bool:
-        """Every rank closed its run cleanly and the ranks that failed left no error of their
-        own (killed by a signal, no traceback): the training finished and only the process
-        teardown crashed (gloo in torch 2.13 sometimes aborts at exit with "terminate called
-        without an active exception"). Relaunching would redo nothing; say so and succeed.
-        An exception raised after ``run.close()`` leaves a traceback and stays a crash."""
-        if not self._rank_pids or set(self._rank_pids) - self._closed_ranks:
-            return False
-        logs = launcher.rank_logs(self._attempt_dir(self.machine.attempt))
-        classes = {classify(code, None, launcher.tail(path), None).crash_class
-                   for path in logs.values()}
-        if not classes <= {CrashClass.KILLED, CrashClass.UNKNOWN}:
+        """Only the process teardown crashed after every rank finished (``forensics.
+        teardown_only``): relaunching would redo nothing; say so and succeed."""
+        if not forensics.teardown_only(code, self._rank_pids, self._closed_ranks,
+                                       self._attempt_dir(self.machine.attempt)):
             return False
         self._journal("teardown_crash", exit_code=code, closed_ranks=sorted(self._closed_ranks))
         self._notify(sm.Notify(Severity.WARNING, f"every rank finished and closed, then the "
@@ -438,52 +439,9 @@ class Supervisor:
                                f"finished"))
         return True
 
-    def _ranks_all_alive(self) -> bool:
-        for pid in self._rank_pids.values():
-            try:
-                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                    return False
-            except psutil.Error:
-                return False
-        return True
-
-    def _diagnose_hang(self, finding: Finding) -> tuple[Finding, Any]:
-        """Dump every rank's stack and name the rank that differs (the one stuck outside the
-        collective the others wait in). The finding then names that rank."""
-        started = self.clock()
-        dumps, verdict = stacks.diagnose(self._rank_pids)
-        self._journal("hang_diagnosis", suspects=list(verdict.suspects), reason=verdict.reason,
-                      evidence=verdict.to_dict().get("evidence"),
-                      seconds=round(self.clock() - started, 3))
-        if verdict.suspects:
-            named = ", ".join(map(str, verdict.suspects))
-            finding = dataclasses.replace(
-                finding, ranks=tuple(verdict.suspects),
-                message=f"hang at step {finding.step}: rank {named} is stuck ({verdict.reason})",
-                evidence={**finding.evidence, "stacks": verdict.to_dict()})
-        return finding, (dumps, verdict)
-
-    def _write_incident(self, finding: Finding, remedy: Remedy, diagnosis: Any) -> Path:
-        attempt_dir = self._attempt_dir(self.machine.attempt)
-        tails = {rank: launcher.tail(path, 8192)
-                 for rank, path in launcher.rank_logs(attempt_dir).items()}
-        dumps, verdict = diagnosis if diagnosis else (None, None)
-        summary = {"what": finding.message, "action": f"{remedy.action.value}: {remedy.reason}",
-                   "attempt": self.machine.attempt, "finding": finding.to_json(),
-                   "remedy": remedy.to_json()}
-        folder = incident.write_incident(self.plan.run_dir, finding.incident.value, finding.step,
-                                         summary, dumps, tails, verdict)
-        self._journal("incident", step=finding.step, dir=str(folder),
-                      incident=finding.incident.value, ranks=list(finding.ranks))
-        return folder
-
     def _crash_remedy(self, code: int) -> Remedy:
-        attempt_dir = self._attempt_dir(self.machine.attempt)
-        logs = launcher.rank_logs(attempt_dir)
-        tails = {rank: launcher.tail(path) for rank, path in logs.items()}
-        root = launcher.root_cause_rank(launcher.tail(attempt_dir / "launcher.log"))
-        finding = self.watch.classify_crash(code, tails, self.machine.step, root)
-        return self._judge(finding)
+        tails, root = forensics.crash_evidence(self._attempt_dir(self.machine.attempt))
+        return self._judge(self.watch.classify_crash(code, tails, self.machine.step, root))
 
     # -- actions --------------------------------------------------------------------------------
 
