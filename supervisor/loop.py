@@ -77,6 +77,8 @@ class Supervisor:
         self._metrics: IO[str] | None = None
         self.progress = Progress()
         self.control = ControlFile()
+        self._newest_step = 0
+        """The newest step any rank reported this attempt, read before the loop's own count."""
         self._tick_at: float | None = None
         self._started = 0.0
         self._first_attempt = 0
@@ -87,7 +89,8 @@ class Supervisor:
         self._closed_ranks: set[int] = set()
         self._incident_dir: Path | None = None
         c = plan.config.checkpoints
-        self.recovery = Recovery(Catalog(plan.checkpoint_dir), c.probation_steps, c.keep)
+        self.recovery = Recovery(Catalog(plan.checkpoint_dir), c.probation_steps, c.keep,
+                                 sdc_checks=plan.config.sdc.every_steps > 0)
         self.cadence = CadenceKeeper(CadenceAdvisor(c.every_steps, c.cadence.mtbf_prior_s),
                                      c.cadence.auto, c.cadence.min_steps, c.cadence.max_steps)
         self.journal = journal_mod.Journal(plan.run_dir / "events.jsonl")
@@ -154,6 +157,8 @@ class Supervisor:
         if prior.pending:
             finding = Finding.from_json(prior.pending["finding"])
             self._inherited = Remedy.from_json(prior.pending["remedy"], finding)
+        else:  # the work since the last checkpoint is lost (a pending remedy counted already)
+            self.cadence.advisor.on_interruption("supervisor_lost", time.time())
         self._journal("supervisor_takeover", previous_attempt=prior.last_attempt,
                       stopped_pids=stopped,
                       inherited_remedy=self._inherited.to_json() if self._inherited else None,
@@ -168,9 +173,19 @@ class Supervisor:
         if not previous:
             return
         replay_journal(self.cadence.advisor, previous)
-        adopted = [e.get("new_every") for e in previous if e.get("event") == "cadence_adopted"]
-        if adopted and isinstance(adopted[-1], int) and self.plan.config.checkpoints.cadence.auto:
-            self.cadence.advisor.every_steps = self.watch.checkpoint_every = adopted[-1]
+        c = self.plan.config.checkpoints
+        adopted = [e for e in previous if e.get("event") == "cadence_adopted"]
+        # Only when the config still says what the adoptions started from: a changed
+        # every_steps (0 in particular: the script saves itself) is the user's word.
+        if not (adopted and c.cadence.auto and c.every_steps > 0
+                and adopted[0].get("old_every") == c.every_steps):
+            return
+        every = adopted[-1].get("new_every")
+        if isinstance(every, int) and every > 0:
+            every = min(max(every, c.cadence.min_steps), c.cadence.max_steps)
+            self.cadence.advisor.every_steps = self.watch.checkpoint_every = every
+            self._journal("cadence_restored", every_steps=every,
+                          reason="checkpoints.cadence.auto adopted it before babysit restarted")
 
     def _final_checkpoint(self) -> None:
         """SIGTERM is what a scheduler sends before it reclaims the node: ask every rank for a
@@ -311,6 +326,7 @@ class Supervisor:
         newest = None
         for message in self.intake.drain():
             if isinstance(message, RankStep):
+                self._newest_step = max(self._newest_step, message.step)
                 self.watch.observe_rank(message, self.clock())
                 for record in self._aggregator.add(message):
                     self._record(record, pending)
@@ -359,13 +375,15 @@ class Supervisor:
             self._last_checkpoint = max(self._last_checkpoint, step)
             self._journal("checkpoint_saved", step=step, rank=event.rank, data=event.data)
             self._journal_all(self.recovery.on_checkpoint(step))
-            self._advise_cadence(event.data.get("blocking_s"))
+            self._advise_cadence(event.data.get("blocking_s"), step)
         elif event.type == "cadence":
             self._journal("cadence_applied", rank=event.rank, data=event.data)
         elif event.type == "fingerprint":
             check = self.watch.observe_fingerprint(event, self._aggregator.world_size)
             if check is not None:
+                self.recovery.vouch(check.last_agreeing_step)
                 self._journal("sdc_check", step=check.step, agree=check.agree, ranks=check.ranks,
+                              repeat=not check.agree and check.finding is None,
                               last_agreeing_step=check.last_agreeing_step,
                               disagreeing=list(check.finding.ranks) if check.finding else [],
                               digests=check.finding.evidence.get("digests")
@@ -379,11 +397,15 @@ class Supervisor:
             self._notify(sm.Notify(Severity.WARNING, f"checkpoint at step {step} failed to "
                                    f"save; training goes on from the last good one: {error}"))
 
-    def _advise_cadence(self, blocking_s: Any) -> None:
-        """A checkpoint was saved: update the cadence advice, and adopt it when ``auto``."""
-        if isinstance(blocking_s, (int, float)) and not isinstance(blocking_s, bool):
-            self.cadence.advisor.on_checkpoint(float(blocking_s))
-        advice, adoption = self.cadence.after_checkpoint(self.machine.step)
+    def _advise_cadence(self, blocking_s: Any, step: int) -> None:
+        """A checkpoint was saved at ``step``: update the cadence advice, and adopt it when
+        ``auto``. A switch must start ahead of every rank, so it counts from the newest step
+        seen anywhere (the loop's own count lags a tick behind the reports)."""
+        cost = _positive(blocking_s)
+        if cost is not None or blocking_s == 0:
+            self.cadence.advisor.on_checkpoint(cost or 0.0)
+        newest = max(self.machine.step, step, self._newest_step)
+        advice, adoption = self.cadence.after_checkpoint(newest)
         if advice is not None:
             self._journal("cadence_advice", summary=advice.summary(), **advice.to_json())
             self.console.log(f"babysit: cadence: {advice.summary()}")
@@ -471,6 +493,7 @@ class Supervisor:
         self._rank_pids = {}
         self._closed_ranks = set()
         self._aggregator.reset()
+        self._newest_step = 0
         self.watch.new_attempt(self.clock(), directive)
         self._group = launcher.WorkerGroup(command, env, Path.cwd(), attempt_dir / "launcher.log",
                                            self._lines)
@@ -551,7 +574,12 @@ class Supervisor:
 
 
 def _positive(value: Any) -> float | None:
-    """A positive finite number from a rank's event, else None (never a guess)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf:
-        return float(value)
-    return None
+    """A positive finite number from a rank's event, else None (never a guess, never a crash:
+    a JSON integer too large for a float is refused too)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if 0 < number < math.inf else None

@@ -38,11 +38,23 @@ def _storage_error(during: str, exc: OSError) -> Entry:
 
 
 class Recovery:
-    def __init__(self, catalog: Catalog, probation_steps: int, keep: int) -> None:
+    def __init__(self, catalog: Catalog, probation_steps: int, keep: int,
+                 sdc_checks: bool = False) -> None:
+        """``sdc_checks``: the run compares replicas (``sdc.every_steps``), so a checkpoint is
+        promoted only once a check at or after its step agreed (``vouch``): a corrupted
+        replica can pass probation with a healthy loss, and retention keeps only the newest
+        good checkpoint beyond the newest few, which must be one from before the corruption."""
         self.catalog = catalog
         self.probation_steps = probation_steps
         self.keep = keep
+        self.vouched: int | None = -1 if sdc_checks else None
+        """The newest step an SDC check agreed at (-1: none yet); None: no SDC checks."""
         self._next_promotion = 0
+
+    def vouch(self, step: int | None) -> None:
+        """Every replica agreed at ``step`` (the newest agreeing check, after a relaunch too)."""
+        if self.vouched is not None and step is not None:
+            self.vouched = step
 
     def on_checkpoint(self, step: int) -> list[Entry]:
         try:
@@ -55,8 +67,11 @@ class Recovery:
         if step < self._next_promotion:
             return []
         self._next_promotion = step + _PROMOTE_EVERY
+        healthy = step
+        if self.vouched is not None:  # and only checkpoints at or before the agreeing check
+            healthy = min(step, self.vouched + self.probation_steps)
         try:
-            promoted = self.catalog.promote(step, self.probation_steps)
+            promoted = self.catalog.promote(healthy, self.probation_steps)
             if promoted:
                 # A newer good checkpoint exists: the one pinned for the last rollback may go.
                 self.catalog.unpin()
@@ -66,11 +81,14 @@ class Recovery:
                                         "healthy_step": step}) for c in promoted]
 
     def on_finding(self, finding: Finding) -> list[Entry]:
-        if finding.incident not in _WEIGHT_ANOMALIES:
+        if finding.incident not in _WEIGHT_ANOMALIES and finding.incident is not Incident.SDC:
             return []
         reason = f"{finding.incident.value} with onset at step {finding.onset_step}"
+        # Silent corruption began after the last agreeing check (onset - 1), which vouches for
+        # the checkpoints up to it: no window before the onset, every one after it is suspect.
+        window = 0 if finding.incident is Incident.SDC else self.probation_steps
         try:
-            marked = self.catalog.mark_anomaly(finding.onset_step, self.probation_steps, reason)
+            marked = self.catalog.mark_anomaly(finding.onset_step, window, reason)
         except OSError as exc:
             return [_storage_error("marking suspects", exc)]
         # The returned checkpoints carry their verdict from before the call: journal changes only.

@@ -403,7 +403,7 @@ def sdc_checks(h: History) -> dict[str, Any] | None:
     if not checks:
         return None
     bad = [{"step": e.get("step"), "ranks": e.get("disagreeing") or []}
-           for e in checks if e.get("agree") is False]
+           for e in checks if e.get("agree") is False and not e.get("repeat")]
     return {"checks": len(checks), "last_agreeing_step": checks[-1].get("last_agreeing_step"),
             "disagreements": bad[-5:]}
 

@@ -18,6 +18,7 @@ from policies.loader import load_policy
 from policies.replay import Pipeline
 from policies.schema import Policy
 from policies.types import Action, Finding, Incident, RankStep, Remedy, StepRecord
+from supervisor.aggregate import PER_RANK_LIMIT
 from supervisor.directive import Directive, Resume, SkipRange, merge_skips
 from supervisor.plan import RunPlan
 from supervisor.protocol import WorkerEvent
@@ -30,7 +31,8 @@ class SdcCheck:
     step: int
     ranks: int
     finding: Finding | None
-    """Set when a rank disagreed (and was not already named in this attempt)."""
+    """Set when a rank disagreed and was not already named in this attempt (a repeat of a
+    named disagreement has ``agree`` False and no finding)."""
     last_agreeing_step: int | None
 
     @property
@@ -66,6 +68,7 @@ class Watch:
         self.crashes: list[CrashSignature] = []
         self._cursor_at: OrderedDict[int, int] = OrderedDict()
         self._alive: set[int] = set()
+        self._world = 0
         self._checkpoint_dir, self._checkpoint_async = checkpoint_dir, checkpoint_async
 
     @classmethod
@@ -114,14 +117,14 @@ class Watch:
         digests, step = event.data.get("digests"), event.data.get("step")
         if not isinstance(digests, dict) or not isinstance(step, int):
             return None
-        checked = self.sdc.checked_step
         finding = self.sdc.observe(event.rank, step, digests, world_size)
-        if self.sdc.checked_step == checked:
-            return None  # the check is not complete yet
+        if self.sdc.checked_step != step:
+            return None  # the check is not complete yet (or was dropped)
         return SdcCheck(step=step, ranks=world_size, finding=finding,
                         last_agreeing_step=self.sdc.last_agreeing_step)
 
     def observe_record(self, record: StepRecord) -> list[Finding]:
+        self._world = record.world_size
         self._cursor_at[record.step] = record.cursor
         while len(self._cursor_at) > _CURSOR_MEMORY:
             self._cursor_at.popitem(last=False)
@@ -160,11 +163,15 @@ class Watch:
         """What a supervisor taking over this run needs to judge as this one would: the rules'
         ladders and budget (so no remedy is spent twice), the crash history (so a deterministic
         crash is still recognised), and the skip ranges and LR scale decided so far."""
+        detectors = self.pipeline.state_dict()["detectors"]
+        if self._world > PER_RANK_LIMIT:
+            # Its per-rank windows are megabytes at thousands of ranks (27.7 MB a line at
+            # 8,192): a taken-over run re-learns them in min_history steps instead.
+            detectors.pop("rank_departure", None)
         return {"rules": self.rules.state_dict(),
                 "crashes": [[c.signature, c.step] for c in self.crashes],
                 "skips": [[r.start, r.end] for r in self.skips], "lr_scale": self.lr_scale,
-                "detectors": self.pipeline.state_dict()["detectors"],
-                "sdc": self.sdc.state_dict()}
+                "detectors": detectors, "sdc": self.sdc.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.rules.load_state_dict(d["rules"])

@@ -378,7 +378,10 @@ def attach(
 
 
 def _positive(name: str, value: Any) -> float:
-    number = float(value)
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
     if not (math.isfinite(number) and number > 0):
         raise ValueError(f"attach({name}={value!r}): give a positive, finite number")
     return number

@@ -1,0 +1,53 @@
+"""Checkpoint verdicts when the run compares replicas: only agreeing checks vouch for weights.
+
+The scenario a review found: checkpoints every 50 steps, probation 50, keep 3, SDC checks every
+200. The check at 1000 agrees, the one at 1200 does not. Without the vouching rule the
+checkpoints saved after the corruption were promoted and retention deleted every one from
+before it, so the rollback restarted from scratch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from checkpoints import Catalog, Verdict
+from policies.types import Action, Finding, Incident, Remedy, Severity
+from supervisor.recovery import Recovery
+from tests.test_checkpoints_catalog import make_ckpt
+
+
+def sdc_finding(step: int, last_agreeing: int) -> Finding:
+    return Finding(Incident.SDC, "sdc", Severity.CRITICAL, step=step,
+                   onset_step=last_agreeing + 1, message="rank 1 disagrees", ranks=(1,))
+
+
+def run_until_disagreement(root: Path, sdc_checks: bool) -> Recovery:
+    recovery = Recovery(Catalog(root), probation_steps=50, keep=3, sdc_checks=sdc_checks)
+    for step in range(50, 1201, 50):
+        make_ckpt(root, step, size=100)
+        recovery.on_checkpoint(step)
+        if step % 200 == 0 and step <= 1000:
+            recovery.vouch(step)  # the checks up to 1000 agree
+        for healthy in range(step, step + 50, 10):
+            recovery.on_progress(healthy)
+    return recovery
+
+
+def test_sdc_rollback_finds_a_checkpoint_from_before_the_corruption(tmp_path: Path) -> None:
+    recovery = run_until_disagreement(tmp_path, sdc_checks=True)
+    finding = sdc_finding(1200, last_agreeing=1000)
+    recovery.on_finding(finding)
+    resume, _ = recovery.resume_for(Remedy(Action.ROLLBACK, finding, "sdc"))
+    assert resume is not None and resume.step == 1000
+    verdicts = {c.step: c.verdict for c in Catalog(tmp_path).checkpoints()}
+    assert all(v is Verdict.SUSPECT for s, v in verdicts.items() if s > 1000)
+    # A later relaunch (or a takeover) may use pending checkpoints, never these suspect ones.
+    latest, _ = recovery.resume_latest()
+    assert latest is not None and latest.step == 1000
+
+
+def test_without_vouching_the_same_run_would_lose_everything(tmp_path: Path) -> None:
+    recovery = run_until_disagreement(tmp_path, sdc_checks=False)
+    finding = sdc_finding(1200, last_agreeing=1000)
+    recovery.on_finding(finding)
+    resume, entries = recovery.resume_for(Remedy(Action.ROLLBACK, finding, "sdc"))
+    assert resume is None and entries[-1][1]["reason"].startswith("no usable checkpoint")
