@@ -1,0 +1,48 @@
+"""Odd or hostile worker events reach pure code, never a supervisor crash: a rank's event is
+authenticated (same uid, right token) but its contents are only as sane as its script."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from policies.loader import load_policy
+from supervisor.loop import _positive
+from supervisor.protocol import WorkerEvent
+from supervisor.watch import Watch
+from supervisor.worker import _flops_per_token
+
+
+def fingerprint(rank: int, **data: Any) -> WorkerEvent:
+    return WorkerEvent(rank=rank, type="fingerprint", time=0.0, data=data)
+
+
+@pytest.mark.parametrize("data", [
+    {}, {"step": "10", "digests": {"params": "a"}}, {"step": 10, "digests": ["a", "b"]},
+    {"step": 10, "digests": None}, {"step": 10.5, "digests": {"params": "a"}},
+])
+def test_malformed_fingerprints_are_ignored(data: dict[str, Any]) -> None:
+    watch = Watch(load_policy("default"), sdc_every=5)
+    assert watch.observe_fingerprint(fingerprint(0, **data), world_size=2) is None
+
+
+def test_a_rank_outside_the_world_or_odd_digest_values_do_not_break_a_check() -> None:
+    watch = Watch(load_policy("default"), sdc_every=5)
+    assert watch.observe_fingerprint(fingerprint(7, step=5, digests={"params": "a"}), 2) is None
+    assert watch.observe_fingerprint(fingerprint(0, step=5, digests={"params": 1e400}), 2) is None
+    check = watch.observe_fingerprint(fingerprint(1, step=5, digests={"params": "inf"}), 2)
+    assert check is not None and check.step == 5 and check.ranks == 2
+
+
+@pytest.mark.parametrize("value", [10**400, -1, 0, float("nan"), float("inf"), "1e9", True, None,
+                                   [1]])
+def test_mfu_inputs_that_are_not_positive_finite_numbers_are_dropped(value: Any) -> None:
+    assert _positive(value) is None
+
+
+def test_attach_refuses_nonsense_with_its_own_message() -> None:
+    assert _flops_per_token(None, 10) == 60.0
+    for bad in ("many", 10**400, -5, float("nan")):
+        with pytest.raises(ValueError, match="give a positive, finite number"):
+            _flops_per_token(None, bad)
