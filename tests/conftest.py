@@ -36,6 +36,34 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def journal(run_dir: Path, event: str) -> list[dict[str, Any]]:
+    """A run's journal entries of one kind, in order."""
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == event]
+
+
+FAST_POLICY = ROOT / "tests" / "fast_policy.yaml"
+"""The default policy with its waits shortened, so end-to-end tests take seconds."""
+
+
+def babysat(tmp_path: Path, name: str, *args: str, nproc: int = 2,
+            checkpoints: str = "{every_steps: 5, probation_steps: 5}",
+            policy: str = f"{{name: {FAST_POLICY}}}", launch_extra: str = "", extra: str = "",
+            script: Path = WORKERS / "tiny_train.py",
+            ) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Run ``script`` with ``args`` under babysit from a config written to ``tmp_path``.
+
+    ``checkpoints`` and ``policy`` are the YAML (flow style) of those sections,
+    ``launch_extra`` lines go into the launch section (indented two spaces), ``extra`` lines at
+    the top level. Returns the finished CLI process and the run directory."""
+    run_dir = tmp_path / name
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(
+        f"launch:\n  script: {script}\n  nproc-per-node: {nproc}\n"
+        f"  args: {json.dumps(list(args))}\n{launch_extra}"
+        f"run_dir: {run_dir}\ncheckpoints: {checkpoints}\npolicy: {policy}\n{extra}")
+    return run_babysit("run", str(config), cwd=tmp_path, timeout=240), run_dir
+
+
 @pytest.fixture
 def write_config(tmp_path: Path):
     """Write a YAML config into tmp_path and return its path."""

@@ -9,29 +9,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, WORKERS, read_jsonl, run_babysit
+from tests.conftest import FAST_POLICY, ROOT, babysat, journal, read_jsonl, run_babysit
 
 pytestmark = pytest.mark.e2e
-
-FAST_POLICY = ROOT / "tests" / "fast_policy.yaml"
-
-
-def babysat(tmp_path: Path, name: str, *args: str, nproc: int = 2, extra: str = "",
-            checkpoints: str = "{every_steps: 5, probation_steps: 5}",
-            policy: str = f"{{name: {FAST_POLICY}}}",
-            script: Path = WORKERS / "tiny_train.py") -> tuple[Any, Path]:
-    run_dir = tmp_path / name
-    config = tmp_path / f"{name}.yaml"
-    config.write_text(
-        f"launch:\n  script: {script}\n  nproc-per-node: {nproc}\n"
-        f"  args: {json.dumps(list(args))}\n"
-        f"run_dir: {run_dir}\ncheckpoints: {checkpoints}\npolicy: {policy}\n{extra}")
-    return run_babysit("run", str(config), cwd=tmp_path, timeout=240), run_dir
-
-
-def journal(run_dir: Path, event: str) -> list[dict[str, Any]]:
-    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == event]
-
 
 def status(run_dir: Path) -> dict[str, Any]:
     result = run_babysit("status", "--json", str(run_dir), cwd=run_dir)

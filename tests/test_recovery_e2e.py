@@ -8,37 +8,13 @@ come back.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, WORKERS, read_jsonl, run_babysit
+from tests.conftest import WORKERS, babysat, journal, read_jsonl
 
 pytestmark = pytest.mark.e2e
-
-FAST_POLICY = ROOT / "tests" / "fast_policy.yaml"
-
-
-def babysat(tmp_path: Path, name: str, *args: str, checkpoint_every: int = 5,
-            probation: int = 5, extra: str = "", async_save: bool = False,
-            script: Path = WORKERS / "tiny_train.py") -> tuple[Any, Path]:
-    run_dir = tmp_path / name
-    config = tmp_path / f"{name}.yaml"
-    config.write_text(
-        f"launch:\n  script: {script}\n  nproc-per-node: 2\n"
-        f"  args: {json.dumps(list(args))}\n{extra}"
-        f"run_dir: {run_dir}\n"
-        f"checkpoints: {{every_steps: {checkpoint_every}, probation_steps: {probation}, "
-        f"async_save: {str(async_save).lower()}}}\n"
-        f"policy: {{name: {FAST_POLICY}}}\n")
-    return run_babysit("run", str(config), cwd=tmp_path, timeout=240), run_dir
-
-
-def journal(run_dir: Path, event: str) -> list[dict[str, Any]]:
-    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == event]
-
 
 def losses(run_dir: Path, attempt: int) -> dict[int, list[float]]:
     return {m["step"]: m["loss_per_rank"] for m in read_jsonl(run_dir / "metrics.jsonl")
@@ -50,7 +26,8 @@ def test_relaunch_after_a_crash_resumes_bit_exact(tmp_path: Path) -> None:
     assert clean.returncode == 0, clean.stdout + clean.stderr
     # The crashed run saves asynchronously, the clean one synchronously: same checkpoints.
     crashed, run_dir = babysat(tmp_path, "crashed", "--steps", "24", "--crash", "0:13",
-                               extra="  max_restarts: 1\n", async_save=True)
+                               launch_extra="  max_restarts: 1\n",
+                               checkpoints="{every_steps: 5, probation_steps: 5, async_save: true}")
     assert crashed.returncode == 0, crashed.stdout + crashed.stderr
     (resume,) = [e for e in journal(run_dir, "resume") if e.get("from")]
     # The newest *committed* checkpoint: the async save of step 10 may still be writing when
@@ -130,7 +107,8 @@ def test_straggler_is_named_and_alerted(tmp_path: Path) -> None:
 
 def test_bring_your_own_checkpoint_is_registered_and_resumed(tmp_path: Path) -> None:
     result, run_dir = babysat(tmp_path, "byo", "--steps", "20", "--crash", "1:13",
-                              checkpoint_every=0, extra="  max_restarts: 1\n",
+                              checkpoints="{every_steps: 0, probation_steps: 5}",
+                              launch_extra="  max_restarts: 1\n",
                               script=WORKERS / "byo_train.py")
     assert result.returncode == 0, result.stdout + result.stderr
     saved = [e for e in journal(run_dir, "checkpoint_saved")]

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from supervisor.status import snapshot, status_main
-from tests.conftest import ROOT, read_jsonl, run_babysit
+from tests.conftest import ROOT, journal, read_jsonl, run_babysit
 
 pytestmark = pytest.mark.e2e
 
@@ -58,10 +58,6 @@ def status(run_dir: Path, as_json: bool) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     code = status_main(str(run_dir), as_json, out, err)
     return code, out.getvalue(), err.getvalue()
-
-
-def journal(run_dir: Path, event: str) -> list[dict[str, Any]]:
-    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == event]
 
 
 def test_json_agrees_with_the_journal_and_metrics(run_dir: Path) -> None:
