@@ -36,6 +36,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from supervisor.journal import finite
+
 DEFAULT_MTBF_PRIOR_S = 86_400.0
 """A day between interruptions. Llama 3 405B pretraining on 16,384 H100s saw 466 job
 interruptions in 54 days, 419 of them unexpected ("The Llama 3 Herd of Models", Meta, 2024,
@@ -301,7 +303,7 @@ def replay_journal(advisor: CadenceAdvisor, entries: Iterable[dict[str, Any]]) -
     final_requested: float | None = None
     last_save: tuple[Any, int, float] | None = None  # (attempt, step, time)
     for entry in entries:
-        t = _number(entry.get("time"))
+        t = finite(entry.get("time"))
         if t is None:
             continue
         event = entry.get("event")
@@ -349,7 +351,7 @@ def _checkpoint_saved(advisor: CadenceAdvisor, entry: dict[str, Any], t: float,
     data = entry.get("data")
     if not isinstance(data, dict) or data.get("external"):
         return last
-    blocking = _number(data.get("blocking_s"))
+    blocking = finite(data.get("blocking_s"))
     step = data.get("step", entry.get("step"))
     if blocking is None or not isinstance(step, int):
         return last
@@ -361,16 +363,9 @@ def _checkpoint_saved(advisor: CadenceAdvisor, entry: dict[str, Any], t: float,
     return attempt, step, t
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
 def _valid(value: float, allow_zero: bool) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+    number = finite(value)
+    return number is not None and (number >= 0 if allow_zero else number > 0)
 
 
 def duration(seconds: float) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import queue
 import secrets
@@ -401,9 +400,7 @@ class Supervisor:
         """A checkpoint was saved at ``step``: update the cadence advice, and adopt it when
         ``auto``. A switch must start ahead of every rank, so it counts from the newest step
         seen anywhere (the loop's own count lags a tick behind the reports)."""
-        cost = _positive(blocking_s)
-        if cost is not None or blocking_s == 0:
-            self.cadence.advisor.on_checkpoint(cost or 0.0)
+        self.cadence.advisor.on_checkpoint(blocking_s)  # it ignores anything but a cost
         newest = max(self.machine.step, step, self._newest_step)
         advice, adoption = self.cadence.after_checkpoint(newest)
         if advice is not None:
@@ -574,12 +571,6 @@ class Supervisor:
 
 
 def _positive(value: Any) -> float | None:
-    """A positive finite number from a rank's event, else None (never a guess, never a crash:
-    a JSON integer too large for a float is refused too)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if 0 < number < math.inf else None
+    """A positive finite number from a rank's event, else None (never a guess, never a crash)."""
+    number = journal_mod.finite(value)
+    return number if number is not None and number > 0 else None

@@ -397,13 +397,21 @@ def row_loss_spread(row: dict[str, Any] | None) -> dict[str, Any] | None:
             "max_rank": row.get("loss_max_rank")}
 
 
+def sdc_disagreement(entry: dict[str, Any]) -> bool:
+    """An ``sdc_check`` entry where ranks disagreed and were named (a check that repeats an
+    already named disagreement, ``repeat``, is not a new one)."""
+    return entry.get("agree") is False and not entry.get("repeat")
+
+
 def sdc_checks(h: History) -> dict[str, Any] | None:
-    """What the journal's ``sdc_check`` entries say: how many, and where ranks disagreed."""
+    """What the journal's ``sdc_check`` entries say: how many, and where ranks disagreed.
+    ``last_agreeing_step`` is the newest check's, which forgets agreements a rollback
+    abandoned."""
     checks = [e for e in h.events if e.get("event") == "sdc_check"]
     if not checks:
         return None
     bad = [{"step": e.get("step"), "ranks": e.get("disagreeing") or []}
-           for e in checks if e.get("agree") is False and not e.get("repeat")]
+           for e in checks if sdc_disagreement(e)]
     return {"checks": len(checks), "last_agreeing_step": checks[-1].get("last_agreeing_step"),
             "disagreements": bad[-5:]}
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from policies.loader import load_policy
+from supervisor.cadence import CadenceAdvisor, replay_journal
 from supervisor.loop import _positive
 from supervisor.protocol import WorkerEvent
 from supervisor.watch import Watch
@@ -46,3 +47,16 @@ def test_attach_refuses_nonsense_with_its_own_message() -> None:
     for bad in ("many", 10**400, -5, float("nan")):
         with pytest.raises(ValueError, match="give a positive, finite number"):
             _flops_per_token(None, bad)
+
+
+@pytest.mark.parametrize("blocking", [10**400, -1.0, float("nan"), "2.0", True, None])
+def test_a_nonsense_checkpoint_cost_is_ignored_live_and_when_the_journal_is_replayed(
+        blocking: Any) -> None:
+    # Journaled once as the rank sent it, it is read back by every later babysit run in the
+    # same run directory: it must never stop one from starting.
+    advisor = CadenceAdvisor(5)
+    advisor.on_checkpoint(blocking)
+    replay_journal(advisor, [{"event": "checkpoint_saved", "time": 1.0, "attempt": 0, "step": 5,
+                              "data": {"blocking_s": blocking}}])
+    advisor.on_step_time(0.1)
+    assert advisor.advice() is None  # no cost known: no advice

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from supervisor.report.data import RunData
-from supervisor.status import describe_attempt, duration, to_float
+from supervisor.status import describe_attempt, duration, sdc_disagreement, to_float
 
 # The journal events the report already shows in its own sections; others are listed raw.
 KNOWN_EVENTS = {"run_started", "launch", "worker_hello", "worker_close", "worker_skip", "state",
@@ -289,10 +289,8 @@ def _sdc(data: RunData) -> str:
     if not checks:
         return ""
     steps = [e["step"] for e in checks if isinstance(e.get("step"), int)]
-    bad = [e for e in checks if e.get("agree") is False]
-    agreed = [e["step"] for e in checks if e.get("agree") is True and isinstance(e.get("step"),
-                                                                                   int)]
-    last_ok = max(agreed) if agreed else (bad[-1].get("last_agreeing_step") if bad else None)
+    bad = [e for e in checks if sdc_disagreement(e)]
+    last_ok = checks[-1].get("last_agreeing_step")  # as babysit status says it
     span = f" between steps {min(steps)} and {max(steps)}" if steps else ""
     out = ["<h2>Silent data corruption checks</h2>",
            f"<p>{len(checks)} check(s){span}, comparing {_e(checks[-1].get('ranks'))} ranks' "
