@@ -1,0 +1,24 @@
+"""Multi-node runs: one babysitter per node, the node-rank-0 one leads.
+
+``wire`` is the authenticated channel between them (handshake, frames, threat model).
+"""
+
+from supervisor.cluster.wire import (
+    MAX_FRAME,
+    AuthError,
+    Listener,
+    Peer,
+    connect,
+    format_address,
+    parse_address,
+)
+
+__all__ = [
+    "MAX_FRAME",
+    "AuthError",
+    "Listener",
+    "Peer",
+    "connect",
+    "format_address",
+    "parse_address",
+]
