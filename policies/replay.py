@@ -23,7 +23,7 @@ import gzip
 import io
 import json
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
@@ -38,7 +38,7 @@ from policies.detectors import (
 )
 from policies.rules import Rules
 from policies.schema import Policy
-from policies.types import Action, Finding, RankStep, StepRecord
+from policies.types import Action, Finding, JobStep, RankStep, StepRecord
 
 
 class CurveError(Exception):
@@ -179,6 +179,28 @@ class Decision:
                 "remedy": self.remedy}
 
 
+SCOPES: dict[str, tuple[str, ...]] = {
+    "all": ("nonfinite", "loss_spike", "grad_norm", "straggler", "rank_departure", "throughput"),
+    "node": ("nonfinite", "straggler", "rank_departure"),
+    "job": ("loss_spike", "grad_norm", "throughput"),
+}
+"""Which step detectors a ``Pipeline`` runs, by scope (detector names, in the order they run).
+
+- ``all``: every step detector, on ``StepRecord``s holding every rank's report: a single-node
+  supervisor, and replay.
+- ``node``: the detectors that name ranks from per-rank values (non-finite, straggler, rank
+  departure). They need ``StepRecord.ranks``, which only the node that received the ranks'
+  reports has, so each node's supervisor runs them over its own ranks. A non-finite value and
+  a departure from a rank's own past are a rank's own business; a straggler is then measured
+  against its node's peers (a node of one rank has none, so it cannot flag one).
+- ``job``: the detectors of job-wide signals (loss spike, grad norm, throughput). One node's
+  ranks would give a partial mean loss and a partial tokens/s, so the leader runs them on the
+  nodes' merged summaries (``supervisor.sketch.SummaryRecord``, a ``JobStep``).
+
+``node`` and ``job`` split ``all``: between them they run each step detector exactly once.
+"""
+
+
 class _StepDetector(Protocol):
     name: str
 
@@ -187,26 +209,36 @@ class _StepDetector(Protocol):
     def load_state_dict(self, d: dict[str, Any]) -> None: ...
 
 
+_MAKE: dict[str, Callable[[Policy], _StepDetector]] = {
+    "nonfinite": lambda p: NonFiniteDetector(p.detectors.nonfinite),
+    "loss_spike": lambda p: LossSpikeDetector(p.detectors.loss_spike),
+    "grad_norm": lambda p: GradNormDetector(p.detectors.grad_norm),
+    "straggler": lambda p: StragglerDetector(p.detectors.straggler),
+    "rank_departure": lambda p: RankDepartureDetector(p.detectors.rank_departure),
+    "throughput": lambda p: ThroughputDetector(p.detectors.throughput),
+}
+
+_JobDetector = LossSpikeDetector | GradNormDetector | ThroughputDetector
+"""The detectors that read only ``JobStep`` attributes (the ``job`` scope)."""
+
+
 class Pipeline:
-    """The step detectors of a policy, followed by its rules.
+    """The step detectors of a policy (those of ``scope``, see ``SCOPES``), then its rules.
 
     Call ``observe(record)`` once per merged step, in order; ``now`` defaults to
-    ``record.time``. Hangs and crashes are not step-driven: the supervisor feeds the
-    ``HangDetector`` and ``classify`` itself and hands their findings to ``decide(finding)``.
-    Nor are fingerprints: the supervisor feeds each rank's digests to its ``SdcDetector``.
+    ``record.time``. A ``StepRecord`` suits every scope; a ``scope="job"`` pipeline also takes
+    any other ``JobStep`` (a ``SummaryRecord``). Hangs and crashes are not step-driven: the
+    supervisor feeds the ``HangDetector`` and ``classify`` itself and hands their findings to
+    ``decide(finding)``. Nor are fingerprints: the supervisor feeds each rank's digests to its
+    ``SdcDetector``.
     """
 
-    def __init__(self, policy: Policy) -> None:
-        d = policy.detectors
+    def __init__(self, policy: Policy, scope: str = "all") -> None:
+        if scope not in SCOPES:
+            raise ValueError(f"Pipeline scope must be one of {sorted(SCOPES)}, got {scope!r}.")
         self.policy = policy
-        self.detectors: list[_StepDetector] = [
-            NonFiniteDetector(d.nonfinite),
-            LossSpikeDetector(d.loss_spike),
-            GradNormDetector(d.grad_norm),
-            StragglerDetector(d.straggler),
-            RankDepartureDetector(d.rank_departure),
-            ThroughputDetector(d.throughput),
-        ]
+        self.scope = scope
+        self.detectors: list[_StepDetector] = [_MAKE[name](policy) for name in SCOPES[scope]]
         self.rules = Rules(policy)
 
     def new_attempt(self) -> None:
@@ -215,19 +247,26 @@ class Pipeline:
         new attempt's warm-up against the old one's pace) is no throughput regression. Other
         baselines (grad norm, stragglers, each rank's loss level) stay valid: the model did not
         change character, and a rank that departed still sits where it did."""
-        d = self.policy.detectors
         self.detectors = [
-            LossSpikeDetector(d.loss_spike) if isinstance(det, LossSpikeDetector)
-            else ThroughputDetector(d.throughput) if isinstance(det, ThroughputDetector)
-            else det
+            _MAKE[det.name](self.policy) if det.name in ("loss_spike", "throughput") else det
             for det in self.detectors
         ]
 
-    def findings(self, record: StepRecord) -> list[Finding]:
-        """What the step detectors see in ``record``, before the rules judge it."""
-        return [f for det in self.detectors if (f := det.observe(record)) is not None]
+    def findings(self, record: JobStep) -> list[Finding]:
+        """What the step detectors see in ``record``, before the rules judge it. ``record`` is a
+        ``StepRecord``, or for a ``scope="job"`` pipeline any ``JobStep``; ``TypeError``
+        otherwise (the per-rank detectors need every rank's values)."""
+        if isinstance(record, StepRecord):
+            return [f for det in self.detectors if (f := det.observe(record)) is not None]
+        if self.scope != "job":
+            raise TypeError(
+                f"A {type(record).__name__} carries no per-rank values, so only a "
+                f"Pipeline(scope='job') can observe it; this pipeline's scope is "
+                f"'{self.scope}'.")
+        job: list[_JobDetector] = [det for det in self.detectors if isinstance(det, _JobDetector)]
+        return [f for det in job if (f := det.observe(record)) is not None]
 
-    def observe(self, record: StepRecord, now: float | None = None) -> list[Decision]:
+    def observe(self, record: JobStep, now: float | None = None) -> list[Decision]:
         t = record.time if now is None else now
         return [self.decide(finding, t) for finding in self.findings(record)]
 

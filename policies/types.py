@@ -7,6 +7,7 @@ How a loss spike travels through these types::
 
     worker  run.step(loss=...)          -> RankStep        (one rank, one step; sent as a datagram)
     intake  all ranks of a step arrived -> StepRecord      (the step, merged)
+    leader  all nodes' summaries merged -> SummaryRecord   (multi-node: a JobStep, no ranks)
     detector.observe(record)            -> Finding | None  (what is wrong, where, since when)
     rules.on_finding(finding, now)      -> Remedy          (what the policy says to do about it)
     decide(state, event)                -> Transition      (new state + side effects to perform)
@@ -17,7 +18,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,37 @@ class StepRecord:
     @property
     def cursor(self) -> int:
         return max((r.cursor for r in self.ranks), default=0)
+
+
+class JobStep(Protocol):
+    """What a detector of a job-wide signal (loss spike, grad norm, throughput) reads of a step.
+
+    ``StepRecord`` (every rank's report, one node) and ``supervisor.sketch.SummaryRecord`` (the
+    nodes' summaries merged on the leader) both provide it, with the same meanings and the same
+    ``None`` rules as ``StepRecord``'s properties. Per-rank detectors (non-finite, straggler,
+    rank departure) need ``StepRecord.ranks`` and do not take it.
+    """
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def time(self) -> float: ...
+    @property
+    def cursor(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def loss(self) -> float | None: ...
+    @property
+    def grad_norm(self) -> float | None: ...
+    @property
+    def step_time(self) -> float | None: ...
+    @property
+    def tokens(self) -> float | None: ...
+    @property
+    def tokens_per_s(self) -> float | None: ...
+    @property
+    def mfu(self) -> float | None: ...
 
 
 def _mean(values: list[float | None]) -> float | None:

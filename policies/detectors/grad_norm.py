@@ -12,7 +12,8 @@ Two entry points, same state:
   step?"). Pure Python, no numpy, O(window) with a small window: a few microseconds. Call it
   once per optimizer step, before ``optimizer.step()``, with the (pre-clipping) total norm as a
   Python float.
-- ``observe(record)``: the supervisor's view of the same signal from a merged ``StepRecord``.
+- ``observe(record)``: the supervisor's view of the same signal from a merged step (a
+  ``StepRecord``, or a multi-node leader's ``SummaryRecord``: any ``JobStep``).
 
 Non-finite norms return ``None`` here: they are the NaN detector's (CRITICAL) business and must
 not poison the baseline.
@@ -27,7 +28,7 @@ from pydantic import Field, model_validator
 
 from policies.detectors._base import DetectorConfig, r4
 from policies.detectors._window import SortedWindow
-from policies.types import Finding, Incident, Severity, StepRecord
+from policies.types import Finding, Incident, JobStep, Severity
 
 
 class GradNormConfig(DetectorConfig):
@@ -61,7 +62,7 @@ class GradNormDetector:
         self._window = SortedWindow(self.config.window)
         self._log_factor = math.log(self.config.factor)
 
-    def observe(self, record: StepRecord) -> Finding | None:
+    def observe(self, record: JobStep) -> Finding | None:
         g = record.grad_norm
         return None if g is None else self.observe_value(record.step, g, record.cursor)
 

@@ -26,7 +26,8 @@ changes no verdict):
   points: either the run is rolled back (the supervisor calls ``reset()`` anyway) or the new
   level is the run's new normal and further rises must be measured against it.
 
-Calling rules: call ``observe`` once per step, in step order, with the merged ``StepRecord``.
+Calling rules: call ``observe`` once per step, in step order, with the merged step: a
+``StepRecord``, or on a multi-node leader a ``SummaryRecord`` (any ``JobStep``).
 Steps whose loss is missing, non-finite (the NaN detector's job) or not positive (log-loss needs
 a positive loss; this detector is for cross-entropy-like losses) are skipped without effect.
 Units: loss as reported; ``patience``, ``window`` and ``min_history`` count observed steps.
@@ -41,7 +42,7 @@ from pydantic import Field, model_validator
 
 from policies.detectors._base import DetectorConfig, r4
 from policies.detectors._window import SortedWindow
-from policies.types import Finding, Incident, Severity, StepRecord
+from policies.types import Finding, Incident, JobStep, Severity
 
 _SQRT2 = math.sqrt(2.0)
 # Below this many step-to-step differences the noise estimate is inflated by sqrt(32 / n).
@@ -99,7 +100,7 @@ class LossSpikeDetector:
         self._episode = None
         self._rise = None
 
-    def observe(self, record: StepRecord) -> Finding | None:
+    def observe(self, record: JobStep) -> Finding | None:
         loss = record.loss
         if loss is None or not math.isfinite(loss) or loss <= 0.0:
             return None

@@ -18,8 +18,9 @@ baseline while the episode is undecided; once reported, they are let in, so a pe
 (a smaller batch, a slower node after a relaunch) becomes the new normal instead of an alarm
 that never ends.
 
-Calling rules: one ``observe`` per merged ``StepRecord``; records without ``step_time`` (the
-first step of an attempt), and records whose rate is not a positive finite number, are skipped.
+Calling rules: one ``observe`` per merged step (a ``StepRecord``, or a multi-node leader's
+``SummaryRecord``: any ``JobStep``); records without ``step_time`` (the first step of an
+attempt), and records whose rate is not a positive finite number, are skipped.
 Units: seconds, tokens as reported, MFU as a fraction (0.4 = 40 %).
 """
 
@@ -32,7 +33,7 @@ from pydantic import Field, model_validator
 
 from policies.detectors._base import DetectorConfig, r4
 from policies.detectors._window import SortedWindow
-from policies.types import Finding, Incident, Severity, StepRecord
+from policies.types import Finding, Incident, JobStep, Severity
 
 Metric = Literal["auto", "steps_per_s", "tokens_per_s", "mfu"]
 
@@ -73,7 +74,7 @@ class ThroughputDetector:
         self._onset: int | None = None
         self._reported = False
 
-    def _rate(self, record: StepRecord) -> tuple[str, float] | None:
+    def _rate(self, record: JobStep) -> tuple[str, float] | None:
         """(metric, rate) of one step, or None when the step has no usable rate."""
         st = record.step_time
         if st is None or not math.isfinite(st) or st <= 0.0:
@@ -94,7 +95,7 @@ class ThroughputDetector:
             return None
         return metric, rate
 
-    def observe(self, record: StepRecord) -> Finding | None:
+    def observe(self, record: JobStep) -> Finding | None:
         got = self._rate(record)
         if got is None:
             return None
