@@ -29,7 +29,8 @@ class Restored:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = None) -> Restored:
+def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = None, *,
+         reshard: bool = False) -> Restored:
     """Restore a checkpoint saved by ``save``; collective.
 
     Calling rules: every rank calls it with the same ``path`` (a step directory), after building
@@ -38,6 +39,13 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
     the saving run made next. Sizes are checked against the manifest (cheap); the supervisor does
     the full checksum verification before choosing a checkpoint. Raises ``CheckpointError`` for a
     missing or uncommitted checkpoint, another world size, or a key the checkpoint lacks.
+
+    ``reshard`` accepts another world size (an elastic job relaunched on fewer or more nodes):
+    DCP reshards the model and optimizer state; a rank the checkpoint had gets its own scheduler,
+    ``extra`` and RNG streams back, a new rank gets rank 0's scheduler and ``extra`` and keeps
+    its fresh RNG streams (sharing rank 0's would make two ranks draw the same dropout masks).
+    The data each rank sees changes with the world size anyway, so such a resume continues the
+    run without being bit-exact.
     """
     import torch
     from torch.distributed.checkpoint.api import CheckpointException
@@ -58,7 +66,7 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
             "with register_external; babysit cannot load it. Load it with your own code from "
             f"{manifest.data_dir(path)}, then fast-forward to cursor {manifest.cursor}."
         )
-    if manifest.world_size != world:
+    if manifest.world_size != world and not reshard:
         raise CheckpointError(
             f"{path} (step {manifest.step}) was saved by {manifest.world_size} ranks, but this "
             f"job has {world} (rank {rank} noticed). Per-rank RNG streams cannot be mapped "
@@ -95,7 +103,8 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
 
-    rank_file = path / rank_state_name(rank)
+    source = rank if rank < manifest.world_size else 0
+    rank_file = path / rank_state_name(source)
     try:
         # weights_only=False: the file holds Python and numpy RNG tuples and the user's extra;
         # it was written by this job's own ranks and its CRC-32 sits in the manifest.
@@ -112,7 +121,8 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
                 "passed one to load. Pass scheduler=None, or save with the scheduler."
             )
         scheduler.load_state_dict(rank_state["scheduler"])
-    restore_rng(rank_state["rng"])
+    if source == rank:
+        restore_rng(rank_state["rng"])
     return Restored(
         step=manifest.step,
         cursor=manifest.cursor,

@@ -120,11 +120,15 @@ class Incidents(_Model):
     sdc: Response = _ladder(A.ROLLBACK, A.STOP)
     """Replicas disagree on bits they must share: roll back to before the last agreeing check
     (no batches skipped, LR kept: the data is fine, the hardware is not); again -> stop."""
+    node_lost: Response = _ladder(A.RELAUNCH, A.RELAUNCH, A.STOP, reset_after_s=3600.0)
+    """A node's babysitter vanished (multi-node runs): relaunch from the newest good checkpoint
+    on the nodes left when ``launch.nnodes`` (MIN:MAX) allows that few, else wait for the lost
+    node to rejoin (``nodes.rejoin_timeout_s``), paging a human; stop to never relaunch."""
 
     @model_validator(mode="after")
     def _skip_only_for_grad(self) -> Incidents:
         for name in ("loss_spike", "nonfinite", "hang", "straggler", "throughput",
-                     "rank_departure", "sdc"):
+                     "rank_departure", "sdc", "node_lost"):
             if Action.SKIP_STEP in getattr(self, name).ladder:
                 raise ValueError(
                     f"incidents.{name}.ladder: skip_step only makes sense for grad_spike (the "

@@ -181,6 +181,8 @@ class Incident(str, enum.Enum):
     SDC = "sdc"
     """Silent data corruption: ranks that must compute identical bits (parameter digests, a
     fixed probe) disagree."""
+    NODE_LOST = "node_lost"
+    """A node of a multi-node run vanished: its babysitter's connection closed or fell silent."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="folder for the journal, logs, metrics and checkpoints")
     run.add_argument("--policy", help="built-in policy name or path to a policy YAML")
     run.add_argument("--name", help="name of the run (alerts, default run directory)")
+    run.add_argument("--leader", metavar="HOST:PORT",
+                     help="multi-node runs: where node 0's babysitter listens (nodes.leader)")
     run.add_argument("--skip-doctor", action="store_true",
                      help="start even if the fast pre-flight checks fail")
     torchrun = run.add_argument_group("torchrun options (both dash and underscore spellings)")
@@ -164,8 +166,10 @@ def _plan(args: argparse.Namespace) -> Any:
 
     overrides = _launch_overrides(args)
     extra: dict[str, Any] = {}
-    if args.policy:
-        extra["policy"] = {"name": args.policy}
+    if args.policy:  # the file's overrides were written for the file's policy
+        extra["policy"] = {"name": args.policy, "overrides": {}}
+    if args.leader:
+        extra["nodes"] = {"leader": args.leader}
     if args.name:
         extra["name"] = args.name
     if args.target.endswith((".yaml", ".yml")) and not args.module:
@@ -195,7 +199,15 @@ def _run(args: argparse.Namespace) -> int:
     if any(r.status is Status.FAIL for r in results) and not args.skip_doctor:
         console.log("babysit: not starting: fix the failures above, or pass --skip-doctor.")
         return 1
-    return Supervisor(plan, console).run()
+    if not plan.config.launch.multinode:
+        return Supervisor(plan, console).run()
+    if plan.node_rank == 0:
+        from supervisor.cluster.leading import Leader
+
+        return Leader(plan, console, plan.secret()).run()
+    from supervisor.cluster.follower import Follower
+
+    return Follower(plan, console, plan.secret()).run()
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from supervisor.alerts.config import AlertsConfig
+from supervisor.cluster.wire import parse_address
 from supervisor.exporter import ExporterConfig
 from supervisor.health import HealthConfig
 from supervisor.schedule import ScheduleConfig
@@ -114,7 +115,20 @@ class LaunchConfig(_Section):
     def _nnodes_shape(cls, value: str) -> str:
         if not re.fullmatch(r"\d+(:\d+)?", str(value)):
             raise ValueError("must be a number of nodes like 2, or a range MIN:MAX like 1:4")
+        low, _, high = value.partition(":")
+        if int(low) < 1 or int(high or low) < int(low):
+            raise ValueError("needs 1 <= MIN <= MAX nodes")
         return str(value)
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        """``nnodes`` as (fewest, most) nodes."""
+        low, _, high = self.nnodes.partition(":")
+        return int(low), int(high or low)
+
+    @property
+    def multinode(self) -> bool:
+        return self.node_range[1] > 1
 
     @model_validator(mode="after")
     def _script_or_module(self) -> LaunchConfig:
@@ -122,6 +136,9 @@ class LaunchConfig(_Section):
             raise ValueError(
                 "set exactly one of launch.script (a path) or launch.module (a module name)"
             )
+        if self.node_rank >= self.node_range[1]:
+            raise ValueError(f"node_rank {self.node_rank} is not below nnodes "
+                             f"{self.node_range[1]}: node ranks count from 0")
         return self
 
 
@@ -183,6 +200,47 @@ class SdcCheckConfig(_Section):
     disagrees. 0 (default) turns the check off. Needs ``attach(model=...)``."""
 
 
+class NodesConfig(_Section):
+    """How the babysitters of a multi-node run (``launch.nnodes`` above 1) find and trust each
+    other. Every node runs ``babysit run`` with the same config and its own ``--node-rank``;
+    node rank 0's babysitter is the leader (docs/multinode.md)."""
+
+    leader: str | None = None
+    """``host:port`` where the leader's babysitter listens and the others connect. Default: the
+    host of ``launch.rdzv_endpoint`` and the port after its port."""
+    secret: str | None = None
+    """The run's shared secret; better set ``BABYSIT_SECRET`` in every node's environment (it
+    wins over this key). Babysitters prove they know it before they may join or command."""
+    join_timeout_s: float = Field(600.0, gt=0)
+    """How long the leader waits for the nodes to join at the start, and a follower for the
+    leader to answer."""
+    rejoin_timeout_s: float = Field(600.0, ge=0)
+    """A relaunch that has fewer nodes than ``launch.nnodes`` allows waits this long for lost
+    nodes to come back (paging a human meanwhile), then the run fails; 0 fails at once."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """Seconds between a babysitter's heartbeats to the leader, and back."""
+    lost_after_s: float = Field(15.0, gt=0)
+    """Silence after which a node (or, for a follower, the leader) counts as lost."""
+    settle_s: float = Field(3.0, ge=0)
+    """After the first node reports a crash or hang, how long the leader waits for the other
+    nodes' view of it before choosing the most telling one (the node with the failing rank
+    explains it; the others see only a broken connection)."""
+
+    @field_validator("leader")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_address(value)
+        return value
+
+    @model_validator(mode="after")
+    def _beats_before_loss(self) -> NodesConfig:
+        if self.lost_after_s <= 2 * self.heartbeat_s:
+            raise ValueError(f"lost_after_s ({self.lost_after_s:g}) must exceed twice "
+                             f"heartbeat_s ({self.heartbeat_s:g}), or a late beat loses a node")
+        return self
+
+
 class PolicyRef(_Section):
     """Which policy judges this run, and the fields it changes."""
 
@@ -220,6 +278,8 @@ class RunConfig(_Section):
     """How often the background jobs run (health sampling, the digest alert)."""
     prometheus: ExporterConfig = ExporterConfig()
     """The opt-in Prometheus ``/metrics`` endpoint."""
+    nodes: NodesConfig = NodesConfig()
+    """Multi-node runs: where the babysitters meet, and the secret they share."""
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

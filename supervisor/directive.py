@@ -79,6 +79,9 @@ class Directive:
     """Settings of the in-process grad-norm guard; empty disables it."""
     sdc_every: int = 0
     """Send the silent-data-corruption digests every N steps (``sdc.every_steps``); 0: off."""
+    reshard: bool = False
+    """The job may resume at another world size than its checkpoint's: an elastic multi-node
+    run (``launch.nnodes`` MIN:MAX) relaunched on the nodes it has (``checkpoints.load``)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,6 +99,7 @@ class Directive:
             checkpoint_async=bool(obj.get("checkpoint_async", False)),
             grad_guard=dict(obj.get("grad_guard", {})),
             sdc_every=int(obj.get("sdc_every", 0)),
+            reshard=bool(obj.get("reshard", False)),
         )
 
     def write(self, path: Path) -> None:

@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import queue
-import secrets
 import signal
 import time
 from collections import deque
@@ -32,7 +30,7 @@ import yaml
 
 from checkpoints import Catalog
 from policies import decide as sm
-from policies.types import Action, Finding, Incident, RankStep, Remedy, Severity, StepRecord
+from policies.types import Action, Finding, Incident, JobStep, RankStep, Remedy, Severity
 from supervisor import forensics, launcher, protocol
 from supervisor import journal as journal_mod
 from supervisor.aggregate import StepAggregator, metrics_row
@@ -40,13 +38,13 @@ from supervisor.alerts import Alert, AlertDispatcher
 from supervisor.cadence import INTERRUPTING_ACTIONS, CadenceAdvisor, CadenceKeeper, replay_journal
 from supervisor.console import Console
 from supervisor.control import ControlFile
-from supervisor.directive import SkipRange
-from supervisor.intake import Intake
+from supervisor.directive import Directive, SkipRange
 from supervisor.plan import RunPlan
 from supervisor.progress import Progress
 from supervisor.recovery import Recovery
 from supervisor.services import Services
 from supervisor.watch import Watch
+from supervisor.workers import NodeWorkers
 
 TICK_S = 0.1
 WATCH_STATE_EVERY = 100
@@ -67,10 +65,7 @@ class Supervisor:
         self.clock = clock
         self.machine = sm.Machine()
         self.watch = Watch.from_plan(plan)
-        self._token = secrets.token_bytes(protocol.TOKEN_BYTES)
         self._signal: int | None = None
-        self._group: launcher.WorkerGroup | None = None
-        self._lines: queue.Queue[launcher.OutputLine] = queue.Queue(maxsize=10_000)
         self._aggregator = StepAggregator(plan.world_size or 1)
         self._wake_at: float | None = None
         self._metrics: IO[str] | None = None
@@ -84,8 +79,6 @@ class Supervisor:
         self._takeover: journal_mod.PriorRun | None = None
         self._inherited: Remedy | None = None
         self._last_checkpoint = -1
-        self._rank_pids: dict[int, int] = {}
-        self._closed_ranks: set[int] = set()
         self._incident_dir: Path | None = None
         c = plan.config.checkpoints
         self.recovery = Recovery(Catalog(plan.checkpoint_dir), c.probation_steps, c.keep,
@@ -96,7 +89,7 @@ class Supervisor:
         self.alerts = AlertDispatcher.from_config(plan.config.alerts,
                                                   on_result=self._alert_result)
         self.services = Services(plan, self.alerts)
-        self.intake = Intake(plan.run_dir / "telemetry.sock", self._token)
+        self.workers = NodeWorkers(plan, plan.run_dir)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -125,7 +118,7 @@ class Supervisor:
         self._takeover = prior if prior is not None and prior.unfinished else None
         self.machine = sm.Machine(attempt=self._first_attempt)
         self.journal.open()
-        self.intake.open()
+        self.workers.open()
         self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.alerts.start()
         launcher.become_subreaper()
@@ -191,11 +184,11 @@ class Supervisor:
         checkpoint a few steps ahead (all ranks must save at the same step), and wait for it
         within ``checkpoints.final_grace_s`` while still reading telemetry."""
         grace = self.plan.config.checkpoints.final_grace_s
-        if not (self.plan.config.checkpoints.every_steps and grace > 0 and self._group):
+        if not (self.plan.config.checkpoints.every_steps and grace > 0 and self.workers.group):
             return
         # Ranks of a synchronous job are within a step of each other: 3 ahead is ahead of all.
         target = self.machine.step + 3
-        self.control.request(checkpoint_at_step=target)
+        self._request(checkpoint_at_step=target)
         self._journal("final_checkpoint_requested", target_step=target, grace_s=grace)
         self.console.log(f"babysit: SIGTERM: asking for a final checkpoint at step {target} "
                          f"(waiting up to {grace:g} s)")
@@ -204,16 +197,14 @@ class Supervisor:
             time.sleep(TICK_S)
             self._take_telemetry(deque())  # findings are moot now: the run is stopping
             self._print_output()
-            if self._group.poll() is not None:
+            if self.workers.poll() is not None:
                 break
         saved = self._last_checkpoint >= target
         self._journal("final_checkpoint", saved=saved,
                       checkpoint_step=self._last_checkpoint if saved else None)
 
     def _teardown(self) -> None:
-        if self._group is not None and self._group.processes():
-            self._group.stop(self.plan.config.launch.stop_grace_s)
-        self.intake.close()
+        self.workers.close()
         self.services.stop()
         self.alerts.close()
         if self._metrics is not None:
@@ -263,26 +254,31 @@ class Supervisor:
         if self.machine.state is sm.State.RUNNING and self._tick_at is not None:
             self.cadence.advisor.on_run_time(now - self._tick_at)
         self._tick_at = now
-        group = self._group
-        if group is not None and self.machine.state in (sm.State.STARTING, sm.State.RUNNING):
-            code = group.poll()
-            if code is not None:
-                self._take_telemetry(pending)
-                if code and self._teardown_crash(code):
-                    code = 0
-                pending.append(sm.Exited(code, self._crash_remedy(code) if code else None))
-            elif forensics.ranks_all_alive(self._rank_pids.values()):
-                # A rank whose process died is a crash in progress (torchrun reports it in a
-                # moment), not a hang: its peers wait on a connection that is already gone.
-                pending.extend(self.watch.check(now))
+        if self.machine.state in (sm.State.STARTING, sm.State.RUNNING):
+            self._check_workers(now, pending)
         if self._wake_at is not None and now >= self._wake_at:
             self._wake_at = None
             pending.append(sm.BackoffElapsed())
-        self.services.publish(self.progress.snapshot(self.machine), tuple(self._rank_pids.values()))
+        self.services.publish(self.progress.snapshot(self.machine),
+                              tuple(self.workers.rank_pids.values()))
         for (event, fields), line in self.services.drain():
             self._journal(event, **fields)
             if line:
                 self.console.log(line)
+
+    def _check_workers(self, now: float, pending: deque[sm.Event | Finding]) -> None:
+        """Has torchrun exited? If not, is anything hung?"""
+        code = self.workers.poll()
+        if code is not None:
+            self._take_telemetry(pending)
+            if code and self._teardown_crash(code):
+                code = 0
+            pending.append(sm.Exited(code, self._crash_remedy(code) if code else None))
+        elif self.workers.group is not None and \
+                forensics.ranks_all_alive(self.workers.rank_pids.values()):
+            # A rank whose process died is a crash in progress (torchrun reports it in a
+            # moment), not a hang: its peers wait on a connection that is already gone.
+            pending.extend(self.watch.check(now))
 
     def _apply(self, event: sm.Event, pending: deque[sm.Event | Finding]) -> int | None:
         old = self.machine
@@ -323,22 +319,34 @@ class Supervisor:
 
     def _take_telemetry(self, pending: deque[sm.Event | Finding]) -> None:
         newest = None
-        for message in self.intake.drain():
+        for message in self.workers.intake.drain():
             if isinstance(message, RankStep):
                 self._newest_step = max(self._newest_step, message.step)
-                self.watch.observe_rank(message, self.clock())
-                for record in self._aggregator.add(message):
-                    self._record(record, pending)
+                self._rank_step(message, pending)
                 newest = max(newest or 0, message.step)
             else:
-                self._worker_event(message, pending)
+                self.workers.note(message)
+                self._local_event(message, pending)
         if newest is not None:
             pending.append(sm.Progress(newest))
             self._journal_all(self.recovery.on_progress(newest))
 
-    def _record(self, record: StepRecord, pending: deque[sm.Event | Finding]) -> None:
+    def _rank_step(self, sample: RankStep, pending: deque[sm.Event | Finding]) -> None:
+        """One of this node's ranks reported a step."""
+        self.watch.observe_rank(sample, self.clock())
+        for record in self._aggregator.add(sample):
+            self._record(record, metrics_row(record, self.machine.attempt), pending)
+
+    def _local_event(self, event: protocol.WorkerEvent,
+                     pending: deque[sm.Event | Finding]) -> None:
+        """A rare message from one of this node's ranks."""
+        self.watch.observe_event(event, self.clock())
+        self._worker_event(event, pending)
+
+    def _record(self, record: JobStep, row: dict[str, Any],
+                pending: deque[sm.Event | Finding]) -> None:
+        """A step of the whole job: its metrics row, progress, and the watch's judgement."""
         assert self._metrics is not None
-        row = metrics_row(record, self.machine.attempt)
         self._metrics.write(json.dumps(journal_mod.json_safe(row), separators=(",", ":")) + "\n")
         self._metrics.flush()
         self.progress.observe(record)
@@ -354,19 +362,14 @@ class Supervisor:
 
     def _worker_event(self, event: protocol.WorkerEvent,
                       pending: deque[sm.Event | Finding]) -> None:
-        self.watch.observe_event(event, self.clock())
+        """What a rank's event means for the run (any node's rank, in a multi-node run)."""
         if event.type == "hello":
             world = event.data.get("world_size")
             if isinstance(world, int) and world > 0:
                 self._aggregator.world_size = world
-            pid = event.data.get("pid")
-            if isinstance(pid, int) and pid > 0:
-                self._rank_pids[event.rank] = pid
             if event.rank == 0:  # MFU's inputs: the script's own numbers, or none at all
                 self._aggregator.flops_per_token = _positive(event.data.get("flops_per_token"))
                 self._aggregator.peak_flops = _positive(event.data.get("peak_flops"))
-        elif event.type == "close":
-            self._closed_ranks.add(event.rank)
         if event.type in ("hello", "close", "skip"):
             self._journal(f"worker_{event.type}", rank=event.rank, data=event.data)
         elif event.type == "checkpoint":
@@ -409,8 +412,7 @@ class Supervisor:
         if adoption is not None:
             old = self.watch.checkpoint_every
             self.watch.checkpoint_every = adoption.every_steps  # and for the next attempts
-            self.control.request(checkpoint_every=adoption.every_steps,
-                                 from_step=adoption.from_step)
+            self._request(checkpoint_every=adoption.every_steps, from_step=adoption.from_step)
             self._journal("cadence_adopted", old_every=old, new_every=adoption.every_steps,
                           from_step=adoption.from_step,
                           reason="checkpoints.cadence.auto: the advised interval is outside "
@@ -418,11 +420,20 @@ class Supervisor:
             self.console.log(f"babysit: cadence: checkpointing every {adoption.every_steps} "
                              f"steps from step {adoption.from_step} (was {old})")
 
+    def _request(self, **fields: Any) -> None:
+        """Ask the running ranks for something through the attempt's control file."""
+        self.control.request(**fields)
+
+    def _diagnose(self, finding: Finding) -> tuple[Finding, forensics.Diagnosis | None]:
+        """Dump this node's stacks for a hang, naming the rank stuck outside the collective."""
+        if finding.incident is not Incident.HANG or not self.workers.rank_pids:
+            return finding, None
+        finding, diagnosis, fields = forensics.diagnose_hang(finding, self.workers.rank_pids)
+        self._journal("hang_diagnosis", **fields)
+        return finding, diagnosis
+
     def _judge(self, finding: Finding) -> Remedy:
-        diagnosis = None
-        if finding.incident is Incident.HANG and self._rank_pids:
-            finding, diagnosis, fields = forensics.diagnose_hang(finding, self._rank_pids)
-            self._journal("hang_diagnosis", **fields)
+        finding, diagnosis = self._diagnose(finding)
         # Wall-clock time: the rules' cooldowns and budget windows span hours and must survive
         # a supervisor restart, even across a reboot (the monotonic clock restarts at boot).
         remedy = self.watch.rules.on_finding(finding, time.time())
@@ -449,10 +460,11 @@ class Supervisor:
     def _teardown_crash(self, code: int) -> bool:
         """Only the process teardown crashed after every rank finished (``forensics.
         teardown_only``): relaunching would redo nothing; say so and succeed."""
-        if not forensics.teardown_only(code, self._rank_pids, self._closed_ranks,
+        if not forensics.teardown_only(code, self.workers.rank_pids, self.workers.closed_ranks,
                                        self._attempt_dir(self.machine.attempt)):
             return False
-        self._journal("teardown_crash", exit_code=code, closed_ranks=sorted(self._closed_ranks))
+        self._journal("teardown_crash", exit_code=code,
+                      closed_ranks=sorted(self.workers.closed_ranks))
         self._notify(sm.Notify(Severity.WARNING, f"every rank finished and closed, then the "
                                f"process teardown crashed (torchrun exit {code}); counted as "
                                f"finished"))
@@ -465,7 +477,7 @@ class Supervisor:
     # -- actions --------------------------------------------------------------------------------
 
     def _attempt_dir(self, attempt: int) -> Path:
-        return self.plan.run_dir / "attempts" / str(attempt)
+        return self.workers.attempt_dir(attempt)
 
     def _launch(self, attempt: int, remedy: Remedy | None) -> None:
         attempt_dir = self._attempt_dir(attempt)
@@ -478,45 +490,27 @@ class Supervisor:
         directive = self.watch.directive_for(attempt, remedy, resume)
         directive.write(attempt_dir / "directive.json")
         self.control.new_attempt(attempt_dir)
-        launch = self.plan.config.launch
-        endpoint = launch.rdzv_endpoint or f"127.0.0.1:{launcher.free_port()}"
-        command = launcher.torchrun_command(
-            launch, self.plan.script, python=self.plan.python,
-            rdzv_id=launch.rdzv_id or f"{self.plan.name}-{attempt}", rdzv_endpoint=endpoint,
-            log_dir=attempt_dir / "torchrun",
-        )
-        env = self._worker_env(attempt_dir, attempt)
-        self.intake.forget_connections()
-        self._rank_pids = {}
-        self._closed_ranks = set()
         self._aggregator.reset()
         self._newest_step = 0
         self.watch.new_attempt(self.clock(), directive)
-        self._group = launcher.WorkerGroup(command, env, Path.cwd(), attempt_dir / "launcher.log",
-                                           self._lines)
-        self._group.start()
-        self._journal("launch", command=command, pid=self._group.pid, rdzv_endpoint=endpoint,
-                      directive=directive.to_json())
+        fields = self._start_workers(attempt, directive)
+        assert self.workers.group is not None
+        self._journal("launch", pid=self.workers.group.pid, directive=directive.to_json(),
+                      **fields)
 
-    def _worker_env(self, attempt_dir: Path, attempt: int) -> dict[str, str]:
-        env = dict(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")  # so rank output reaches the console live
-        env.update(self.plan.config.launch.env)
-        env.update({
-            protocol.ENV_SOCKET: str(self.intake.path),
-            protocol.ENV_TOKEN: self._token.hex(),
-            protocol.ENV_RUN_DIR: str(self.plan.run_dir),
-            protocol.ENV_ATTEMPT: str(attempt),
-            protocol.ENV_DIRECTIVE: str(attempt_dir / "directive.json"),
-        })
-        return env
+    def _start_workers(self, attempt: int, directive: Directive) -> dict[str, Any]:
+        """Start this attempt's torchrun; returns the launch entry's fields."""
+        launch = self.plan.config.launch
+        endpoint = launch.rdzv_endpoint or f"127.0.0.1:{launcher.free_port()}"
+        command = self.workers.launch(attempt, rdzv_endpoint=endpoint,
+                                      rdzv_id=launch.rdzv_id or f"{self.plan.name}-{attempt}")
+        return {"command": command, "rdzv_endpoint": endpoint}
 
     def _stop_workers(self, reason: str) -> None:
-        if self._group is None:
+        if self.workers.group is None:
             return
-        pids = [p.pid for p in self._group.processes()]
-        self._journal("stop_workers", reason=reason, pids=pids)
-        code = self._group.stop(self.plan.config.launch.stop_grace_s)
+        self._journal("stop_workers", reason=reason, pids=self.workers.pids())
+        code = self.workers.stop()
         self._print_output()
         self._journal("workers_stopped", exit_code=code)
 
@@ -529,7 +523,11 @@ class Supervisor:
             alert = Alert.from_finding(remedy.finding, run=self.plan.name, attempt=m.attempt,
                                        action=f"{remedy.action.value}: {remedy.reason}",
                                        incident_dir=folder)
-            alert = dataclasses.replace(alert, title=action.title)
+            where = remedy.finding.evidence.get("host")
+            title = action.title
+            if where and str(where) not in title:  # a multi-node run: say which machine
+                title += f" [node {remedy.finding.evidence.get('node')}, host {where}]"
+            alert = dataclasses.replace(alert, title=title)
         else:
             alert = Alert(title=action.title, severity=action.severity, run=self.plan.name,
                           attempt=m.attempt, step=m.step or None)
@@ -542,13 +540,8 @@ class Supervisor:
     # -- console --------------------------------------------------------------------------------
 
     def _print_output(self) -> None:
-        while True:
-            try:
-                line = self._lines.get_nowait()
-            except queue.Empty:
-                return
-            prefix = f"[r{line.rank}] " if line.rank is not None else "[torchrun] "
-            self.console.log(prefix + line.text)
+        for line in self.workers.output():
+            self.console.log(line)
 
     def _show_status(self) -> None:
         self.console.status(self.progress.status_line(self.machine))

@@ -14,7 +14,7 @@ import statistics
 from collections import deque
 
 from policies import decide as sm
-from policies.types import Finding, StepRecord
+from policies.types import Finding, JobStep
 from supervisor.schedule import DigestSnapshot
 
 RATE_WINDOW = 32
@@ -30,7 +30,7 @@ class Progress:
         self.interventions = 0
         self.last_incident: str | None = None
 
-    def observe(self, record: StepRecord) -> None:
+    def observe(self, record: JobStep) -> None:
         self._recent.append((record.time, record.step))
         self.loss = record.loss
         if record.tokens_per_s is not None:

@@ -77,7 +77,8 @@ class Checkpointer:
                 f"babysit asked rank {self.rank} to resume from {resume.path} (step "
                 f"{resume.step}), but attach() got no model to restore into. Pass "
                 f"model=..., optimizer=... and scheduler=... to attach().")
-        restored = checkpoints.load(resume.path, self.model, self.optimizer, self.scheduler)
+        restored = checkpoints.load(resume.path, self.model, self.optimizer, self.scheduler,
+                                    reshard=self.directive.reshard)
         self._last_saved = restored.step
         return restored.step, restored.cursor
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import queue
 from typing import Any
 
-from policies.types import Finding, Remedy, Severity, StepRecord
+from policies.types import Finding, JobStep, Remedy, Severity, StepRecord
 from supervisor.alerts import Alert, AlertDispatcher
 from supervisor.exporter import Exporter
 from supervisor.plan import RunPlan
@@ -67,9 +67,11 @@ class Services:
                                  tokens_per_second=snapshot.tokens_per_second,
                                  mfu=snapshot.mfu)
 
-    def observe_step(self, record: StepRecord) -> None:
+    def observe_step(self, record: JobStep) -> None:
         if self.exporter is not None:
-            times = {r.rank: r.step_time for r in record.ranks if r.step_time is not None}
+            # Per-rank step times where the record has them (a multi-node leader has summaries).
+            ranks = record.ranks if isinstance(record, StepRecord) else ()
+            times = {r.rank: r.step_time for r in ranks if r.step_time is not None}
             self.exporter.observe_step(record.step, record.loss, times)
 
     def count(self, finding: Finding, remedy: Remedy) -> None:

@@ -31,6 +31,9 @@ non-finite floats are the strings ``"nan"``/``"inf"`` as in the journal)::
     cadence                     the newest checkpoint cadence advice (the journal's
                                 cadence_advice fields, with "summary"), or null; plus
                                 "adopted_every": the interval auto-adoption set last, or null
+    nodes                       multi-node runs (the leader's journal), else null: {attempt,
+                                nodes: {node rank: host} of the newest launch, lost: the newest
+                                5 {time, node, host, why}}
     incident_count              findings acted on (action != "ignore")
     ignored_findings            findings not acted on: ignored by the policy (cooldowns, below
                                 threshold) or set aside while the workers were being replaced
@@ -427,6 +430,17 @@ def cadence(h: History) -> dict[str, Any] | None:
     return {**keep, "adopted_every": adopted}
 
 
+def nodes(h: History) -> dict[str, Any] | None:
+    """Which nodes the newest attempt of a multi-node run has, and which were lost."""
+    launch = next((e for e in reversed(h.events)
+                   if e.get("event") == "launch" and isinstance(e.get("hosts"), dict)), None)
+    if launch is None:
+        return None
+    lost = [{"time": e.get("time"), "node": e.get("node"), "host": e.get("host"),
+             "why": e.get("why")} for e in h.events if e.get("event") == "node_lost"]
+    return {"attempt": launch.get("attempt"), "nodes": launch["hosts"], "lost": lost[-5:]}
+
+
 def snapshot(run_dir: str | Path, now: float | None = None) -> dict[str, Any]:
     """The status object documented in the module docstring. Raises NotARunDir."""
     now = time.time() if now is None else now
@@ -464,7 +478,7 @@ def snapshot(run_dir: str | Path, now: float | None = None) -> dict[str, Any]:
         "step": step, "loss": last.get("loss") if last else None,
         "steps_per_s": steps_per_s, "tokens_per_s": tokens_per_s, "mfu": median_mfu(tail),
         "loss_spread": row_loss_spread(last),
-        "sdc": sdc_checks(h), "cadence": cadence(h),
+        "sdc": sdc_checks(h), "cadence": cadence(h), "nodes": nodes(h),
         "incident_count": len(h.incidents), "ignored_findings": len(h.ignored),
         "incidents": [i.to_json() for i in h.incidents[-RECENT_INCIDENTS:]],
         "attempt_history": [a.to_json() for a in h.attempts],
@@ -545,6 +559,13 @@ def render(s: dict[str, Any], now: float | None = None) -> str:
         row("sdc checks", f"{sdc['checks']} run, last agreeing step "
                           f"{_fmt(sdc['last_agreeing_step'])}"
             + (f"; disagreed at {bad}" if bad else "; all agreed"))
+    if s.get("nodes") is not None:
+        n = s["nodes"]
+        text = ", ".join(f"{node} ({host})" for node, host in n["nodes"].items())
+        lost = "; ".join(f"node {e['node']} ({e['host']}) at {_clock(e['time'])}: {e['why']}"
+                         for e in n["lost"])
+        row("nodes", f"{len(n['nodes'])} in attempt {_fmt(n['attempt'])}: {text}"
+            + (f"; lost {lost}" if lost else ""))
     if s["cadence"] is not None:
         adopted = s["cadence"]["adopted_every"]
         row("cadence", str(s["cadence"].get("summary", "-"))

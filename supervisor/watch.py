@@ -17,7 +17,7 @@ from policies.detectors.sdc import SdcDetector
 from policies.loader import load_policy
 from policies.replay import Pipeline
 from policies.schema import Policy
-from policies.types import Action, Finding, Incident, RankStep, Remedy, StepRecord
+from policies.types import Action, Finding, Incident, JobStep, RankStep, Remedy
 from supervisor.aggregate import PER_RANK_LIMIT
 from supervisor.directive import Directive, Resume, SkipRange, merge_skips
 from supervisor.plan import RunPlan
@@ -51,13 +51,14 @@ _CURSOR_MEMORY = 4096
 class Watch:
     def __init__(self, policy: Policy, checkpoint_every: int = 0,
                  checkpoint_dir: str | None = None, checkpoint_async: bool = False,
-                 sdc_every: int = 0) -> None:
-        """``checkpoint_dir`` is always passed to the workers: scripts that save their own
-        checkpoints register them there even when babysit does not save (every = 0).
-        ``checkpoint_every`` may change during the run (cadence adoption); the next attempt's
-        directive carries the cadence in force."""
+                 sdc_every: int = 0, scope: str = "all") -> None:
+        """``scope`` picks the step detectors (``policies.replay.SCOPES``): a multi-node leader
+        watches the job's global signals, each node its own ranks. ``checkpoint_dir`` is always
+        passed to the workers: scripts that save their own checkpoints register them there even
+        when babysit does not save (every = 0). ``checkpoint_every`` may change during the run
+        (cadence adoption); the next attempt's directive carries the cadence in force."""
         self.policy = policy
-        self.pipeline = Pipeline(policy)
+        self.pipeline = Pipeline(policy, scope=scope)
         self.rules = self.pipeline.rules
         self.hang = HangDetector(policy.detectors.hang)
         self.sdc = SdcDetector(policy.detectors.sdc)
@@ -65,6 +66,8 @@ class Watch:
         self.checkpoint_every = checkpoint_every
         self.skips: list[SkipRange] = []
         self.lr_scale = 1.0
+        self.reshard = False
+        """Relaunches may change the world size (an elastic multi-node run)."""
         self.crashes: list[CrashSignature] = []
         self._cursor_at: OrderedDict[int, int] = OrderedDict()
         self._alive: set[int] = set()
@@ -72,7 +75,7 @@ class Watch:
         self._checkpoint_dir, self._checkpoint_async = checkpoint_dir, checkpoint_async
 
     @classmethod
-    def from_plan(cls, plan: RunPlan) -> Watch:
+    def from_plan(cls, plan: RunPlan, scope: str = "all") -> Watch:
         ref = plan.config.policy
         name = ref.name
         if name.endswith((".yaml", ".yml")) or "/" in name:
@@ -86,8 +89,11 @@ class Watch:
             crash["max_relaunches"] = dict.fromkeys(classes, restarts)
             overrides["crash"] = crash
         c = plan.config.checkpoints
-        return cls(load_policy(name, overrides), c.every_steps,
-                   str(plan.checkpoint_dir), c.async_save, plan.config.sdc.every_steps)
+        watch = cls(load_policy(name, overrides), c.every_steps,
+                    str(plan.checkpoint_dir), c.async_save, plan.config.sdc.every_steps, scope)
+        low, high = plan.config.launch.node_range
+        watch.reshard = low < high
+        return watch
 
     # -- streams --------------------------------------------------------------------------------
 
@@ -123,7 +129,7 @@ class Watch:
         return SdcCheck(step=step, ranks=world_size, finding=finding,
                         last_agreeing_step=self.sdc.last_agreeing_step)
 
-    def observe_record(self, record: StepRecord) -> list[Finding]:
+    def observe_record(self, record: JobStep) -> list[Finding]:
         self._world = record.world_size
         self._cursor_at[record.step] = record.cursor
         while len(self._cursor_at) > _CURSOR_MEMORY:
@@ -210,5 +216,5 @@ class Watch:
             attempt=attempt, resume=resume, skip=merge_skips(self.skips),
             lr_scale=self.lr_scale, checkpoint_dir=self._checkpoint_dir,
             checkpoint_every=self.checkpoint_every, checkpoint_async=self._checkpoint_async,
-            grad_guard=guard, sdc_every=self.sdc_every,
+            grad_guard=guard, sdc_every=self.sdc_every, reshard=self.reshard,
         )

@@ -10,6 +10,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from checkpoints import Catalog
+from supervisor.cluster.wire import parse_address
 from supervisor.doctor.core import CheckResult, Context, ProbeError, Status, probe
 from supervisor.plan import RunPlan
 
@@ -157,13 +158,24 @@ def rendezvous(plan: RunPlan, ctx: Context) -> CheckResult:
     endpoint = launch.rdzv_endpoint
     if endpoint is None and launch.rdzv_backend == "static" and launch.master_addr:
         endpoint = f"{launch.master_addr}:{launch.master_port or _TORCHRUN_DEFAULT_RDZV_PORT}"
+    if endpoint is None and launch.multinode and plan.config.nodes.leader:
+        leader, leader_port = parse_address(plan.config.nodes.leader)
+        try:
+            socket.getaddrinfo(leader, leader_port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            return CheckResult(name, Status.FAIL, f"nodes.leader: cannot resolve '{leader}' "
+                               f"({exc.strerror})", "Use node 0's IP address or a name this "
+                               "node's DNS knows.")
+        return CheckResult(name, Status.PASS, f"the leader at {leader}:{leader_port} picks a "
+                           f"fresh rendezvous port on {leader} for every attempt")
     if endpoint is None:
         if launch.nnodes == "1":
             return CheckResult(name, Status.SKIP, "single node: babysit picks a free local "
                                "port for every attempt")
         return CheckResult(name, Status.FAIL, f"nnodes is {launch.nnodes} but "
-                           "launch.rdzv_endpoint is unset", "Set launch.rdzv_endpoint to the "
-                           "same host:port on every node (node 0's address, a free port).")
+                           "launch.rdzv_endpoint and nodes.leader are unset", "Set nodes.leader "
+                           "(or launch.rdzv_endpoint) to the same host:port on every node: "
+                           "node 0's address and a free port.")
     try:
         parts = urlsplit(f"//{endpoint}")
         host, port = parts.hostname, parts.port or _TORCHRUN_DEFAULT_RDZV_PORT

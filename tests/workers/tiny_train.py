@@ -21,6 +21,7 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
     --every-attempt        process faults strike on every attempt (default: the first only,
                            like a machine fault a relaunch cures)
     --spike START:END      global batches START <= i < END are poisoned: a real loss spike
+    --spike-rank RANK      ...only on that rank's shard (one node's rank of a multi-node job)
     --nan-at CURSOR        that global batch gives a non-finite loss
     --slow-data RANK:SEC   that rank waits SEC seconds for every batch (a slow loader)
     --flood LINES          rank 0 prints LINES lines of junk every step
@@ -69,7 +70,8 @@ class Batches:
             bad = self.args.bad_shard
             if bad and bad[0] == self.rank and i >= bad[1]:
                 y = y * 3.0
-            if self.args.spike and self.args.spike[0] <= i < self.args.spike[1]:
+            if self.args.spike and self.args.spike[0] <= i < self.args.spike[1] and \
+                    self.args.spike_rank in (None, self.rank):
                 y = y * 40.0  # poisoned labels: the loss jumps by orders of magnitude
             if self.args.nan_at == i:
                 x = x * float("nan")
@@ -91,6 +93,7 @@ def main() -> None:
     p.add_argument("--peak-flops", type=float, help="passed to attach() for MFU")
     p.add_argument("--every-attempt", action="store_true")
     p.add_argument("--spike", type=pair)
+    p.add_argument("--spike-rank", type=int)
     p.add_argument("--nan-at", type=int)
     p.add_argument("--slow-data", type=pair)
     p.add_argument("--exit-code", type=int, default=0)

@@ -1,0 +1,675 @@
+"""The leader's view of a multi-node run (``Cluster``) and one node's view of its ranks
+(``NodeView``).
+
+Followers are real ``supervisor.cluster.wire.connect`` clients on loopback talking to the
+``Cluster``'s real listener; the only fake is the clock that ``Cluster`` takes for its settle
+timing (an injected seam). Silence is measured by the wire with the real monotonic clock, so the
+silence test waits for real, with ``nodes.lost_after_s`` kept small.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from policies.loader import load_policy
+from policies.types import Finding, Incident, RankStep, Severity
+from supervisor.cluster.leader import LEADER, Cluster, JobExit
+from supervisor.cluster.node import NodeView, located
+from supervisor.cluster.wire import AuthError, Peer, connect, parse_address
+from supervisor.directive import Directive
+from supervisor.launcher import free_port
+from supervisor.plan import SECRET_ENV, RunPlan, from_mapping
+from supervisor.protocol import WorkerEvent
+from supervisor.sketch import StepSummary
+from supervisor.watch import Watch
+
+SECRET = "cluster-leader-test-secret"
+SETTLE_S = 0.5
+LOST_AFTER_S = 1.0
+
+Follow = Callable[..., Peer]
+
+
+class Clock:
+    """The injected clock: a list holding the time, advanced by hand."""
+
+    def __init__(self) -> None:
+        self.now = [1000.0]
+
+    def __call__(self) -> float:
+        return self.now[0]
+
+    def advance(self, seconds: float) -> None:
+        self.now[0] += seconds
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def accepted(cluster: Cluster, count: int) -> list[tuple[str, dict[str, Any]]]:
+    """Poll ``accept()`` until ``count`` journal entries came back."""
+    entries: list[tuple[str, dict[str, Any]]] = []
+    deadline = time.monotonic() + 2.0
+    while len(entries) < count:
+        assert time.monotonic() < deadline, f"{len(entries)} of {count} entries: {entries}"
+        entries += cluster.accept()
+        time.sleep(0.005)
+    assert len(entries) == count, entries
+    return entries
+
+
+def received(cluster: Cluster, count: int) -> list[tuple[int, dict[str, Any]]]:
+    """Poll ``receive()`` until ``count`` messages came back."""
+    got: list[tuple[int, dict[str, Any]]] = []
+    deadline = time.monotonic() + 2.0
+    while len(got) < count:
+        assert time.monotonic() < deadline, f"{len(got)} of {count} messages: {got}"
+        got += cluster.receive()
+        time.sleep(0.005)
+    assert len(got) == count, got
+    return got
+
+
+def collect(peer: Peer, count: int) -> list[dict[str, Any]]:
+    """Poll a follower's end until ``count`` messages from the leader arrived."""
+    got: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 2.0
+    while len(got) < count:
+        assert time.monotonic() < deadline, f"{len(got)} of {count} messages: {got}"
+        got += peer.receive()
+        time.sleep(0.005)
+    assert len(got) == count, got
+    return got
+
+
+def make_plan(tmp_path: Path, **nodes: Any) -> RunPlan:
+    script = tmp_path / "train.py"
+    script.write_text("print('training')\n")
+    config = {
+        "launch": {"script": str(script), "nproc_per_node": 2, "nnodes": "2:3"},
+        "nodes": {"leader": f"127.0.0.1:{free_port()}", "heartbeat_s": 0.2,
+                  "lost_after_s": LOST_AFTER_S, "settle_s": SETTLE_S, **nodes},
+    }
+    return from_mapping(config, "test", tmp_path, "t", run_dir=str(tmp_path / "run"))
+
+
+@pytest.fixture
+def plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RunPlan:
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    return make_plan(tmp_path)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def cluster(plan: RunPlan, clock: Clock) -> Iterator[Cluster]:
+    c = Cluster(plan, plan.secret(), clock)
+    c.open()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def follow(cluster: Cluster) -> Iterator[Follow]:
+    """Connect a real follower to the cluster's listener (not yet accepted by the leader)."""
+    peers: list[Peer] = []
+
+    def follow(node_rank: int, host: str | None = None, secret: str = SECRET) -> Peer:
+        peer = connect(f"127.0.0.1:{cluster.listener.port}", secret.encode(),
+                       {"node_rank": node_rank, "host": host or f"gpu-{node_rank}",
+                        "pid": 4000 + node_rank}, timeout_s=2.0)
+        peers.append(peer)
+        return peer
+
+    yield follow
+    for peer in peers:
+        peer.close()
+
+
+@pytest.fixture
+def followers(cluster: Cluster, follow: Follow) -> dict[int, Peer]:
+    """Nodes 1 and 2 joined and accepted."""
+    peers = {1: follow(1), 2: follow(2)}
+    accepted(cluster, 2)
+    return peers
+
+
+@pytest.fixture
+def launched(cluster: Cluster, followers: dict[int, Peer]) -> dict[int, Peer]:
+    """Attempt 0 launched on nodes 0, 1 and 2; the followers' launch messages consumed."""
+    cluster.launch(0, Directive().to_json(), "t-0", None)
+    for peer in followers.values():
+        assert collect(peer, 1)[0]["type"] == "launch"
+    return followers
+
+
+def hang_finding(node: int, ranks: tuple[int, ...] = (), **evidence: Any) -> Finding:
+    return Finding(incident=Incident.HANG, detector="hang", severity=Severity.CRITICAL,
+                   step=7, onset_step=7, ranks=ranks,
+                   message=f"ranks stalled at step 7 [node {node}, host gpu-{node}]",
+                   evidence={"node": node, **evidence})
+
+
+# -- membership -----------------------------------------------------------------------------------
+
+
+def test_two_followers_join_and_are_present(cluster: Cluster, follow: Follow) -> None:
+    assert cluster.present() == [LEADER]
+    follow(1, "gpu-a")
+    follow(2, "gpu-b")
+
+    entries = sorted(accepted(cluster, 2), key=lambda e: e[1]["node"])
+
+    assert [kind for kind, _ in entries] == ["node_joined", "node_joined"]
+    assert [(e["node"], e["host"], e["pid"]) for _, e in entries] == [
+        (1, "gpu-a", 4001), (2, "gpu-b", 4002)]
+    assert all(e["address"].startswith("127.0.0.1:") for _, e in entries)
+    assert cluster.present() == [0, 1, 2]
+    assert cluster.describe(2) == "node 2 (gpu-b)"
+    assert cluster.describe(LEADER) == "node 0 (this host)"
+    assert cluster.accept() == []  # each join is reported once
+
+
+def test_a_second_connection_claiming_a_connected_node_rank_is_refused(
+        cluster: Cluster, follow: Follow) -> None:
+    first = follow(1, "gpu-a")
+    accepted(cluster, 1)
+
+    impostor = follow(1, "gpu-z")
+    [(kind, entry)] = accepted(cluster, 1)
+
+    assert kind == "node_refused"
+    assert entry["node"] == 1 and entry["host"] == "gpu-z"
+    assert "already taken by gpu-a" in entry["reason"]
+    [refusal] = collect(impostor, 1)
+    assert refusal == {"type": "refused", "reason": entry["reason"]}
+    wait_for(lambda: impostor.closed)
+    # The node that was there first keeps its place and its connection.
+    assert cluster.present() == [0, 1]
+    assert cluster.hosts[1] == "gpu-a"
+    assert not first.closed
+    assert first.receive() == []
+
+
+@pytest.mark.parametrize("node_rank", [3, 7, 0])
+def test_a_node_rank_outside_nnodes_is_refused(cluster: Cluster, follow: Follow,
+                                               node_rank: int) -> None:
+    peer = follow(node_rank)
+
+    [(kind, entry)] = accepted(cluster, 1)
+
+    assert kind == "node_refused"
+    assert entry["node"] == node_rank
+    assert "is not in 1..2 (launch.nnodes)" in entry["reason"]
+    assert collect(peer, 1) == [{"type": "refused", "reason": entry["reason"]}]
+    wait_for(lambda: peer.closed)
+    assert cluster.present() == [LEADER]
+
+
+def test_a_follower_whose_connection_closed_rejoins_under_its_node_rank(
+        cluster: Cluster, follow: Follow) -> None:
+    gone = follow(1, "gpu-a")
+    accepted(cluster, 1)
+    gone.close()
+    [(node, lost)] = received(cluster, 1)
+    assert (node, lost["type"]) == (1, "lost")
+    assert cluster.present() == [LEADER]
+
+    back = follow(1, "gpu-a2")
+    [(kind, entry)] = accepted(cluster, 1)
+
+    assert (kind, entry["node"], entry["host"]) == ("node_joined", 1, "gpu-a2")
+    assert cluster.present() == [0, 1]
+    assert cluster.describe(1) == "node 1 (gpu-a2)"
+    assert back.send({"type": "beat"})
+    assert received(cluster, 1) == [(1, {"type": "beat"})]
+
+
+def test_a_rejoin_is_accepted_even_before_the_old_connection_was_reported_lost(
+        cluster: Cluster, follow: Follow) -> None:
+    gone = follow(1)
+    accepted(cluster, 1)
+    gone.close()
+    wait_for(lambda: cluster.peers[1].closed)  # closed, but receive() has not seen it yet
+
+    back = follow(1)
+    [(kind, entry)] = accepted(cluster, 1)
+
+    assert (kind, entry["node"]) == ("node_joined", 1)
+    assert cluster.present() == [0, 1]
+    assert back.send({"type": "beat"})
+    # The old connection's loss still counts (its babysitter and workers are gone), first.
+    assert received(cluster, 2) == [(1, {"type": "lost", "why": "its connection closed (eof)"}),
+                                    (1, {"type": "beat"})]
+
+
+def test_a_quick_rejoin_still_delivers_the_old_connections_last_messages(
+        cluster: Cluster, follow: Follow) -> None:
+    gone = follow(1)
+    accepted(cluster, 1)
+    assert gone.send({"type": "exited", "attempt": 0, "code": 1, "tails": {}, "root": None})
+    gone.close()
+    wait_for(lambda: cluster.peers[1].closed)
+    follow(1)
+    accepted(cluster, 1)
+
+    messages = [m["type"] for _, m in cluster.receive()]
+
+    assert messages[:2] == ["exited", "lost"]
+
+
+def test_a_client_with_the_wrong_secret_is_reported_as_rejected(
+        cluster: Cluster, follow: Follow) -> None:
+    with pytest.raises(AuthError):
+        follow(1, secret="not-the-run-secret")
+
+    [(kind, entry)] = accepted(cluster, 1)
+
+    assert kind == "node_rejected"
+    assert "mac" in entry["why"] and "node 1" in entry["why"]
+    assert entry["counts"] == {"mac": 1}
+    assert cluster.present() == [LEADER]
+    assert cluster.accept() == []  # reported once
+
+
+# -- telling the nodes ----------------------------------------------------------------------------
+
+
+def test_launch_tells_every_present_follower_the_same_attempt(
+        cluster: Cluster, followers: dict[int, Peer]) -> None:
+    directive = Directive(attempt=3, lr_scale=0.5)
+
+    nodes, endpoint = cluster.launch(3, directive.to_json(), "t-3", None)
+
+    assert nodes == [0, 1, 2]
+    assert cluster.attempt.nodes == [0, 1, 2]
+    host, port = parse_address(endpoint)
+    assert host == "127.0.0.1" and port != cluster.listener.port
+    launches = {node: collect(peer, 1)[0] for node, peer in followers.items()}
+    for message in launches.values():
+        assert {k: message[k] for k in ("type", "attempt", "rdzv_id", "rdzv_endpoint",
+                                        "nnodes")} == {
+            "type": "launch", "attempt": 3, "rdzv_id": "t-3", "rdzv_endpoint": endpoint,
+            "nnodes": "3"}
+        assert Directive.from_json(message["directive"]) == directive
+    # The leader is index 0; the followers get the other indices, one each.
+    assert sorted(m["node_rank"] for m in launches.values()) == [1, 2]
+
+
+def test_launch_numbers_the_nodes_present_now_not_the_configured_ranks(
+        cluster: Cluster, follow: Follow) -> None:
+    peer = follow(2)  # node 1 never came: an elastic run goes on with two nodes
+    accepted(cluster, 1)
+
+    nodes, endpoint = cluster.launch(1, Directive(attempt=1).to_json(), "t-1",
+                                     "10.0.0.5:29400")
+
+    assert (nodes, endpoint) == ([0, 2], "10.0.0.5:29400")
+    [message] = collect(peer, 1)
+    assert (message["nnodes"], message["node_rank"]) == ("2", 1)
+    assert message["rdzv_endpoint"] == "10.0.0.5:29400"
+
+
+def test_tell_reaches_only_the_followers_of_the_attempt(
+        cluster: Cluster, follow: Follow) -> None:
+    first = follow(1)
+    accepted(cluster, 1)
+    cluster.launch(0, Directive().to_json(), "t-0", None)  # nodes 0 and 1
+    assert collect(first, 1)[0]["type"] == "launch"
+    late = follow(2)  # joins during attempt 0: it takes part from the next launch
+    accepted(cluster, 1)
+
+    cluster.tell({"type": "stop", "reason": "hang"})
+
+    assert collect(first, 1) == [{"type": "stop", "reason": "hang"}]
+    time.sleep(0.05)
+    assert late.receive() == []
+    assert cluster.present() == [0, 1, 2]
+
+
+def test_heartbeat_is_paced_by_heartbeat_s_and_close_says_finish(
+        cluster: Cluster, clock: Clock, followers: dict[int, Peer]) -> None:
+    cluster.heartbeat()
+    cluster.heartbeat()  # same instant: no second beat
+    clock.advance(0.1)
+    cluster.heartbeat()  # half a heartbeat later: none either
+    clock.advance(0.1)
+    cluster.heartbeat()
+
+    for peer in followers.values():
+        assert collect(peer, 2) == [{"type": "beat"}, {"type": "beat"}]
+
+    cluster.close(3)
+    for peer in followers.values():
+        assert collect(peer, 1) == [{"type": "finish", "code": 3}]
+    wait_for(lambda: all(peer.closed for peer in followers.values()))  # then it hung up
+
+
+# -- hearing from the nodes -----------------------------------------------------------------------
+
+
+def test_a_closed_connection_is_reported_lost_once_after_its_last_messages(
+        cluster: Cluster, followers: dict[int, Peer]) -> None:
+    followers[1].send({"type": "stopped", "attempt": 0})
+    followers[1].close()
+
+    got = received(cluster, 2)
+
+    assert got[0] == (1, {"type": "stopped", "attempt": 0})
+    node, lost = got[1]
+    assert (node, lost["type"]) == (1, "lost")
+    assert lost["why"] == "its connection closed (eof)"
+    assert cluster.present() == [0, 2]
+    assert 1 not in cluster.peers
+    time.sleep(0.05)
+    assert cluster.receive() == []  # once
+
+
+def test_a_silent_follower_is_lost_while_one_that_beats_is_not(
+        cluster: Cluster, followers: dict[int, Peer]) -> None:
+    deadline = time.monotonic() + LOST_AFTER_S + 0.15
+    while time.monotonic() < deadline:  # node 2 beats, node 1 says nothing
+        followers[2].send({"type": "beat"})
+        time.sleep(0.1)
+
+    got = [(n, m) for n, m in cluster.receive() if m["type"] != "beat"]
+
+    assert len(got) == 1
+    node, lost = got[0]
+    assert (node, lost["type"]) == (1, "lost")
+    assert lost["why"].startswith("its babysitter was silent for")
+    assert cluster.present() == [0, 2]
+    wait_for(lambda: followers[1].closed)  # the leader hung up on it
+    assert not followers[2].closed
+    assert [m for _, m in cluster.receive() if m["type"] == "lost"] == []
+
+
+def test_summaries_from_a_follower_merge_with_the_leaders_own(
+        cluster: Cluster, launched: dict[int, Peer]) -> None:
+    def summary(step: int, ranks: tuple[int, ...]) -> StepSummary:
+        s = StepSummary(step, 6)
+        for rank in ranks:
+            s.add(RankStep(rank=rank, step=step, time=float(step), loss=2.0))
+        return s
+
+    launched[1].send({"type": "summary", "summary": summary(1, (2, 3)).to_dict()})
+    [(node, message)] = received(cluster, 1)
+    assert cluster.summary(LEADER, summary(1, (0, 1))) == []
+    assert cluster.summary(node, StepSummary.from_dict(message["summary"])) == []
+
+    [merged] = cluster.summary(2, summary(1, (4, 5)))  # the last node of the attempt
+
+    assert (merged.step, merged.n_ranks, merged.missing_ranks()) == (1, 6, [])
+    assert merged.mean_loss == pytest.approx(2.0)
+
+
+# -- a crash settles ------------------------------------------------------------------------------
+
+
+def test_every_node_exiting_zero_ends_the_attempt_once(
+        cluster: Cluster, clock: Clock, launched: dict[int, Peer]) -> None:
+    cluster.exited(0, 0, {}, None)
+    cluster.exited(1, 0, {}, None)
+    clock.advance(60)  # nobody failed: the job waits for every node, however long
+    assert cluster.settled_exit() is None
+
+    cluster.exited(2, 0, {}, None)
+
+    assert cluster.settled_exit() == JobExit(code=0, nodes={0: 0, 1: 0, 2: 0})
+    assert cluster.settled_exit() is None
+
+
+def test_a_failure_settles_after_settle_s(
+        cluster: Cluster, clock: Clock, launched: dict[int, Peer]) -> None:
+    cluster.exited(2, 1, {4: "RuntimeError: boom"}, 4)
+    assert cluster.settled_exit() is None
+    clock.advance(SETTLE_S - 0.01)
+    assert cluster.settled_exit() is None
+
+    clock.advance(0.01)
+    end = cluster.settled_exit()
+
+    assert end == JobExit(code=1, tails={4: "RuntimeError: boom"}, root=4, nodes={2: 1})
+    assert cluster.settled_exit() is None
+
+
+def test_a_failure_settles_at_once_when_every_node_exited(
+        cluster: Cluster, launched: dict[int, Peer]) -> None:
+    cluster.exited(0, 0, {}, None)
+    cluster.exited(1, 1, {2: "NCCL watchdog: peer closed", 3: "peer closed"}, None)
+    assert cluster.settled_exit() is None  # node 2, which has the telling log, is still out
+
+    cluster.exited(2, 1, {4: "Traceback: CUDA error: an illegal memory access", 5: "closed"}, 4)
+    end = cluster.settled_exit()
+
+    assert end is not None
+    assert end.code == 1
+    assert end.nodes == {0: 0, 1: 1, 2: 1}
+    assert end.tails == {2: "NCCL watchdog: peer closed", 3: "peer closed",
+                         4: "Traceback: CUDA error: an illegal memory access", 5: "closed"}
+    assert end.root == 4  # node 1 named no root; node 2 did
+
+
+def test_exits_from_outside_the_attempt_and_repeated_exits_are_ignored(
+        cluster: Cluster, clock: Clock, follow: Follow) -> None:
+    follow(1)
+    accepted(cluster, 1)
+    cluster.launch(0, Directive().to_json(), "t-0", None)  # nodes 0 and 1
+
+    cluster.exited(2, 1, {4: "not in this attempt"}, 4)
+    clock.advance(10)
+    assert cluster.settled_exit() is None  # and it started no settle timer
+
+    cluster.exited(1, 0, {}, None)
+    cluster.exited(1, 9, {2: "a second exit"}, 2)
+    cluster.exited(0, 0, {}, None)
+
+    assert cluster.settled_exit() == JobExit(code=0, nodes={0: 0, 1: 0})
+
+
+def test_a_new_launch_forgets_the_previous_attempts_exits(
+        cluster: Cluster, clock: Clock, launched: dict[int, Peer]) -> None:
+    cluster.exited(1, 1, {2: "boom"}, 2)
+    cluster.launch(1, Directive(attempt=1).to_json(), "t-1", None)
+    clock.advance(10)
+    assert cluster.settled_exit() is None
+
+
+def test_the_job_exit_code_is_the_first_non_zero_code_seen(
+        cluster: Cluster, launched: dict[int, Peer]) -> None:
+    cluster.exited(2, 1, {4: "RuntimeError: boom"}, 4)  # the failure
+    cluster.exited(1, 143, {2: "SIGTERM"}, None)  # its consequence: torchrun tore node 1 down
+    cluster.exited(0, 0, {}, None)
+
+    end = cluster.settled_exit()
+
+    assert end is not None and end.code == 1
+
+
+# -- a hang settles -------------------------------------------------------------------------------
+
+
+def test_one_nodes_hang_waits_for_settle_s(
+        cluster: Cluster, clock: Clock, launched: dict[int, Peer]) -> None:
+    finding = hang_finding(1, (2,))
+    cluster.hang(1, finding)
+    clock.advance(SETTLE_S - 0.01)
+    assert cluster.settled_hang() is None
+
+    clock.advance(0.01)
+
+    assert cluster.settled_hang() == finding
+    assert cluster.settled_hang() is None
+
+
+def test_the_hang_settles_at_once_when_every_node_reported_and_prefers_stacks(
+        cluster: Cluster, launched: dict[int, Peer]) -> None:
+    waiting = hang_finding(0, (0, 1))
+    stacks = hang_finding(2, (), stacks="rank 5 in all_reduce; rank 4 in a python loop")
+    cluster.hang(0, waiting)
+    cluster.hang(2, stacks)
+    cluster.hang(2, hang_finding(2, (4,)))  # a node's first finding stands
+    cluster.hang(7, hang_finding(7, (9,), stacks="not in this attempt"))
+    assert cluster.settled_hang() is None
+
+    cluster.hang(1, hang_finding(1, ()))
+
+    assert cluster.settled_hang() == stacks
+
+
+def test_the_hang_prefers_a_finding_that_names_ranks(
+        cluster: Cluster, clock: Clock, launched: dict[int, Peer]) -> None:
+    cluster.hang(0, hang_finding(0, ()))
+    cluster.hang(1, hang_finding(1, (3,)))
+    clock.advance(SETTLE_S)
+
+    chosen = cluster.settled_hang()
+
+    assert chosen is not None and chosen.ranks == (3,)
+
+
+def test_lost_finding_names_the_nodes_ranks_and_host(
+        cluster: Cluster, launched: dict[int, Peer]) -> None:
+    cluster.rank_node.update({0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2})
+    launched[1].close()
+    [(node, lost)] = received(cluster, 1)
+
+    finding = cluster.lost_finding(node, lost["why"], step=42)
+
+    assert finding.incident is Incident.NODE_LOST
+    assert finding.severity is Severity.CRITICAL
+    assert (finding.step, finding.onset_step, finding.ranks) == (42, 42, (2, 3))
+    assert finding.message == "node 1 (gpu-1) lost at step 42: its connection closed (eof)"
+    assert finding.evidence == {"node": 1, "host": "gpu-1", "why": lost["why"],
+                                "nodes_left": [0, 2]}
+
+
+def test_all_stopped_once_every_follower_said_so(
+        cluster: Cluster, launched: dict[int, Peer]) -> None:
+    assert not cluster.all_stopped()
+    cluster.stopped(1)
+    assert not cluster.all_stopped()
+    cluster.stopped(2)
+    assert cluster.all_stopped()
+
+
+def test_all_stopped_counts_a_follower_that_is_gone(
+        cluster: Cluster, launched: dict[int, Peer]) -> None:
+    cluster.stopped(1)
+    assert not cluster.all_stopped()
+    launched[2].close()
+    received(cluster, 1)
+    assert cluster.all_stopped()
+
+
+# -- one node's ranks -----------------------------------------------------------------------------
+
+
+def node_view(local_ranks: int | None = 2) -> NodeView:
+    view = NodeView(Watch(load_policy("default"), scope="node"), 1, "gpu-b", local_ranks)
+    view.new_attempt(0.0, Directive())
+    return view
+
+
+def hello(view: NodeView, rank: int) -> None:
+    view.observe_event(WorkerEvent(rank=rank, type="hello", time=0.0,
+                                   data={"world_size": 4}), 0.0)
+
+
+def test_node_summaries_come_out_once_per_step_with_both_ranks() -> None:
+    view = node_view()
+    hello(view, 2)
+    hello(view, 3)
+    emitted: list[StepSummary] = []
+
+    for step in (1, 2, 3):
+        for rank in (2, 3):
+            summaries, findings = view.observe_rank(
+                RankStep(rank=rank, step=step, time=float(step), loss=3.0 - step / 10), step)
+            assert findings == []
+            emitted += summaries
+
+    assert [s.step for s in emitted] == [1, 2, 3]
+    for s in emitted:
+        assert (s.world_size, s.n_ranks, s.missing_ranks()) == (4, 2, [0, 1])
+    assert emitted[-1].mean_loss == pytest.approx(2.7)
+    assert view.flush() == ([], [])
+
+
+def test_local_ranks_holds_a_step_until_the_second_ranks_hello_and_report() -> None:
+    counted = node_view(local_ranks=None)
+    fixed = node_view(local_ranks=2)
+    for view in (counted, fixed):
+        hello(view, 2)  # rank 3's hello is late
+
+    early = RankStep(rank=2, step=1, time=1.0, loss=2.0)
+    # Counting hellos, one hello means one rank: the step goes out with rank 2 alone.
+    [alone], _ = counted.observe_rank(early, 1.0)
+    assert alone.n_ranks == 1
+    # With the node's ranks fixed, it waits for rank 3.
+    assert fixed.observe_rank(early, 1.0) == ([], [])
+    hello(fixed, 3)
+    [both], _ = fixed.observe_rank(RankStep(rank=3, step=1, time=1.0, loss=2.0), 1.0)
+    assert (both.step, both.n_ranks, both.world_size) == (1, 2, 4)
+
+
+def test_a_non_finite_loss_is_named_with_the_node_and_host() -> None:
+    view = node_view()
+    hello(view, 2)
+    hello(view, 3)
+    view.observe_rank(RankStep(rank=2, step=5, time=5.0, loss=2.0), 5.0)
+
+    [summary], findings = view.observe_rank(
+        RankStep(rank=3, step=5, time=5.0, loss=math.nan), 5.0)
+
+    assert summary.n_ranks == 2
+    [nonfinite] = [f for f in findings if f.incident is Incident.NONFINITE]
+    assert nonfinite.ranks == (3,)
+    assert nonfinite.message.endswith("[node 1, host gpu-b]")
+    assert nonfinite.evidence["node"] == 1
+    assert nonfinite.evidence["host"] == "gpu-b"
+    assert nonfinite.evidence["loss"] == {"3": "nan"}
+
+
+def test_a_hang_on_the_node_is_named_with_the_node_and_host() -> None:
+    view = node_view()
+    hello(view, 2)
+    hello(view, 3)
+    for rank in (2, 3):
+        view.observe_rank(RankStep(rank=rank, step=1, time=1.0, loss=2.0), 1.0)
+    assert view.check(60.0) == []  # inside the default 120 s floor
+
+    [hang] = view.check(1000.0)
+
+    assert hang.incident is Incident.HANG
+    assert hang.message.endswith("[node 1, host gpu-b]")
+    assert (hang.evidence["node"], hang.evidence["host"]) == (1, "gpu-b")
+
+
+def test_located_names_the_node_once() -> None:
+    finding = hang_finding(3)
+    plain = Finding(incident=Incident.STRAGGLER, detector="straggler",
+                    severity=Severity.WARNING, step=3, onset_step=3, ranks=(2,),
+                    message="rank 2 is slow", evidence={"factor": 1.5})
+
+    once = located(plain, 1, "gpu-b")
+    twice = located(once, 1, "gpu-b")
+
+    assert once.message == "rank 2 is slow [node 1, host gpu-b]"
+    assert once.evidence == {"factor": 1.5, "node": 1, "host": "gpu-b"}
+    assert twice == once
+    assert plain.message == "rank 2 is slow"  # the original is untouched
+    assert located(finding, 3, "gpu-3") == finding

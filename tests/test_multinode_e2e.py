@@ -1,0 +1,218 @@
+"""Multi-node runs, for real: every "node" is its own ``babysit run --node-rank R`` process on
+this machine, each with its own torchrun and 2 gloo ranks, meeting over loopback. Nothing in
+the process path is faked: the babysitters authenticate over TCP, the torchruns form one c10d
+rendezvous, and the faults are real (a poisoned shard, a rank asleep outside the all-reduce, a
+node's whole process tree killed)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from supervisor.launcher import free_port
+from tests.conftest import FAST_POLICY, ROOT, WORKERS, babysit_env, read_jsonl
+
+SECRET = "correct horse battery staple"
+
+
+class Nodes:
+    """The babysitters of one multi-node run, started as separate processes."""
+
+    def __init__(self, tmp_path: Path, *args: str, nnodes: str = "2", nodes: str = "",
+                 steps: int = 40) -> None:
+        self.tmp_path = tmp_path
+        self.run_dir = tmp_path / "run"
+        self.config = tmp_path / "run.yaml"
+        self.config.write_text(
+            f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
+            f"  nnodes: '{nnodes}'\n"
+            f"  args: {json.dumps(['--steps', str(steps), '--step-sleep', '0.05', *args])}\n"
+            f"run_dir: {self.run_dir}\ncheckpoints: {{every_steps: 5, probation_steps: 5}}\n"
+            f"policy: {{name: {FAST_POLICY}}}\n"
+            f"nodes: {{leader: '127.0.0.1:{free_port()}', heartbeat_s: 0.5, lost_after_s: 3,"
+            f" settle_s: 2, join_timeout_s: 60{nodes}}}\n")
+        self.procs: dict[int, subprocess.Popen[str]] = {}
+
+    def start(self, node: int, secret: str = SECRET) -> subprocess.Popen[str]:
+        env = {**babysit_env(), "BABYSIT_SECRET": secret}
+        log = open(self.tmp_path / f"node{node}.log", "a")  # noqa: SIM115 - closed with the test
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", "run", "--node-rank", str(node),
+             str(self.config)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            text=True)
+        self.procs[node] = proc
+        return proc
+
+    def wait(self, timeout: float = 240) -> dict[int, int]:
+        """Every babysitter's exit code."""
+        deadline = time.monotonic() + timeout
+        try:
+            return {n: p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                    for n, p in self.procs.items()}
+        finally:
+            self.kill_all()
+
+    def kill(self, node: int) -> None:
+        """SIGKILL a node's babysitter and every process under it, as a dead host would."""
+        root = psutil.Process(self.procs[node].pid)
+        tree = [root, *root.children(recursive=True)]
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(tree, timeout=10)
+
+    def kill_all(self) -> None:
+        for node, proc in self.procs.items():
+            if proc.poll() is None:
+                self.kill(node)
+
+    def journal(self, node: int = 0) -> list[dict[str, Any]]:
+        path = self.run_dir / ("events.jsonl" if node == 0 else f"nodes/{node}/events.jsonl")
+        return read_jsonl(path) if path.exists() else []
+
+    def events(self, event: str, node: int = 0) -> list[dict[str, Any]]:
+        return [e for e in self.journal(node) if e["event"] == event]
+
+    def until(self, what: str, check: Any, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; logs:\n{self.logs()}")
+            time.sleep(0.2)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- node {n}\n" + (self.tmp_path / f"node{n}.log").read_text()[-3000:]
+                         for n in self.procs)
+
+
+def test_a_spike_on_one_nodes_rank_rolls_back_every_node_alike(tmp_path: Path) -> None:
+    run = Nodes(tmp_path, "--spike", "20:24", "--spike-rank", "3")
+    run.start(0), run.start(1)
+    codes = run.wait()
+    assert codes == {0: 0, 1: 0}, run.logs()
+    # The leader merged the nodes' summaries: every step of the job, all 4 ranks in each.
+    rows = read_jsonl(run.run_dir / "metrics.jsonl")
+    assert {r["n_ranks"] for r in rows} == {4} and rows[-1]["step"] == 40
+    # It saw the spike that only rank 3's shard had, and rolled the whole job back.
+    interventions = [e for e in run.events("state") if e["new"] == "intervening"]
+    assert interventions and "rollback" in interventions[0]["reason"]
+    leader = [e for e in run.events("launch") if e["attempt"] == 1]
+    follower = [e for e in run.events("launch", node=1) if e["attempt"] == 1]
+    assert leader and follower
+    # One checkpoint, one skip range, one LR scale: the same directive on every node.
+    assert leader[0]["directive"] == follower[0]["directive"]
+    directive = leader[0]["directive"]
+    assert directive["resume"]["step"] < 20 and directive["lr_scale"] < 1.0
+    assert any(s["start"] <= 20 <= s["end"] for s in directive["skip"])
+    assert leader[0]["nodes"] == [0, 1]
+    assert leader[0]["rdzv_endpoint"] == follower[0]["rdzv_endpoint"]
+    # The follower's own journal says what it did, the leader's is the run's record.
+    assert run.events("follower_finished", node=1)[0]["exit_code"] == 0
+    assert run.events("run_finished")[-1]["state"] == "succeeded"
+
+
+def test_a_hang_on_one_node_is_named_with_its_host_and_rank(tmp_path: Path) -> None:
+    run = Nodes(tmp_path, "--hang", "3:10")
+    run.start(0), run.start(1)
+    codes = run.wait()
+    assert codes == {0: 0, 1: 0}, run.logs()
+    hangs = [e["finding"] for e in run.events("finding") if e["finding"]["incident"] == "hang"]
+    assert len(hangs) == 1, hangs
+    hang = hangs[0]
+    node = {e["rank"]: e["data"]["node"] for e in run.events("worker_hello")
+            if e["attempt"] == 0}[3]
+    assert hang["ranks"] == [3]
+    assert hang["evidence"]["node"] == node and hang["evidence"]["host"]
+    assert f"node {node}, host {hang['evidence']['host']}" in hang["message"]
+    assert "stacks" in hang["evidence"]  # the node with the stuck rank read its stacks
+    # The relaunch went to every node, and the fault (first attempt only) is gone.
+    assert [e["attempt"] for e in run.events("launch", node=1)] == [0, 1]
+
+
+def test_losing_a_node_relaunches_on_the_nodes_left_when_nnodes_allows(tmp_path: Path) -> None:
+    run = Nodes(tmp_path, nnodes="2:3", steps=60)
+    for node in range(3):
+        run.start(node)
+    run.until("step 10", lambda: _step(run) >= 10)
+    run.kill(2)
+    codes = run.wait()
+    assert codes[0] == 0 and codes[1] == 0, run.logs()
+    lost = run.events("node_lost")
+    assert lost and lost[0]["node"] == 2
+    findings = [e["finding"] for e in run.events("finding")
+                if e["finding"]["incident"] == "node_lost"]
+    assert findings and findings[0]["evidence"]["node"] == 2
+    relaunch = next(e for e in run.events("launch") if e["attempt"] == 1)
+    assert relaunch["nodes"] == [0, 1]
+    assert relaunch["directive"]["resume"] is not None  # from the newest good checkpoint
+    worlds = {e["data"]["world_size"] for e in run.events("worker_hello") if e["attempt"] == 1}
+    assert worlds == {4}
+    assert run.events("run_finished")[-1]["state"] == "succeeded"
+
+
+def test_losing_a_node_below_the_minimum_pages_and_waits_for_it(tmp_path: Path) -> None:
+    run = Nodes(tmp_path, steps=60, nodes=", rejoin_timeout_s: 120")
+    run.start(0), run.start(1)
+    run.until("step 10", lambda: _step(run) >= 10)
+    run.kill(1)
+    run.until("the leader to wait for node 1", lambda: run.events("waiting_for_nodes"))
+    alerts = [e["title"] for e in run.events("alert") if e["severity"] == "critical"]
+    assert any("waiting up to 120 s" in title for title in alerts), alerts
+    run.start(1)  # the node comes back (a rebooted host, a rescheduled pod)
+    codes = run.wait()
+    assert codes[0] == 0, run.logs()
+    assert run.events("nodes_rejoined")
+    relaunch = next(e for e in run.events("launch") if e["attempt"] == 1)
+    assert relaunch["nodes"] == [0, 1]
+    assert run.events("run_finished")[-1]["state"] == "succeeded"
+
+
+def test_a_stranger_without_the_secret_can_neither_join_nor_stall_the_run(
+        tmp_path: Path) -> None:
+    run = Nodes(tmp_path, nodes=", join_timeout_s: 8")
+    leader = run.start(0)
+    stranger = run.start(1, secret="a guess")
+    assert stranger.wait(timeout=60) == 1
+    assert leader.wait(timeout=60) == 1
+    refused = run.events("join_refused", node=1)
+    assert refused and "secret" in refused[0]["why"]
+    rejected = run.events("node_rejected")
+    assert rejected and rejected[0]["counts"].get("mac") == 1
+    assert not run.events("node_joined") and not run.events("launch")
+    finished = run.events("run_finished")[-1]
+    assert finished["state"] == "failed" and "joined within 8 s" in finished["reason"]
+
+
+def _step(run: Nodes) -> int:
+    path = run.run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()
+             if line.strip()]
+    return max(steps, default=0)
+
+
+
+def test_sigterm_on_every_node_stops_after_one_final_checkpoint(tmp_path: Path) -> None:
+    run = Nodes(tmp_path, steps=1000)
+    run.start(0), run.start(1)
+    run.until("step 8", lambda: _step(run) >= 8)
+    for node in (1, 0):  # a scheduler ending the job signals every node at about once
+        run.procs[node].send_signal(signal.SIGTERM)
+    codes = run.wait(timeout=120)
+    assert codes == {0: 128 + signal.SIGTERM, 1: 128 + signal.SIGTERM}, run.logs()
+    assert run.events("sigterm", node=1)  # the follower waited for the leader
+    requested = run.events("final_checkpoint_requested")[0]["target_step"]
+    final = run.events("final_checkpoint")[0]
+    assert final["saved"] and final["checkpoint_step"] >= requested
+    # Every rank on both nodes wrote its part of it: the checkpoint is committed.
+    manifest = run.run_dir / "checkpoints" / f"step_{final['checkpoint_step']:08d}"
+    assert (manifest / "manifest.json").exists()
