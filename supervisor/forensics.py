@@ -49,13 +49,6 @@ def ranks_all_alive(pids: Iterable[int]) -> bool:
     return True
 
 
-def crash_evidence(attempt_dir: Path) -> tuple[dict[int, str], int | None]:
-    """Each rank's log tail, and the rank torchrun names as the first observed failure."""
-    tails = {rank: launcher.tail(path) for rank, path in launcher.rank_logs(attempt_dir).items()}
-    root = launcher.root_cause_rank(launcher.tail(attempt_dir / "launcher.log"))
-    return tails, root
-
-
 def diagnose_hang(finding: Finding, rank_pids: Mapping[int, int]
                   ) -> tuple[Finding, Diagnosis, dict[str, Any]]:
     """Dump every rank's stack and name the rank that differs (the one stuck outside the
@@ -75,11 +68,10 @@ def diagnose_hang(finding: Finding, rank_pids: Mapping[int, int]
     return finding, (dumps, verdict), fields
 
 
-def write_incident(run_dir: Path, attempt_dir: Path, attempt: int, finding: Finding,
-                   remedy: Remedy, diagnosis: Diagnosis | None) -> Path:
-    """The incident folder: what was seen and done, every rank's log tail, and the stacks."""
-    tails = {rank: launcher.tail(path, 8192)
-             for rank, path in launcher.rank_logs(attempt_dir).items()}
+def write_incident(run_dir: Path, attempt: int, finding: Finding, remedy: Remedy,
+                   diagnosis: Diagnosis | None, tails: Mapping[int, str]) -> Path:
+    """The incident folder: what was seen and done, the ranks' log tails (by global rank),
+    and the stacks."""
     dumps, verdict = diagnosis if diagnosis else (None, None)
     summary = {"what": finding.message, "action": f"{remedy.action.value}: {remedy.reason}",
                "attempt": attempt, "finding": finding.to_json(), "remedy": remedy.to_json()}

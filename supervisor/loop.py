@@ -79,6 +79,8 @@ class Supervisor:
         self._takeover: journal_mod.PriorRun | None = None
         self._inherited: Remedy | None = None
         self._last_checkpoint = -1
+        self.crash_tails: dict[int, str] = {}
+        """Log tails of failed ranks on other nodes, for the next incident folder."""
         self._incident_dir: Path | None = None
         c = plan.config.checkpoints
         self.recovery = Recovery(Catalog(plan.checkpoint_dir), c.probation_steps, c.keep,
@@ -111,7 +113,8 @@ class Supervisor:
         os.chmod(run_dir, 0o700)  # the telemetry socket's first line of defence
         (run_dir / "attempts").mkdir(exist_ok=True)
         (run_dir / "config.yaml").write_text(
-            yaml.safe_dump(self.plan.config.model_dump(mode="json"), sort_keys=False))
+            yaml.safe_dump(self.plan.config.model_dump(mode="json", exclude={"nodes": {"secret"}}),
+                           sort_keys=False))
         self._first_attempt = 1 + max((e.get("attempt", -1) for e in previous), default=-1)
         self._restore_cadence(previous)
         prior = journal_mod.prior_run(previous)
@@ -441,9 +444,10 @@ class Supervisor:
         if remedy.action in (Action.ROLLBACK, Action.RELAUNCH, Action.STOP):
             # The alert's title says what babysit does; this line says what it saw.
             self.console.log(f"babysit: {finding.message}")
+            tails = {**self.workers.tails(self.machine.attempt, 8192), **self.crash_tails}
+            self.crash_tails = {}
             self._incident_dir = forensics.write_incident(
-                self.plan.run_dir, self._attempt_dir(self.machine.attempt),
-                self.machine.attempt, finding, remedy, diagnosis)
+                self.plan.run_dir, self.machine.attempt, finding, remedy, diagnosis, tails)
             self._journal("incident", step=finding.step, dir=str(self._incident_dir),
                           incident=finding.incident.value, ranks=list(finding.ranks))
         if remedy.action is not Action.IGNORE:
@@ -471,7 +475,7 @@ class Supervisor:
         return True
 
     def _crash_remedy(self, code: int) -> Remedy:
-        tails, root = forensics.crash_evidence(self._attempt_dir(self.machine.attempt))
+        tails, root = self.workers.crash_evidence(self.machine.attempt)
         return self._judge(self.watch.classify_crash(code, tails, self.machine.step, root))
 
     # -- actions --------------------------------------------------------------------------------

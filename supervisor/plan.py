@@ -52,6 +52,7 @@ class RunPlan:
             raise cfg.ConfigError(_NO_SECRET)
         return text.encode()
 
+
     @property
     def world_size(self) -> int | None:
         """Ranks expected per attempt when the config fixes it; None when torchrun decides."""
@@ -63,6 +64,9 @@ class RunPlan:
 
 
 SECRET_ENV = "BABYSIT_SECRET"
+MIN_SECRET = 16
+"""Shortest secret accepted: a handshake overheard on the network lets anyone test guesses of
+the secret offline, so it must be too long to guess."""
 _NO_SECRET = (
     f"a multi-node run needs a secret shared by every node's babysitter: export {SECRET_ENV} "
     f"(the same value on every node, e.g. {SECRET_ENV}=$(openssl rand -hex 32) in the job "
@@ -144,8 +148,14 @@ def _check_multinode(config: cfg.RunConfig, source: str,
             f"{source}: run_dir: a multi-node run needs one run directory named the same on "
             f"every node (--run-dir or run_dir, e.g. /shared/runs/$SLURM_JOB_ID): the default "
             f"has the start time in it, which differs between nodes.")
-    if not (os.environ.get(SECRET_ENV) or config.nodes.secret):
+    secret = os.environ.get(SECRET_ENV) or config.nodes.secret
+    if not secret:
         problems.append(f"{source}: nodes.secret: {_NO_SECRET}")
+    elif len(secret) < MIN_SECRET:
+        where = SECRET_ENV if os.environ.get(SECRET_ENV) else "nodes.secret"
+        problems.append(f"{source}: {where}: the secret is {len(secret)} characters; use at "
+                        f"least {MIN_SECRET} (e.g. $(openssl rand -hex 32)): an overheard "
+                        f"handshake lets anyone test guesses offline.")
     return problems
 
 

@@ -54,6 +54,8 @@ from supervisor.aggregate import Completion
 DEFAULT_ALPHA = 0.005
 DEFAULT_MAX_BUCKETS = 2048
 DEFAULT_MIN_VALUE = 1e-9
+MAX_RANKS = 1 << 20
+"""Largest rank a summary read from the network may name (a summary holds a byte per rank)."""
 
 
 class QuantileSketch:
@@ -489,12 +491,14 @@ class StepSummary:
         """The inverse of ``to_dict``. Raises ``ValueError`` naming what is wrong when ``state``
         is not a summary (it came over the network)."""
         try:
+            if not 0 <= int(state["world_size"]) <= MAX_RANKS:
+                raise ValueError(f"world_size {state['world_size']} is over {MAX_RANKS}")
             summary = cls(int(state["step"]), int(state["world_size"]))
             summary.time = float(state["time"])
             summary.cursor = int(state["cursor"])
             for first, stop in state["ranks"]:
                 first, stop = int(first), int(stop)
-                if not 0 <= first < stop:
+                if not 0 <= first < stop <= MAX_RANKS:
                     raise ValueError(f"bad run of ranks [{first}, {stop})")
                 if stop > len(summary._seen):
                     summary._seen.extend(bytes(stop - len(summary._seen)))
@@ -509,7 +513,7 @@ class StepSummary:
             stats = state["stats"]
             for name in _SIGNALS:
                 setattr(summary, name, StepStats.from_dict(stats[name]))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
             raise ValueError(f"not a StepSummary ({what})") from None
         return summary

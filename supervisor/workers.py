@@ -33,6 +33,9 @@ class NodeWorkers:
         self.rank_pids: dict[int, int] = {}
         """Global rank -> pid, from each rank's hello in this attempt."""
         self.closed_ranks: set[int] = set()
+        self.global_rank: dict[int, int] = {}
+        """Local rank -> global rank, from the hellos (torchrun names log folders by local
+        rank; on a node other than the first the two differ)."""
 
     def open(self) -> None:
         self.intake.open()
@@ -63,6 +66,7 @@ class NodeWorkers:
         self.intake.forget_connections()
         self.rank_pids = {}
         self.closed_ranks = set()
+        self.global_rank = {}
         self.group = launcher.WorkerGroup(command, self._env(attempt_dir, attempt), Path.cwd(),
                                           attempt_dir / "launcher.log", self.lines)
         self.group.start()
@@ -87,8 +91,22 @@ class NodeWorkers:
             pid = event.data.get("pid")
             if isinstance(pid, int) and pid > 0:
                 self.rank_pids[event.rank] = pid
+            local = event.data.get("local_rank")
+            if isinstance(local, int) and local >= 0:
+                self.global_rank[local] = event.rank
         elif event.type == "close":
             self.closed_ranks.add(event.rank)
+
+    def tails(self, attempt: int, max_bytes: int = 16384) -> dict[int, str]:
+        """The end of each rank's stderr log of ``attempt``, by global rank."""
+        logs = launcher.rank_logs(self.attempt_dir(attempt))
+        return {self.global_rank.get(local, local): launcher.tail(path, max_bytes)
+                for local, path in logs.items()}
+
+    def crash_evidence(self, attempt: int) -> tuple[dict[int, str], int | None]:
+        """Each rank's log tail, and the rank torchrun names as the first observed failure."""
+        root = launcher.tail(self.attempt_dir(attempt) / "launcher.log")
+        return self.tails(attempt), launcher.root_cause_rank(root)
 
     def poll(self) -> int | None:
         """torchrun's exit code once it ended, else None (also None before any launch)."""

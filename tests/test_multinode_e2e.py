@@ -179,7 +179,7 @@ def test_a_stranger_without_the_secret_can_neither_join_nor_stall_the_run(
         tmp_path: Path) -> None:
     run = Nodes(tmp_path, nodes=", join_timeout_s: 8")
     leader = run.start(0)
-    stranger = run.start(1, secret="a guess")
+    stranger = run.start(1, secret="a long guess, but not the secret")
     assert stranger.wait(timeout=60) == 1
     assert leader.wait(timeout=60) == 1
     refused = run.events("join_refused", node=1)
@@ -216,3 +216,23 @@ def test_sigterm_on_every_node_stops_after_one_final_checkpoint(tmp_path: Path) 
     # Every rank on both nodes wrote its part of it: the checkpoint is committed.
     manifest = run.run_dir / "checkpoints" / f"step_{final['checkpoint_step']:08d}"
     assert (manifest / "manifest.json").exists()
+
+
+def test_a_crash_on_one_node_is_named_with_its_rank_node_and_log(tmp_path: Path) -> None:
+    run = Nodes(tmp_path, "--crash", "3:10")
+    run.start(0), run.start(1)
+    codes = run.wait()
+    # The default policy does not relaunch a bug in the script; every node ends with the run.
+    assert codes == {0: 1, 1: 1}, run.logs()
+    node = {e["rank"]: e["data"]["node"] for e in run.events("worker_hello")
+            if e["attempt"] == 0}[3]
+    crash = next(e for e in run.events("finding") if e["finding"]["incident"] == "crash")
+    finding = crash["finding"]
+    # The node whose rank raised explains the crash; its peers only saw a closed connection.
+    assert finding["ranks"] == [3] and finding["evidence"]["class"] == "user_code"
+    assert finding["evidence"]["node"] == node
+    folder = Path(next(e["dir"] for e in run.events("incident") if e["incident"] == "crash"))
+    tail = (folder / "logs" / "rank3.tail.txt").read_text()
+    # The failed rank's own log, filed under its global rank even when it ran on a follower.
+    assert "injected crash at step 10" in tail
+    assert run.events("follower_finished", node=1)[0]["exit_code"] == 1

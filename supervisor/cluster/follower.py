@@ -61,7 +61,6 @@ class Follower:
         self._exited = True
         self._signal: int | None = None
         self._term_at: float | None = None
-        self._beat_at = 0.0
 
     def run(self) -> int:
         self.plan.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -74,9 +73,14 @@ class Follower:
         self._journal("follower_started", host=self.host, pid=os.getpid(),
                       leader=self.plan.leader_address)
         try:
-            code = self._join()
-            if code is None:
-                code = self._loop()
+            code = None
+            while code is None:
+                code = self._join()
+                if code is None:
+                    try:
+                        code = self._loop()
+                    except _Rejoin:  # our node rank was still held by our previous connection
+                        time.sleep(1.0)
             self._journal("follower_finished", exit_code=code)
             return code
         finally:
@@ -94,20 +98,28 @@ class Follower:
         address, timeout = self.plan.leader_address, self.plan.config.nodes.join_timeout_s
         self.console.log(f"babysit: node {self.node} joining the leader at {address}")
         deadline = time.monotonic() + timeout
+        refused = False
+        last: Exception | None = None
         while self._signal is None:
             try:
                 self.peer = connect(address, self.secret,
                                     {"node_rank": self.node, "host": self.host,
                                      "pid": os.getpid()}, timeout_s=10.0)
+                self.peer.keep_alive(self.plan.config.nodes.heartbeat_s)
                 self._journal("joined", leader=address)
                 self.console.log(f"babysit: node {self.node} joined the leader at {address}")
                 return None
             except AuthError as exc:
-                return self._fail("join_refused", f"the leader at {address} refused us: {exc}")
+                # Most likely another secret; but a leader that is restarting or swamped hangs
+                # up the same way, so say it once and keep trying until the deadline.
+                if not refused:
+                    self._fail("join_refused", f"the leader at {address} refused us: {exc}")
+                refused, last = True, exc
             except OSError as exc:
-                if time.monotonic() > deadline:
-                    return self._fail("join_timeout", f"no leader at {address} after "
-                                      f"{timeout:g} s (nodes.join_timeout_s): {exc}")
+                last = exc
+            if time.monotonic() > deadline:
+                return self._fail("join_timeout", f"could not join the leader at {address} "
+                                  f"within {timeout:g} s (nodes.join_timeout_s): {last}")
             time.sleep(1.0)
         return 128 + self._signal
 
@@ -138,7 +150,6 @@ class Follower:
                     forensics.ranks_all_alive(self.workers.rank_pids.values()):
                 for finding in self.view.check(time.monotonic()):
                     self._report_hang(finding)
-            self._heartbeat()
             silent = time.monotonic() - self.peer.last_heard
             if self.peer.closed or silent > lost_after:
                 why = (f"silent for {silent:.0f} s" if not self.peer.closed
@@ -185,7 +196,10 @@ class Follower:
                 self.control.request(**fields)
                 self._journal("control", fields=fields)
         elif kind == "refused":
-            return self._fail("join_refused", str(message.get("reason")))
+            self._journal("join_refused", why=f"{message.get('reason')}; trying again")
+            assert self.peer is not None
+            self.peer.close()
+            raise _Rejoin
         elif kind == "finish":
             self._stop_workers("the run is over")
             code = message.get("code")
@@ -212,7 +226,7 @@ class Follower:
                       directive=directive.to_json())
 
     def _stop_workers(self, reason: str) -> None:
-        if self.workers.running:
+        if self.workers.group is not None and self.workers.group.processes():
             self._journal("stop_workers", reason=reason, pids=self.workers.pids())
             code = self.workers.stop()
             self._journal("workers_stopped", exit_code=code)
@@ -249,8 +263,7 @@ class Follower:
                                                                         self.workers.rank_pids)
             finding = self.view.name(finding)
             self._journal("hang_diagnosis", **fields)
-            tails = {rank: launcher.tail(path, 8192) for rank, path
-                     in launcher.rank_logs(self.workers.attempt_dir(self.attempt)).items()}
+            tails = self.workers.tails(self.attempt, 8192)
             folder = incident.write_incident(
                 self.plan.run_dir, Incident.HANG.value, finding.step,
                 {"what": finding.message, "action": "reported to the leader", "node": self.node,
@@ -276,17 +289,11 @@ class Follower:
                 self._journal("teardown_crash", exit_code=code)
                 code = 0
             else:
-                tails, root = forensics.crash_evidence(attempt_dir)
+                tails, root = self.workers.crash_evidence(self.attempt)
         self._journal("workers_exited", exit_code=code)
         self._send({"type": "exited", "attempt": self.attempt, "code": code,
                     "tails": {str(r): t for r, t in tails.items()}, "root": root,
                     "step": self._step})
-
-    def _heartbeat(self) -> None:
-        now = time.monotonic()
-        if now - self._beat_at >= self.plan.config.nodes.heartbeat_s:
-            self._beat_at = now
-            self._send({"type": "beat", "attempt": self.attempt, "step": self._step})
 
     def _send(self, message: dict[str, Any]) -> None:
         """Send to the leader, saying which attempt it is about: the leader drops what an
@@ -304,3 +311,7 @@ def _with_evidence(finding: Any, **fields: Any) -> Any:
     import dataclasses
 
     return dataclasses.replace(finding, evidence={**finding.evidence, **fields})
+
+
+class _Rejoin(Exception):
+    """The leader refused this connection for now: join again."""

@@ -78,8 +78,8 @@ class Cluster:
         self.low, self.high = plan.config.launch.node_range
         _, port = parse_address(plan.leader_address)
         # Every interface: the followers reach this host by the name in nodes.leader.
-        self.listener = Listener("", port, secret)
         self.leader_host = parse_address(plan.leader_address)[0]
+        self.listener = Listener("::" if ":" in self.leader_host else "", port, secret)
         self.clock = clock
         self.peers: dict[int, Peer] = {}
         """Followers connected now, by node rank."""
@@ -88,7 +88,6 @@ class Cluster:
         """Global rank -> node rank, from the hellos of the current attempt."""
         self.merger = NodeMerger({LEADER})
         self.attempt = _Attempt([LEADER])
-        self._beat_at = 0.0
         self._backlog: list[tuple[int, dict[str, Any]]] = []
 
     def open(self) -> None:
@@ -117,6 +116,7 @@ class Cluster:
                 if old is not None:  # gone, but what it said last (its exit, its loss) counts
                     self._backlog.extend(self._hear(node, old, time.monotonic()))
                 self.peers[node], self.hosts[node] = peer, host
+                peer.keep_alive(self.config.heartbeat_s)
                 entries.append(("node_joined", {"node": node, "host": host,
                                                 "pid": peer.info.get("pid"),
                                                 "address": peer.info.get("address")}))
@@ -161,13 +161,6 @@ class Cluster:
         has since taken a lost node's place: it runs nothing of this attempt)."""
         for peer in self.attempt.peers.values():
             peer.send(message)
-
-    def heartbeat(self) -> None:
-        now = self.clock()
-        if now - self._beat_at >= self.config.heartbeat_s:
-            self._beat_at = now
-            for peer in self.peers.values():
-                peer.send({"type": "beat"})
 
     # -- hearing from the nodes ------------------------------------------------------------------
 

@@ -34,6 +34,8 @@ from supervisor.sketch import StepSummary, SummaryRecord
 from supervisor.watch import Watch
 
 Pending = deque[sm.Event | Finding]
+LOST_EXIT_CODE = 137
+"""The exit a lost node's torchrun is counted with: killed, as far as anyone can tell."""
 
 
 class Leader(Supervisor):
@@ -45,27 +47,34 @@ class Leader(Supervisor):
         self.view = NodeView.from_plan(plan, LEADER)
         self.cluster = Cluster(plan, secret, self.clock)
         self._exit_code: int | None = None
+        self._local_hang: tuple[Finding, forensics.Diagnosis | None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
-
-    def _setup(self) -> None:
-        super()._setup()
-        self.cluster.open()
-        self._journal("leader_listening", address=self.plan.leader_address,
-                      nnodes=self.plan.config.launch.nnodes)
 
     def _loop(self) -> int:
         try:
             self._await_start()
             return super()._loop()
         except NodesMissing as exc:
-            self._notify(sm.Notify(Severity.CRITICAL, f"run failed: {exc}"))
-            self._journal("run_finished", state="failed", exit_code=1, reason=str(exc))
-            self._exit_code = 1
-            return 1
+            if self._signal is not None:  # asked to stop while waiting for nodes
+                code, state, reason = 128 + self._signal, "stopped", f"signal {self._signal}"
+            else:
+                code, state, reason = 1, "failed", str(exc)
+                self._notify(sm.Notify(Severity.CRITICAL, f"run failed: {exc}"))
+            self._journal("run_finished", state=state, exit_code=code, reason=reason)
+            self._exit_code = code
+            return code
 
     def _await_start(self) -> None:
         """Wait for every node ``launch.nnodes`` allows, or at least the fewest it allows."""
+        try:
+            self.cluster.open()
+        except OSError as exc:
+            raise NodesMissing(f"cannot listen for the other nodes at {self.plan.leader_address}"
+                               f" ({exc.strerror or exc}): another run holds the port, or the "
+                               f"host is not this machine; change nodes.leader") from None
+        self._journal("leader_listening", address=self.plan.leader_address,
+                      nnodes=self.plan.config.launch.nnodes)
         low, high = self.cluster.low, self.cluster.high
         timeout = self.plan.config.nodes.join_timeout_s
         self.console.log(f"babysit: leading {low if low == high else f'{low} to {high}'} "
@@ -87,7 +96,6 @@ class Leader(Supervisor):
             for node, message in self.cluster.receive():
                 if message.get("type") == "lost":
                     self._journal("node_lost", node=node, why=message.get("why"))
-            self.cluster.heartbeat()
             self.console.status(f"waiting for nodes: {len(self.cluster.present())}/{want}")
         return True
 
@@ -121,15 +129,17 @@ class Leader(Supervisor):
                 tails: dict[int, str] = {}
                 root = None
                 if code and not self._teardown_crash(code):
-                    tails, root = forensics.crash_evidence(self._attempt_dir(self.machine.attempt))
+                    tails, root = self.workers.crash_evidence(self.machine.attempt)
                 elif code:
                     code = 0
                 self.cluster.exited(LEADER, code, tails, root)
             elif self.workers.group is not None and \
                     forensics.ranks_all_alive(self.workers.rank_pids.values()):
                 for finding in self.view.check(now):
-                    finding, _ = super()._diagnose(finding)
-                    self.cluster.hang(LEADER, self.view.name(finding))
+                    finding, diagnosis = super()._diagnose(finding)
+                    finding = self.view.name(finding)
+                    self._local_hang = (finding, diagnosis)
+                    self.cluster.hang(LEADER, finding)
 
     # -- the other nodes ------------------------------------------------------------------------
 
@@ -147,7 +157,6 @@ class Leader(Supervisor):
         end = self.cluster.settled_exit()
         if end is not None:
             pending.append(self._job_exit(end))
-        self.cluster.heartbeat()
 
     def _node_message(self, node: int, message: dict[str, Any], pending: Pending) -> None:
         kind = message.get("type")
@@ -173,7 +182,7 @@ class Leader(Supervisor):
                 self.cluster.stopped(node)
             elif kind in ("lost", "leaving"):
                 self._node_lost(node, str(message.get("why")), pending)
-        except (KeyError, TypeError, ValueError) as exc:
+        except Exception as exc:
             # A follower of another babysit version, or a bug: say so, never stop the run.
             self._journal("node_message_refused", node=node, type=str(kind),
                           error=f"{type(exc).__name__}: {exc}")
@@ -214,15 +223,24 @@ class Leader(Supervisor):
     def _node_lost(self, node: int, why: str, pending: Pending) -> None:
         self._journal("node_lost", node=node, host=self.cluster.hosts.get(node), why=why)
         self.console.log(f"babysit: {self.cluster.describe(node)} is lost: {why}")
-        if node in self.cluster.attempt.nodes and not self.cluster.attempt.done \
-                and self.machine.state in (sm.State.STARTING, sm.State.RUNNING):
-            self.cluster.attempt.done = True  # the others' crashes are its consequence
-            pending.append(self.cluster.lost_finding(node, why, self.machine.step))
+        a = self.cluster.attempt
+        if node in a.nodes and node not in a.exits:
+            # Its ranks are gone: an exit, so the others' exits still settle the attempt if
+            # the policy's answer to the loss leaves the run going.
+            self.cluster.exited(node, LOST_EXIT_CODE, {}, None)
+            if self.machine.state in (sm.State.STARTING, sm.State.RUNNING):
+                pending.append(self.cluster.lost_finding(node, why, self.machine.step))
 
     def _job_exit(self, end: JobExit) -> sm.Exited:
         self._journal("nodes_exited", codes={str(n): c for n, c in end.nodes.items()})
         if end.code == 0:
             return sm.Exited(0)
+        # Whatever still runs of the attempt (ranks blocked in a collective with a dead peer)
+        # stops now, not when the next attempt starts on the same devices.
+        self.cluster.tell({"type": "stop", "reason": "the attempt failed on another node"})
+        if self.workers.group is not None and self.workers.group.processes():
+            self.workers.stop()
+        self.crash_tails = end.tails
         finding = self.watch.classify_crash(end.code, end.tails, self.machine.step, end.root)
         if finding.ranks:
             node = self.cluster.rank_node.get(finding.ranks[0], LEADER)
@@ -232,7 +250,11 @@ class Leader(Supervisor):
     # -- telling the nodes ----------------------------------------------------------------------
 
     def _diagnose(self, finding: Finding) -> tuple[Finding, forensics.Diagnosis | None]:
-        return finding, None  # every node diagnosed its own hang before reporting it
+        # Every node diagnosed its own hang before reporting it; this node's stacks go into
+        # the incident folder when its view was chosen (the others' are in their own folders).
+        if self._local_hang is not None and self._local_hang[0] == finding:
+            return finding, self._local_hang[1]
+        return finding, None
 
     def _request(self, **fields: Any) -> None:
         super()._request(**fields)

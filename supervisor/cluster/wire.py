@@ -245,6 +245,17 @@ class Peer:
             except queue.Empty:
                 return messages
 
+    def keep_alive(self, every_s: float) -> None:
+        """Send ``{"type": "beat"}`` every ``every_s`` seconds from a daemon thread until the
+        connection closes. The other side's silence timer then measures whether this process
+        lives, not how long its loop is busy (checksumming a checkpoint, stopping workers,
+        dumping stacks)."""
+        def beat() -> None:
+            while not self._closed.wait(every_s) and self.send({"type": "beat"}):
+                pass
+
+        threading.Thread(target=beat, daemon=True, name="babysit-beat").start()
+
     def close(self) -> None:
         """Close the connection; idempotent. Messages already received stay in ``receive``."""
         self._shutdown("closed")
