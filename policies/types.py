@@ -98,24 +98,35 @@ class StepRecord:
     def tokens_per_s(self) -> float | None:
         """Tokens per second of the whole job: ``tokens / step_time``; None when either is not
         reported (or the step time is not a positive number)."""
-        tokens, st = self.tokens, self.step_time
-        if tokens is None or st is None or not math.isfinite(st) or st <= 0.0:
-            return None
-        return tokens / st
+        return tokens_per_s(self.tokens, self.step_time)
 
     @property
     def mfu(self) -> float | None:
         """Model FLOPs utilisation, a fraction of the job's peak: ``tokens_per_s x
         flops_per_token / (peak_flops x world_size)``. None unless every input was reported or
         declared: an absent input is never guessed."""
-        rate, fpt, peak = self.tokens_per_s, self.flops_per_token, self.peak_flops
-        if rate is None or fpt is None or peak is None or peak <= 0.0 or self.world_size <= 0:
-            return None
-        return rate * fpt / (peak * self.world_size)
+        return mfu(self.tokens_per_s, self.flops_per_token, self.peak_flops, self.world_size)
 
     @property
     def cursor(self) -> int:
         return max((r.cursor for r in self.ranks), default=0)
+
+
+def tokens_per_s(tokens: float | None, step_time: float | None) -> float | None:
+    """``tokens / step_time``; None when either is missing or the time is not positive."""
+    if tokens is None or step_time is None or not math.isfinite(step_time) or step_time <= 0.0:
+        return None
+    return tokens / step_time
+
+
+def mfu(rate: float | None, flops_per_token: float | None, peak_flops: float | None,
+        world_size: int) -> float | None:
+    """``rate x flops_per_token / (peak_flops x world_size)``; None unless every input is
+    known (an absent input is never guessed)."""
+    if rate is None or flops_per_token is None or peak_flops is None or peak_flops <= 0.0 \
+            or world_size <= 0:
+        return None
+    return rate * flops_per_token / (peak_flops * world_size)
 
 
 class JobStep(Protocol):

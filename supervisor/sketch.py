@@ -48,6 +48,7 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
+from policies import types
 from policies.types import RankStep
 from supervisor.aggregate import Completion
 
@@ -700,17 +701,12 @@ class SummaryRecord:
 
     @property
     def tokens_per_s(self) -> float | None:
-        tokens, st = self.tokens, self.step_time
-        if tokens is None or st is None or not math.isfinite(st) or st <= 0.0:
-            return None
-        return tokens / st
+        return types.tokens_per_s(self.tokens, self.step_time)
 
     @property
     def mfu(self) -> float | None:
-        rate, fpt, peak = self.tokens_per_s, self.flops_per_token, self.peak_flops
-        if rate is None or fpt is None or peak is None or peak <= 0.0 or self.world_size <= 0:
-            return None
-        return rate * fpt / (peak * self.world_size)
+        return types.mfu(self.tokens_per_s, self.flops_per_token, self.peak_flops,
+                         self.world_size)
 
     def __repr__(self) -> str:
         return (f"SummaryRecord(step={self.step}, n_ranks={self.summary.n_ranks}, "

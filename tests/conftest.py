@@ -7,8 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -39,6 +41,23 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def journal(run_dir: Path, event: str) -> list[dict[str, Any]]:
     """A run's journal entries of one kind, in order."""
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == event]
+
+
+T = TypeVar("T")
+
+
+def poll(fetch: Callable[[], list[T]], count: int, timeout: float = 2.0,
+         keep: Callable[[T], bool] = lambda _: True) -> list[T]:
+    """Call ``fetch`` (a non-blocking drain) until ``count`` items that ``keep`` accepts came
+    back; fail if they do not within ``timeout`` s, or if more came."""
+    got: list[T] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        assert time.monotonic() < deadline, f"{len(got)} of {count} arrived: {got}"
+        got += [item for item in fetch() if keep(item)]
+        time.sleep(0.005)
+    assert len(got) == count, got
+    return got
 
 
 FAST_POLICY = ROOT / "tests" / "fast_policy.yaml"

@@ -28,6 +28,7 @@ from supervisor.plan import SECRET_ENV, RunPlan, from_mapping
 from supervisor.protocol import WorkerEvent
 from supervisor.sketch import StepSummary
 from supervisor.watch import Watch
+from tests.conftest import poll
 
 SECRET = "cluster-leader-test-secret"
 SETTLE_S = 0.5
@@ -58,38 +59,18 @@ def wait_for(condition: Callable[[], bool], timeout: float = 2.0) -> None:
 
 def accepted(cluster: Cluster, count: int) -> list[tuple[str, dict[str, Any]]]:
     """Poll ``accept()`` until ``count`` journal entries came back."""
-    entries: list[tuple[str, dict[str, Any]]] = []
-    deadline = time.monotonic() + 2.0
-    while len(entries) < count:
-        assert time.monotonic() < deadline, f"{len(entries)} of {count} entries: {entries}"
-        entries += cluster.accept()
-        time.sleep(0.005)
-    assert len(entries) == count, entries
-    return entries
+    return poll(cluster.accept, count)
 
 
 def received(cluster: Cluster, count: int) -> list[tuple[int, dict[str, Any]]]:
     """Poll ``receive()`` until ``count`` messages came back."""
-    got: list[tuple[int, dict[str, Any]]] = []
-    deadline = time.monotonic() + 2.0
-    while len(got) < count:
-        assert time.monotonic() < deadline, f"{len(got)} of {count} messages: {got}"
-        got += cluster.receive()
-        time.sleep(0.005)
-    assert len(got) == count, got
-    return got
+    return poll(cluster.receive, count)
 
 
-def collect(peer: Peer, count: int) -> list[dict[str, Any]]:
-    """Poll a follower's end until ``count`` messages from the leader arrived."""
-    got: list[dict[str, Any]] = []
-    deadline = time.monotonic() + 2.0
-    while len(got) < count:
-        assert time.monotonic() < deadline, f"{len(got)} of {count} messages: {got}"
-        got += peer.receive()
-        time.sleep(0.005)
-    assert len(got) == count, got
-    return got
+def collect(peer: Peer, count: int, beats: bool = False) -> list[dict[str, Any]]:
+    """Poll a follower's end until ``count`` messages from the leader arrived; the leader's
+    heartbeats (sent on their own schedule) are left out unless ``beats``."""
+    return poll(peer.receive, count, keep=lambda m: beats or m.get("type") != "beat")
 
 
 def make_plan(tmp_path: Path, **nodes: Any) -> RunPlan:
@@ -345,7 +326,7 @@ def test_the_leader_beats_on_its_own_thread_and_close_says_finish(
     # Nobody calls the cluster here: the beats come from the connection's own thread, so a
     # leader busy checksumming a checkpoint or stopping workers never looks lost.
     for peer in followers.values():
-        assert collect(peer, 2) == [{"type": "beat"}, {"type": "beat"}]
+        assert collect(peer, 2, beats=True) == [{"type": "beat"}, {"type": "beat"}]
 
     cluster.close(3)
     for peer in followers.values():

@@ -24,6 +24,7 @@ import pytest
 
 from supervisor.cluster import AuthError, Listener, Peer, connect, parse_address
 from supervisor.cluster.wire import MAX_FRAME
+from tests.conftest import poll
 
 SECRET = b"run-secret-0123456789abcdef"
 NODE = {"node_rank": 1, "host": "node1", "pid": 4242}
@@ -100,14 +101,7 @@ def accept_one(listener: Listener) -> Peer:
 
 def collect(peer: Peer, count: int) -> list[dict[str, Any]]:
     """Poll ``peer`` until ``count`` messages arrived."""
-    got: list[dict[str, Any]] = []
-    deadline = time.monotonic() + 1.0
-    while len(got) < count:
-        assert time.monotonic() < deadline, f"{len(got)} of {count} messages arrived"
-        got += peer.receive()
-        time.sleep(0.005)
-    assert len(got) == count
-    return got
+    return poll(peer.receive, count, timeout=1.0)
 
 
 @pytest.fixture
