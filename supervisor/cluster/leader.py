@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policies.types import Finding, Incident
+from supervisor.cluster.node import node_name
 from supervisor.cluster.wire import Listener, Peer, format_address, parse_address
 from supervisor.launcher import free_port
 from supervisor.plan import RunPlan
@@ -83,7 +84,7 @@ class Cluster:
         self.clock = clock
         self.peers: dict[int, Peer] = {}
         """Followers connected now, by node rank."""
-        self.hosts: dict[int, str] = {}
+        self.hosts: dict[int, str] = {LEADER: node_name()}
         self.rank_node: dict[int, int] = {}
         """Global rank -> node rank, from the hellos of the current attempt."""
         self.merger = NodeMerger({LEADER})
@@ -135,7 +136,7 @@ class Cluster:
         return [LEADER, *sorted(n for n, p in self.peers.items() if not p.closed)]
 
     def describe(self, node: int) -> str:
-        return f"node {node} ({self.hosts.get(node, 'this host' if node == LEADER else '?')})"
+        return f"node {node} ({self.hosts.get(node, '?')})"
 
     # -- telling the nodes ---------------------------------------------------------------------
 
