@@ -588,10 +588,38 @@ def render(s: dict[str, Any], now: float | None = None) -> str:
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
+def follower_journal(run_dir: Path) -> dict[str, Any] | None:
+    """What a follower node's folder (``RUN_DIR/nodes/<R>``) says of itself, or None when
+    ``run_dir`` is not one: which node, how it ended, and where the leader's record is."""
+    path = run_dir / EVENTS
+    if not path.is_file():
+        return None
+    entries = [e for e in journal_mod.read(path) if isinstance(e, dict)]
+    started = next((e for e in entries if e.get("event") == "follower_started"), None)
+    if started is None:
+        return None
+    finished = next((e for e in reversed(entries) if e.get("event") == "follower_finished"),
+                    None)
+    return {"node": started.get("node"), "host": started.get("host"),
+            "leader": started.get("leader"), "record": str(run_dir.parent.parent),
+            "exit_code": finished.get("exit_code") if finished else None}
+
+
 def status_main(run_dir: str, as_json: bool, out: TextIO, err: TextIO | None = None) -> int:
     """``babysit status``: print the snapshot (human or ``--json``) to ``out``; return the exit
     code: 0, or 2 (a usage mistake) with one paragraph on ``err`` (stderr) if RUN_DIR is not a
     run directory."""
+    node = follower_journal(Path(run_dir))
+    if node is not None:  # one node's own journal of a multi-node run
+        if as_json:
+            out.write(json.dumps(journal_mod.json_safe(node), indent=2) + "\n")
+        else:
+            ended = (f"exit code {node['exit_code']}" if node["exit_code"] is not None
+                     else "no end in its journal yet")
+            out.write(f"babysit status: node {node['node']} of a multi-node run ({run_dir}), "
+                      f"{ended}.\nThe run's record is the leader's: babysit status "
+                      f"{node['record']}\n")
+        return 0
     try:
         s = snapshot(run_dir)
     except NotARunDir as exc:

@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 
 from supervisor.launcher import free_port
-from tests.conftest import FAST_POLICY, ROOT, WORKERS, babysit_env, read_jsonl
+from tests.conftest import FAST_POLICY, ROOT, WORKERS, babysit_env, read_jsonl, run_babysit
 
 SECRET = "correct horse battery staple"
 
@@ -156,6 +156,13 @@ def test_losing_a_node_relaunches_on_the_nodes_left_when_nnodes_allows(tmp_path:
     worlds = {e["data"]["world_size"] for e in run.events("worker_hello") if e["attempt"] == 1}
     assert worlds == {4}
     assert run.events("run_finished")[-1]["state"] == "succeeded"
+    # babysit status reads the leader's record, and sends a reader of a node's folder there.
+    status = json.loads(run_babysit("status", "--json", str(run.run_dir), cwd=tmp_path).stdout)
+    assert sorted(status["nodes"]["nodes"]) == ["0", "1"] and status["nodes"]["attempt"] == 1
+    assert [e["node"] for e in status["nodes"]["lost"]] == [2]
+    node = json.loads(run_babysit("status", "--json", str(run.run_dir / "nodes" / "1"),
+                                  cwd=tmp_path).stdout)
+    assert node["record"] == str(run.run_dir) and node["exit_code"] == 0
 
 
 def test_losing_a_node_below_the_minimum_pages_and_waits_for_it(tmp_path: Path) -> None:
