@@ -271,6 +271,15 @@ def rank_logs(attempt_dir: Path) -> dict[int, Path]:
 _ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)", re.S)
 
 
+_FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
+
+
+def failed_ranks(launcher_output: str) -> dict[int, int]:
+    """Local rank -> global rank of every failure torchrun's end-of-run summary lists (a rank
+    that died before saying hello is known to babysit by its log folder, a local rank)."""
+    return {int(local): int(rank) for rank, local in _FAILED_RANK.findall(launcher_output)}
+
+
 def root_cause_rank(launcher_output: str) -> int | None:
     """The global rank torchrun names as the first failure, from its end-of-run summary.
 

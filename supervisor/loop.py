@@ -437,6 +437,7 @@ class Supervisor:
 
     def _judge(self, finding: Finding) -> Remedy:
         finding, diagnosis = self._diagnose(finding)
+        crash_tails, self.crash_tails = self.crash_tails, {}
         # Wall-clock time: the rules' cooldowns and budget windows span hours and must survive
         # a supervisor restart, even across a reboot (the monotonic clock restarts at boot).
         remedy = self.watch.rules.on_finding(finding, time.time())
@@ -444,8 +445,7 @@ class Supervisor:
         if remedy.action in (Action.ROLLBACK, Action.RELAUNCH, Action.STOP):
             # The alert's title says what babysit does; this line says what it saw.
             self.console.log(f"babysit: {finding.message}")
-            tails = {**self.workers.tails(self.machine.attempt, 8192), **self.crash_tails}
-            self.crash_tails = {}
+            tails = {**self.workers.tails(self.machine.attempt, 8192), **crash_tails}
             self._incident_dir = forensics.write_incident(
                 self.plan.run_dir, self.machine.attempt, finding, remedy, diagnosis, tails)
             self._journal("incident", step=finding.step, dir=str(self._incident_dir),

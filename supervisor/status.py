@@ -601,7 +601,7 @@ def follower_journal(run_dir: Path) -> dict[str, Any] | None:
     finished = next((e for e in reversed(entries) if e.get("event") == "follower_finished"),
                     None)
     return {"node": started.get("node"), "host": started.get("host"),
-            "leader": started.get("leader"), "record": str(run_dir.parent.parent),
+            "leader": started.get("leader"), "record": str(run_dir.resolve().parent.parent),
             "exit_code": finished.get("exit_code") if finished else None}
 
 

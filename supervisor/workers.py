@@ -98,15 +98,18 @@ class NodeWorkers:
             self.closed_ranks.add(event.rank)
 
     def tails(self, attempt: int, max_bytes: int = 16384) -> dict[int, str]:
-        """The end of each rank's stderr log of ``attempt``, by global rank."""
-        logs = launcher.rank_logs(self.attempt_dir(attempt))
-        return {self.global_rank.get(local, local): launcher.tail(path, max_bytes)
-                for local, path in logs.items()}
+        """The end of each rank's stderr log of ``attempt``, by global rank (from the hellos,
+        else from torchrun's failure summary for a rank that died before its hello)."""
+        attempt_dir = self.attempt_dir(attempt)
+        known = {**launcher.failed_ranks(launcher.tail(attempt_dir / "launcher.log")),
+                 **self.global_rank}
+        return {known.get(local, local): launcher.tail(path, max_bytes)
+                for local, path in launcher.rank_logs(attempt_dir).items()}
 
     def crash_evidence(self, attempt: int) -> tuple[dict[int, str], int | None]:
         """Each rank's log tail, and the rank torchrun names as the first observed failure."""
-        root = launcher.tail(self.attempt_dir(attempt) / "launcher.log")
-        return self.tails(attempt), launcher.root_cause_rank(root)
+        summary = launcher.tail(self.attempt_dir(attempt) / "launcher.log")
+        return self.tails(attempt), launcher.root_cause_rank(summary)
 
     def poll(self) -> int | None:
         """torchrun's exit code once it ended, else None (also None before any launch)."""

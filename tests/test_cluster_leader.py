@@ -177,7 +177,8 @@ def test_a_second_connection_claiming_a_connected_node_rank_is_refused(
     assert entry["node"] == 1 and entry["host"] == "gpu-z"
     assert "already taken by gpu-a" in entry["reason"]
     [refusal] = collect(impostor, 1)
-    assert refusal == {"type": "refused", "reason": entry["reason"]}
+    # Not final: the rank may be held by the follower's own connection, not yet seen closing.
+    assert refusal == {"type": "refused", "reason": entry["reason"], "final": False}
     wait_for(lambda: impostor.closed)
     # The node that was there first keeps its place and its connection.
     assert cluster.present() == [0, 1]
@@ -196,7 +197,8 @@ def test_a_node_rank_outside_nnodes_is_refused(cluster: Cluster, follow: Follow,
     assert kind == "node_refused"
     assert entry["node"] == node_rank
     assert "is not in 1..2 (launch.nnodes)" in entry["reason"]
-    assert collect(peer, 1) == [{"type": "refused", "reason": entry["reason"]}]
+    # Final: another config or a typo in --node-rank never gets better by retrying.
+    assert collect(peer, 1) == [{"type": "refused", "reason": entry["reason"], "final": True}]
     wait_for(lambda: peer.closed)
     assert cluster.present() == [LEADER]
 
@@ -651,3 +653,24 @@ def test_located_names_the_node_once() -> None:
     assert twice == once
     assert plain.message == "rank 2 is slow"  # the original is untouched
     assert located(finding, 3, "gpu-3") == finding
+
+
+def test_torchruns_failure_summary_maps_local_ranks_to_global_ones() -> None:
+    # A rank that dies before its hello is known only by its log folder (a local rank); the
+    # summary torchrun prints at exit says which global rank that was.
+    from supervisor import launcher
+
+    summary = """Failures:
+[1]:
+  host      : gpu-b
+  rank      : 3 (local_rank: 1)
+  exitcode  : 1 (pid: 10399)
+Root Cause (first observed failure):
+[0]:
+  host      : gpu-b
+  rank      : 2 (local_rank: 0)
+  exitcode  : 1 (pid: 10397)
+"""
+    assert launcher.failed_ranks(summary) == {1: 3, 0: 2}
+    assert launcher.root_cause_rank(summary) == 2
+    assert launcher.failed_ranks("torchrun exited cleanly") == {}

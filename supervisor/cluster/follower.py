@@ -61,6 +61,7 @@ class Follower:
         self._exited = True
         self._signal: int | None = None
         self._term_at: float | None = None
+        self._join_deadline: float | None = None
 
     def run(self) -> int:
         self.plan.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -97,7 +98,9 @@ class Follower:
         """Connect to the leader, retrying until ``nodes.join_timeout_s``; an exit code if not."""
         address, timeout = self.plan.leader_address, self.plan.config.nodes.join_timeout_s
         self.console.log(f"babysit: node {self.node} joining the leader at {address}")
-        deadline = time.monotonic() + timeout
+        if self._join_deadline is None:  # one deadline, however often the leader refuses us
+            self._join_deadline = time.monotonic() + timeout
+        deadline = self._join_deadline
         refused = False
         last: Exception | None = None
         while self._signal is None:
@@ -138,6 +141,7 @@ class Follower:
             code = self._on_signal_received()
             if code is not None:
                 return code
+            gone = self.peer.closed  # before draining: the leader's last word comes first
             for message in self.peer.receive():
                 code = self._command(message)
                 if code is not None:
@@ -151,8 +155,8 @@ class Follower:
                 for finding in self.view.check(time.monotonic()):
                     self._report_hang(finding)
             silent = time.monotonic() - self.peer.last_heard
-            if self.peer.closed or silent > lost_after:
-                why = (f"silent for {silent:.0f} s" if not self.peer.closed
+            if gone or silent > lost_after:
+                why = (f"silent for {silent:.0f} s" if not gone
                        else f"connection closed ({self.peer.close_reason or 'eof'})")
                 self._stop_workers(f"leader lost: {why}")
                 return self._fail("leader_lost", f"the leader is gone ({why}); stopped this "
@@ -196,6 +200,8 @@ class Follower:
                 self.control.request(**fields)
                 self._journal("control", fields=fields)
         elif kind == "refused":
+            if message.get("final"):
+                return self._fail("join_refused", str(message.get("reason")))
             self._journal("join_refused", why=f"{message.get('reason')}; trying again")
             assert self.peer is not None
             self.peer.close()

@@ -110,9 +110,12 @@ class Cluster:
             node, host = peer.info.get("node_rank"), str(peer.info.get("host", "?"))
             old = self.peers.get(node) if isinstance(node, int) else None
             if not isinstance(node, int) or not 0 < node < self.high:
+                # Never going to work: another config, or a typo in --node-rank.
                 why = f"node rank {node!r} is not in 1..{self.high - 1} (launch.nnodes)"
+                final = True
             elif old is not None and not old.closed:
-                why = f"node rank {node} is already taken by {self.hosts.get(node)}"
+                # Its previous connection may not have been seen closing yet: it may retry.
+                why, final = f"node rank {node} is already taken by {self.hosts.get(node)}", False
             else:
                 if old is not None:  # gone, but what it said last (its exit, its loss) counts
                     self._backlog.extend(self._hear(node, old, time.monotonic()))
@@ -122,7 +125,7 @@ class Cluster:
                                                 "pid": peer.info.get("pid"),
                                                 "address": peer.info.get("address")}))
                 continue
-            peer.send({"type": "refused", "reason": why})
+            peer.send({"type": "refused", "reason": why, "final": final})
             peer.close()
             entries.append(("node_refused", {"node": node, "host": host, "reason": why}))
         if self.listener.last_rejected:
@@ -176,10 +179,11 @@ class Cluster:
 
     def _hear(self, node: int, peer: Peer, now: float) -> list[tuple[int, dict[str, Any]]]:
         """One follower's messages, then ``lost`` (once) if it closed or fell silent."""
+        closed = peer.closed  # before draining: the reader queues its last message, then closes
         out = [(node, m) for m in peer.receive()]
         silent = now - peer.last_heard
-        if peer.closed or silent > self.config.lost_after_s:
-            why = (f"its babysitter was silent for {silent:.0f} s" if not peer.closed
+        if closed or silent > self.config.lost_after_s:
+            why = (f"its babysitter was silent for {silent:.0f} s" if not closed
                    else f"its connection closed ({peer.close_reason or 'eof'})")
             peer.close()
             if self.peers.get(node) is peer:

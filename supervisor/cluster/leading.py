@@ -79,7 +79,8 @@ class Leader(Supervisor):
         timeout = self.plan.config.nodes.join_timeout_s
         self.console.log(f"babysit: leading {low if low == high else f'{low} to {high}'} "
                          f"nodes; waiting for the others at {self.plan.leader_address}")
-        if not self._await_nodes(high, timeout) and len(self.cluster.present()) < low:
+        if not self._await_nodes(high, timeout) and \
+                (len(self.cluster.present()) < low or self._signal is not None):
             raise NodesMissing(f"only {len(self.cluster.present())} of at least {low} nodes "
                                f"joined within {timeout:g} s (nodes.join_timeout_s); check "
                                f"that every node runs babysit with the same secret and can "
@@ -148,19 +149,22 @@ class Leader(Supervisor):
         self._gather_nodes(pending)
 
     def _gather_nodes(self, pending: Pending) -> None:
+        # Settled before this tick's messages: a node lost in this tick is judged first, and
+        # once its remedy stops the workers, the others' exits are its consequence.
+        if self.machine.state in (sm.State.STARTING, sm.State.RUNNING):
+            hang = self.cluster.settled_hang()
+            if hang is not None:
+                pending.append(hang)
+            end = self.cluster.settled_exit()
+            if end is not None:
+                pending.append(self._job_exit(end))
         self._journal_all(self.cluster.accept())
         for node, message in self.cluster.receive():
             self._node_message(node, message, pending)
-        hang = self.cluster.settled_hang()
-        if hang is not None:
-            pending.append(hang)
-        end = self.cluster.settled_exit()
-        if end is not None:
-            pending.append(self._job_exit(end))
 
     def _node_message(self, node: int, message: dict[str, Any], pending: Pending) -> None:
         kind = message.get("type")
-        if kind in ("summary", "finding", "event", "exited") \
+        if kind in ("summary", "finding", "event", "exited", "stopped") \
                 and message.get("attempt") != self.machine.attempt:
             return  # about an attempt already replaced: it judges nothing now
         try:
@@ -289,6 +293,7 @@ class Leader(Supervisor):
         self._journal("nodes_rejoined", present=self.cluster.present())
 
     def _stop_workers(self, reason: str) -> None:
+        self.cluster.attempt.done = True  # what the nodes say of its end is moot now
         self.cluster.tell({"type": "stop", "reason": reason})
         super()._stop_workers(reason)
         deadline = self.clock() + self.plan.config.launch.stop_grace_s + 10.0
