@@ -134,9 +134,7 @@ def simulate(nodes: int, per_node: int, steps: int, seed: int = 0) -> Workload:
 
 def summary_message(step: int, world: int, reports: list[RankStep]) -> Message:
     """One node's step as ``follower._report`` sends it (``node._judge`` builds the summary)."""
-    summary = StepSummary(step, world)
-    for r in reports:
-        summary.add(r)
+    summary = StepSummary.of(step, world, reports)
     message: Message = json_safe({"attempt": ATTEMPT, "type": "summary",
                                   "summary": summary.to_dict()})
     return message
@@ -347,9 +345,7 @@ def same_row(got: dict[str, Any], want: dict[str, Any]) -> bool:
 def rows_ok(work: Workload, rows: dict[int, dict[str, Any]]) -> int:
     good = 0
     for index, reports in enumerate(work.steps):
-        reference = StepSummary(index + 1, work.world)
-        for r in reports:
-            reference.add(r)
+        reference = StepSummary.of(index + 1, work.world, reports)
         row = rows.get(index + 1)
         good += row is not None and row["n_ranks"] == work.world \
             and same_row(row, reference.to_row(ATTEMPT))

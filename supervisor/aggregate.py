@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Generic, TypeVar
 
 from policies.detectors.rank_departure import loss_spread
-from policies.types import RankStep, StepRecord
+from policies.types import JobStep, RankStep, StepRecord
 
 PER_RANK_LIMIT = 64
 """Largest world whose metrics rows list every rank's values; larger worlds get quantiles."""
@@ -118,23 +118,21 @@ def metrics_row(record: StepRecord, attempt: int,
     """One ``metrics.jsonl`` line: the step's summary, plus per-rank values ordered by rank for
     worlds up to ``per_rank_limit`` ranks, quantiles and extreme ranks above it."""
     if record.world_size > per_rank_limit:
-        row = _summary_row(record, attempt)
+        from supervisor.sketch import StepSummary
+
+        row = StepSummary.of(record.step, record.world_size, record.ranks).to_row(attempt)
     else:
         row = _per_rank_row(record, attempt)
+    return with_rates(row, record)
+
+
+def with_rates(row: dict[str, Any], step: JobStep) -> dict[str, Any]:
+    """``row`` with the job's ``tokens_per_s`` and ``mfu`` where ``step`` has them."""
     for key in ("tokens_per_s", "mfu"):
-        value = getattr(record, key)
+        value = getattr(step, key)
         if value is not None:
             row[key] = value
     return row
-
-
-def _summary_row(record: StepRecord, attempt: int) -> dict[str, Any]:
-    from supervisor.sketch import StepSummary
-
-    summary = StepSummary(record.step, record.world_size)
-    for r in record.ranks:
-        summary.add(r)
-    return summary.to_row(attempt)
 
 
 def _per_rank_row(record: StepRecord, attempt: int) -> dict[str, Any]:

@@ -369,6 +369,14 @@ class StepSummary:
         self.samples: float | None = None
         self.skipped = 0
 
+    @classmethod
+    def of(cls, step: int, world_size: int, reports: Iterable[RankStep]) -> StepSummary:
+        """The summary of ``reports``, every one of them of ``step``."""
+        summary = cls(step, world_size)
+        for r in reports:
+            summary.add(r)
+        return summary
+
     def add(self, r: RankStep) -> None:
         """Count one rank's report. A second report from the same rank is counted in
         ``duplicates`` and otherwise ignored (the per-rank aggregator keeps one per rank too)."""

@@ -23,6 +23,7 @@ from typing import Any
 from policies import decide as sm
 from policies.types import Finding, Incident, RankStep, Severity
 from supervisor import forensics
+from supervisor.aggregate import with_rates
 from supervisor.cluster.leader import LEADER, Cluster, JobExit
 from supervisor.cluster.node import NodeView, located
 from supervisor.console import Console
@@ -211,12 +212,7 @@ class Leader(Supervisor):
     def _job_step(self, summary: StepSummary, pending: Pending) -> None:
         agg = self._aggregator
         record = SummaryRecord(summary, agg.flops_per_token, agg.peak_flops)
-        row = summary.to_row(self.machine.attempt)
-        for key in ("tokens_per_s", "mfu"):
-            value = getattr(record, key)
-            if value is not None:
-                row[key] = value
-        self._record(record, row, pending)
+        self._record(record, with_rates(summary.to_row(self.machine.attempt), record), pending)
 
     def _rank_event(self, node: int, event: WorkerEvent, pending: Pending) -> None:
         if event.type == "hello":

@@ -103,9 +103,6 @@ class NodeView:
         findings: list[Finding] = []
         for record in records:
             world = max(self.world_size, 1 + max((r.rank for r in record.ranks), default=0))
-            summary = StepSummary(record.step, world)
-            for r in record.ranks:
-                summary.add(r)
-            summaries.append(summary)
+            summaries.append(StepSummary.of(record.step, world, record.ranks))
             findings.extend(self.name(f) for f in self.watch.observe_record(record))
         return summaries, findings
