@@ -37,7 +37,6 @@ from supervisor.aggregate import StepAggregator, metrics_row
 from supervisor.alerts import Alert, AlertDispatcher
 from supervisor.cadence import INTERRUPTING_ACTIONS, CadenceAdvisor, CadenceKeeper, replay_journal
 from supervisor.console import Console
-from supervisor.control import ControlFile
 from supervisor.directive import Directive, SkipRange
 from supervisor.plan import RunPlan
 from supervisor.progress import Progress
@@ -70,7 +69,6 @@ class Supervisor:
         self._wake_at: float | None = None
         self._metrics: IO[str] | None = None
         self.progress = Progress()
-        self.control = ControlFile()
         self._newest_step = 0
         """The newest step any rank reported this attempt, read before the loop's own count."""
         self._tick_at: float | None = None
@@ -425,7 +423,7 @@ class Supervisor:
 
     def _request(self, **fields: Any) -> None:
         """Ask the running ranks for something through the attempt's control file."""
-        self.control.request(**fields)
+        self.workers.control.request(**fields)
 
     def _diagnose(self, finding: Finding) -> tuple[Finding, forensics.Diagnosis | None]:
         """Dump this node's stacks for a hang, naming the rank stuck outside the collective."""
@@ -464,8 +462,7 @@ class Supervisor:
     def _teardown_crash(self, code: int) -> bool:
         """Only the process teardown crashed after every rank finished (``forensics.
         teardown_only``): relaunching would redo nothing; say so and succeed."""
-        if not forensics.teardown_only(code, self.workers.rank_pids, self.workers.closed_ranks,
-                                       self._attempt_dir(self.machine.attempt)):
+        if not self.workers.teardown_only(code, self.machine.attempt):
             return False
         self._journal("teardown_crash", exit_code=code,
                       closed_ranks=sorted(self.workers.closed_ranks))
@@ -484,16 +481,12 @@ class Supervisor:
         return self.workers.attempt_dir(attempt)
 
     def _launch(self, attempt: int, remedy: Remedy | None) -> None:
-        attempt_dir = self._attempt_dir(attempt)
-        attempt_dir.mkdir(parents=True, exist_ok=True)
         if self._takeover is not None and attempt == self._first_attempt and remedy is None:
             resume, entries = self.recovery.resume_latest()
         else:
             resume, entries = self.recovery.resume_for(remedy)
         self._journal_all(entries)
         directive = self.watch.directive_for(attempt, remedy, resume)
-        directive.write(attempt_dir / "directive.json")
-        self.control.new_attempt(attempt_dir)
         self._aggregator.reset()
         self._newest_step = 0
         self.watch.new_attempt(self.clock(), directive)
@@ -506,7 +499,7 @@ class Supervisor:
         """Start this attempt's torchrun; returns the launch entry's fields."""
         launch = self.plan.config.launch
         endpoint = launch.rdzv_endpoint or f"127.0.0.1:{launcher.free_port()}"
-        command = self.workers.launch(attempt, rdzv_endpoint=endpoint,
+        command = self.workers.launch(attempt, directive, rdzv_endpoint=endpoint,
                                       rdzv_id=launch.rdzv_id or f"{self.plan.name}-{attempt}")
         return {"command": command, "rdzv_endpoint": endpoint}
 

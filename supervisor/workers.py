@@ -1,9 +1,10 @@
 """This node's workers: the telemetry socket, one torchrun per attempt, and its ranks.
 
 The supervisor of a single-node run and every node's babysitter of a multi-node run do the same
-things with their own node's processes: open the socket the ranks report to, start torchrun
-with the environment the worker API reads, learn each rank's pid from its hello, notice
-torchrun's exit, stop the whole process tree, and pass the ranks' output on to the console.
+things with their own node's processes: open the socket the ranks report to, write the
+attempt's directive and start its control file, start torchrun with the environment the worker
+API reads, learn each rank's pid from its hello, notice torchrun's exit (and whether only its
+teardown crashed), stop the whole process tree, and pass the ranks' output on to the console.
 That lives here, once; what to *do* about what the workers do is the caller's business.
 """
 
@@ -15,7 +16,9 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
-from supervisor import launcher, protocol
+from supervisor import forensics, launcher, protocol
+from supervisor.control import ControlFile
+from supervisor.directive import Directive
 from supervisor.intake import Intake
 from supervisor.plan import RunPlan
 
@@ -33,6 +36,8 @@ class NodeWorkers:
         self.rank_pids: dict[int, int] = {}
         """Global rank -> pid, from each rank's hello in this attempt."""
         self.closed_ranks: set[int] = set()
+        self.control = ControlFile()
+        """Requests to the running ranks (checkpoint cadence, a final checkpoint)."""
         self.global_rank: dict[int, int] = {}
         """Local rank -> global rank, from the hellos (torchrun names log folders by local
         rank; on a node other than the first the two differ)."""
@@ -48,12 +53,15 @@ class NodeWorkers:
     def attempt_dir(self, attempt: int) -> Path:
         return self.run_dir / "attempts" / str(attempt)
 
-    def launch(self, attempt: int, *, rdzv_endpoint: str, rdzv_id: str,
+    def launch(self, attempt: int, directive: Directive, *, rdzv_endpoint: str, rdzv_id: str,
                nnodes: str | None = None, node_rank: int | None = None) -> list[str]:
-        """Start attempt ``attempt`` (its directive already written in its folder); returns
-        the torchrun command. ``nnodes``/``node_rank`` replace the config's for this attempt
-        (a multi-node leader decides which nodes take part)."""
+        """Start attempt ``attempt`` with ``directive``; returns the torchrun command.
+        ``nnodes``/``node_rank`` replace the config's for this attempt (a multi-node leader
+        decides which nodes take part)."""
         attempt_dir = self.attempt_dir(attempt)
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        directive.write(attempt_dir / "directive.json")
+        self.control.new_attempt(attempt_dir)
         launch = self.plan.config.launch
         if nnodes is not None or node_rank is not None:
             launch = launch.model_copy(update={
@@ -96,6 +104,12 @@ class NodeWorkers:
                 self.global_rank[local] = event.rank
         elif event.type == "close":
             self.closed_ranks.add(event.rank)
+
+    def teardown_only(self, code: int, attempt: int) -> bool:
+        """torchrun's non-zero ``code`` came only from the process teardown after every rank
+        closed its run (``forensics.teardown_only``)."""
+        return forensics.teardown_only(code, self.rank_pids, self.closed_ranks,
+                                       self.attempt_dir(attempt))
 
     def tails(self, attempt: int, max_bytes: int = 16384) -> dict[int, str]:
         """The end of each rank's stderr log of ``attempt``, by global rank (from the hellos,

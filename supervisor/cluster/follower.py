@@ -31,7 +31,6 @@ from supervisor import journal as journal_mod
 from supervisor.cluster.node import NodeView
 from supervisor.cluster.wire import AuthError, Peer, connect
 from supervisor.console import Console
-from supervisor.control import ControlFile
 from supervisor.plan import RunPlan
 from supervisor.protocol import WorkerEvent
 from supervisor.workers import NodeWorkers
@@ -53,7 +52,6 @@ class Follower:
         self.host = self.view.host
         self.secret = secret
         self.workers = NodeWorkers(plan, plan.run_dir)
-        self.control = ControlFile()
         self.journal = journal_mod.Journal(plan.run_dir / "events.jsonl")
         self.peer: Peer | None = None
         self.attempt = -1
@@ -197,7 +195,7 @@ class Follower:
         elif kind == "control":
             fields = message.get("fields")
             if isinstance(fields, dict):
-                self.control.request(**fields)
+                self.workers.control.request(**fields)
                 self._journal("control", fields=fields)
         elif kind == "refused":
             if message.get("final"):
@@ -218,14 +216,10 @@ class Follower:
         self._stop_workers("a new attempt starts")
         attempt = int(message["attempt"])
         directive = Directive.from_json(message["directive"])
-        attempt_dir = self.workers.attempt_dir(attempt)
-        attempt_dir.mkdir(parents=True, exist_ok=True)
-        directive.write(attempt_dir / "directive.json")
-        self.control.new_attempt(attempt_dir)
         self.view.new_attempt(time.monotonic(), directive)
         self.attempt, self._step, self._exited = attempt, 0, False
         command = self.workers.launch(
-            attempt, rdzv_endpoint=str(message["rdzv_endpoint"]),
+            attempt, directive, rdzv_endpoint=str(message["rdzv_endpoint"]),
             rdzv_id=str(message["rdzv_id"]), nnodes=str(message["nnodes"]),
             node_rank=int(message["node_rank"]))
         self._journal("launch", command=command, rdzv_endpoint=message["rdzv_endpoint"],
@@ -289,9 +283,7 @@ class Follower:
         tails: dict[int, str] = {}
         root = None
         if code != 0:
-            attempt_dir = self.workers.attempt_dir(self.attempt)
-            if forensics.teardown_only(code, self.workers.rank_pids, self.workers.closed_ranks,
-                                       attempt_dir):
+            if self.workers.teardown_only(code, self.attempt):
                 self._journal("teardown_crash", exit_code=code)
                 code = 0
             else:

@@ -269,7 +269,7 @@ class Leader(Supervisor):
         rdzv_id = launch.rdzv_id or f"{self.plan.name}-{attempt}"
         nodes, endpoint = self.cluster.launch(attempt, directive.to_json(), rdzv_id,
                                               launch.rdzv_endpoint)
-        command = self.workers.launch(attempt, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
+        command = self.workers.launch(attempt, directive, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
                                       nnodes=str(len(nodes)), node_rank=0)
         self.console.log(f"babysit: attempt {attempt} on {len(nodes)} node(s): "
                          f"{', '.join(self.cluster.describe(n) for n in nodes)}")
