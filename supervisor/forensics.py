@@ -68,12 +68,18 @@ def diagnose_hang(finding: Finding, rank_pids: Mapping[int, int]
     return finding, (dumps, verdict), fields
 
 
-def write_incident(run_dir: Path, attempt: int, finding: Finding, remedy: Remedy,
+def write_incident(run_dir: Path, attempt: int, finding: Finding, remedy: Remedy | str,
                    diagnosis: Diagnosis | None, tails: Mapping[int, str]) -> Path:
     """The incident folder: what was seen and done, the ranks' log tails (by global rank),
-    and the stacks."""
+    and the stacks. ``remedy`` is the policy's answer, or in words what was done instead (a
+    follower node reports its finding to the leader, which decides)."""
     dumps, verdict = diagnosis if diagnosis else (None, None)
-    summary = {"what": finding.message, "action": f"{remedy.action.value}: {remedy.reason}",
-               "attempt": attempt, "finding": finding.to_json(), "remedy": remedy.to_json()}
+    summary: dict[str, Any] = {"what": finding.message, "attempt": attempt,
+                               "finding": finding.to_json()}
+    if isinstance(remedy, str):
+        summary["action"] = remedy
+    else:
+        summary.update(action=f"{remedy.action.value}: {remedy.reason}",
+                       remedy=remedy.to_json())
     return incident.write_incident(run_dir, finding.incident.value, finding.step, summary,
                                    dumps, tails, verdict)

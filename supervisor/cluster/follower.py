@@ -19,20 +19,22 @@ what it saw and did; the leader's is the run's record.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
 from types import FrameType
 from typing import Any
 
-from policies.types import Incident, RankStep
-from supervisor import forensics, incident, launcher
+from policies.types import Finding, RankStep
+from supervisor import forensics, launcher
 from supervisor import journal as journal_mod
 from supervisor.cluster.node import NodeView
 from supervisor.cluster.wire import AuthError, Peer, connect
 from supervisor.console import Console
 from supervisor.plan import RunPlan
 from supervisor.protocol import WorkerEvent
+from supervisor.sketch import StepSummary
 from supervisor.workers import NodeWorkers
 
 TICK_S = 0.1
@@ -250,25 +252,23 @@ class Follower:
             self._send({"type": "event", "rank": event.rank, "event": event.type,
                         "time": event.time, "data": event.data})
 
-    def _report(self, summaries: list[Any], findings: list[Any]) -> None:
+    def _report(self, summaries: list[StepSummary], findings: list[Finding]) -> None:
         for summary in summaries:
             self._send({"type": "summary", "summary": summary.to_dict()})
         for finding in findings:
             self._journal("finding", step=finding.step, finding=finding.to_json())
             self._send({"type": "finding", "finding": finding.to_json()})
 
-    def _report_hang(self, finding: Any) -> None:
+    def _report_hang(self, finding: Finding) -> None:
         if self.workers.rank_pids:
-            finding, (dumps, verdict), fields = forensics.diagnose_hang(finding,
-                                                                        self.workers.rank_pids)
+            finding, diagnosis, fields = forensics.diagnose_hang(finding, self.workers.rank_pids)
             finding = self.view.name(finding)
             self._journal("hang_diagnosis", **fields)
-            tails = self.workers.tails(self.attempt, 8192)
-            folder = incident.write_incident(
-                self.plan.run_dir, Incident.HANG.value, finding.step,
-                {"what": finding.message, "action": "reported to the leader", "node": self.node,
-                 "host": self.host, "finding": finding.to_json()}, dumps, tails, verdict)
-            finding = _with_evidence(finding, incident_dir=str(folder))
+            folder = forensics.write_incident(
+                self.plan.run_dir, self.attempt, finding, "reported to the leader", diagnosis,
+                self.workers.tails(self.attempt, 8192))
+            finding = dataclasses.replace(
+                finding, evidence={**finding.evidence, "incident_dir": str(folder)})
         self._report([], [finding])
 
     def _check_exit(self) -> None:
@@ -303,12 +303,6 @@ class Follower:
         self.journal.write(event, time.time(), max(self.attempt, 0),
                            step if step is not None else (self._step or None), node=self.node,
                            **fields)
-
-
-def _with_evidence(finding: Any, **fields: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(finding, evidence={**finding.evidence, **fields})
 
 
 class _Rejoin(Exception):
