@@ -187,8 +187,11 @@ class Supervisor:
         grace = self.plan.config.checkpoints.final_grace_s
         if not (self.plan.config.checkpoints.every_steps and grace > 0 and self.workers.group):
             return
-        # Ranks of a synchronous job are within a step of each other: 3 ahead is ahead of all.
-        target = self.machine.step + 3
+        # Ranks of a synchronous job are within a step of each other: 3 ahead of the newest
+        # step any rank reported is ahead of all (the loop's own count lags a tick, and on a
+        # multi-node leader the other nodes' summaries lag more; a rank already past the target
+        # would never save, and the others would wait for it for the whole grace).
+        target = max(self.machine.step, self._newest_step) + 3
         self._request(checkpoint_at_step=target)
         self._journal("final_checkpoint_requested", target_step=target, grace_s=grace)
         self.console.log(f"babysit: SIGTERM: asking for a final checkpoint at step {target} "
