@@ -33,7 +33,7 @@ from supervisor.cadence import (
 )
 from supervisor.directive import CONTROL_FILE, Directive
 from supervisor.saving import Checkpointer
-from tests.conftest import ROOT, WORKERS, read_jsonl, run_babysit
+from tests.conftest import babysat, read_jsonl
 
 # Saving in one process without a process group is what these tests mean to do.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -494,15 +494,8 @@ def test_an_external_checkpoint_carries_no_blocking_cost(tmp_path: Path) -> None
 
 @pytest.mark.e2e
 def test_a_real_run_journals_blocking_costs_and_rebuilds_advice(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
-        f"  args: {json.dumps(['--steps', '24', '--crash', '0:13'])}\n  max_restarts: 1\n"
-        f"run_dir: {run_dir}\n"
-        f"checkpoints: {{every_steps: 5, probation_steps: 5}}\n"
-        f"policy: {{name: {ROOT / 'tests' / 'fast_policy.yaml'}}}\n")
-    result = run_babysit("run", str(config), cwd=tmp_path, timeout=240)
+    result, run_dir = babysat(tmp_path, "run", "--steps", "24", "--crash", "0:13",
+                              launch_extra="  max_restarts: 1\n")
     assert result.returncode == 0, result.stdout + result.stderr
     entries = read_jsonl(run_dir / "events.jsonl")
     saves = [e for e in entries if e["event"] == "checkpoint_saved"]

@@ -4,14 +4,13 @@ journaled and alerted, and a later relaunch resumes from the last checkpoint tha
 
 from __future__ import annotations
 
-import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, WORKERS, read_jsonl, run_babysit
+from tests.conftest import babysat, read_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -33,15 +32,9 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 def test_disk_full_during_a_save_costs_that_checkpoint_not_the_run(tmp_path: Path,
                                                                     small_disk: Path) -> None:
-    run_dir = tmp_path / "run"
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
-        f"  args: {json.dumps(['--steps', '24', '--crash', '0:13'])}\n  max_restarts: 1\n"
-        f"run_dir: {run_dir}\n"
-        f"checkpoints: {{dir: {small_disk}, every_steps: 5, probation_steps: 2, keep: 3}}\n"
-        f"policy: {{name: {ROOT / 'tests' / 'fast_policy.yaml'}}}\n")
-    result = run_babysit("run", str(config), cwd=tmp_path, timeout=240)
+    result, run_dir = babysat(
+        tmp_path, "run", "--steps", "24", "--crash", "0:13", launch_extra="  max_restarts: 1\n",
+        checkpoints=f"{{dir: {small_disk}, every_steps: 5, probation_steps: 2, keep: 3}}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     journal = read_jsonl(run_dir / "events.jsonl")
     saved = [e["step"] for e in journal if e["event"] == "checkpoint_saved"]
