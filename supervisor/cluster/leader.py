@@ -28,10 +28,11 @@ the wire.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.types import Finding, Incident
+from policies.types import Finding, Incident, Severity
 from supervisor.cluster.node import node_name
 from supervisor.cluster.wire import Listener, Peer, format_address, parse_address
 from supervisor.launcher import free_port
@@ -73,7 +74,8 @@ class _Attempt:
 class Cluster:
     """The leader's view of the nodes. ``open()`` starts listening; the loop polls."""
 
-    def __init__(self, plan: RunPlan, secret: bytes, clock: Any = time.monotonic) -> None:
+    def __init__(self, plan: RunPlan, secret: bytes,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         nodes = plan.config.nodes
         self.config = nodes
         self.low, self.high = plan.config.launch.node_range
@@ -251,8 +253,6 @@ class Cluster:
 
     def lost_finding(self, node: int, why: str, step: int) -> Finding:
         """The finding for a node that vanished, naming its ranks in this attempt."""
-        from policies.types import Severity
-
         ranks = tuple(sorted(r for r, n in self.rank_node.items() if n == node))
         return Finding(
             incident=Incident.NODE_LOST, detector="cluster", severity=Severity.CRITICAL,
