@@ -35,10 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from policies.loader import load_policy  # noqa: E402
-from policies.replay import Decision, Pipeline, read_curve  # noqa: E402
-from policies.schema import Policy  # noqa: E402
-from policies.types import RankStep, StepRecord  # noqa: E402
+from babysit.policies.loader import load_policy  # noqa: E402
+from babysit.policies.replay import Decision, Pipeline, read_curve  # noqa: E402
+from babysit.policies.schema import Policy  # noqa: E402
+from babysit.policies.types import RankStep, StepRecord  # noqa: E402
 
 CURVES = Path("/work/shared/data/curves")
 DOC = ROOT / "docs" / "detection.md"

@@ -23,7 +23,7 @@ and 4 samples per rank.
 
 How it runs. The leader is this process: a real ``Listener`` on loopback, its ``Peer`` reader
 threads (receive, HMAC check, ``json.loads``) and a loop that wakes every ``--tick`` seconds
-(``supervisor.loop.TICK_S``), drains every peer and merges. The followers are real
+(``babysit.supervisor.run.loop.TICK_S``), drains every peer and merges. The followers are real
 ``wire.connect`` peers in ``--senders`` forked processes (each hosting a group of nodes), not
 threads here: the reader threads are part of the leader's cost, so the leader's CPU is
 ``time.process_time()`` of the whole process, and sender threads in it would both add their
@@ -74,11 +74,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from policies.types import RankStep
-from supervisor.cluster import wire
-from supervisor.journal import json_safe
-from supervisor.loop import TICK_S
-from supervisor.sketch import NodeMerger, StepSummary, SummaryAggregator
+from babysit.policies.types import RankStep
+from babysit.supervisor.cluster import wire
+from babysit.supervisor.node.sketch import NodeMerger, StepSummary, SummaryAggregator
+from babysit.supervisor.run.journal import json_safe
+from babysit.supervisor.run.loop import TICK_S
 
 SECRET = secrets.token_bytes(32)
 ATTEMPT = 0

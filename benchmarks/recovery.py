@@ -48,7 +48,7 @@ def one_run(workdir: Path, floor_s: float) -> dict[str, float]:
         f"policy: {{name: {policy}}}\n")
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-m", "supervisor.cli", "run", str(config)],
+    done = subprocess.run([sys.executable, "-m", "babysit", "run", str(config)],
                           cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"babysit failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from supervisor import protocol
-from supervisor.intake import Intake
-from supervisor.worker import attach
+from babysit.supervisor.contract import protocol
+from babysit.supervisor.node.intake import Intake
+from babysit.supervisor.rank.api import attach
 
 TOKEN = os.urandom(protocol.TOKEN_BYTES)
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
 from demo_train import GPT
 
-from supervisor.fingerprint import Fingerprinter, param_digest, probe_digest
+from babysit.supervisor.rank.fingerprint import Fingerprinter, param_digest, probe_digest
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:

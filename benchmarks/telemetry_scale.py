@@ -56,16 +56,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from policies.types import RankStep
-from supervisor import protocol
-from supervisor.aggregate import StepAggregator, metrics_row
-from supervisor.intake import Intake, connect
-from supervisor.sketch import SummaryAggregator
+from babysit.policies.types import RankStep
+from babysit.supervisor.contract import protocol
+from babysit.supervisor.node.aggregate import StepAggregator, metrics_row
+from babysit.supervisor.node.intake import Intake, connect
+from babysit.supervisor.node.sketch import SummaryAggregator
 
 UNLIMITED = 1 << 30
 
 TOKEN = os.urandom(protocol.TOKEN_BYTES)
-TICK_S = 0.1  # supervisor.loop.TICK_S
+TICK_S = 0.1  # babysit.supervisor.run.loop.TICK_S
 CONNECTIONS = 64
 KEEP_RAW = 4
 

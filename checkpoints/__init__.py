@@ -16,18 +16,18 @@ Supervisor side (never imports torch)::
     cat.retain(keep_last); cat.clean_incomplete()
 """
 
-from checkpoints.catalog import Catalog, Checkpoint, Refusal, RollbackChoice, Verdict
-from checkpoints.errors import CheckpointError, ManifestError
-from checkpoints.layout import step_dir
-from checkpoints.load import Restored, load
-from checkpoints.manifest import (
+from babysit.checkpoints.catalog import Catalog, Checkpoint, Refusal, RollbackChoice, Verdict
+from babysit.checkpoints.errors import CheckpointError, ManifestError
+from babysit.checkpoints.layout import step_dir
+from babysit.checkpoints.load import Restored, load
+from babysit.checkpoints.manifest import (
     FileEntry,
     Manifest,
     read_manifest,
     register_external,
     verify_manifest,
 )
-from checkpoints.save import SaveHandle, save, wait_pending
+from babysit.checkpoints.save import SaveHandle, save, wait_pending
 
 __all__ = [
     "Catalog",

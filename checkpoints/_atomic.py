@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from checkpoints.layout import MANIFEST_NAME, TMP_SUFFIX
+from babysit.checkpoints.layout import MANIFEST_NAME, TMP_SUFFIX
 
 
 def fsync_dir(path: Path) -> None:

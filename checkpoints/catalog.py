@@ -32,16 +32,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from checkpoints._atomic import atomic_write_json, uncommit_and_remove
-from checkpoints.errors import ManifestError
-from checkpoints.layout import (
+from babysit.checkpoints._atomic import atomic_write_json, uncommit_and_remove
+from babysit.checkpoints.errors import ManifestError
+from babysit.checkpoints.layout import (
     MANIFEST_NAME,
     PART_MARKER_PREFIX,
     TMP_SUFFIX,
     VERDICTS_NAME,
     parse_step_dir,
 )
-from checkpoints.manifest import Manifest, read_manifest, verify_manifest
+from babysit.checkpoints.manifest import Manifest, read_manifest, verify_manifest
 
 _VERDICTS_FORMAT = 1
 

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from checkpoints.errors import CheckpointError
-from checkpoints.layout import rank_state_name
-from checkpoints.manifest import KIND_DCP, read_manifest, verify_manifest
-from checkpoints.rng import restore_rng
-from checkpoints.save import rank_and_world
+from babysit.checkpoints.errors import CheckpointError
+from babysit.checkpoints.layout import rank_state_name
+from babysit.checkpoints.manifest import KIND_DCP, read_manifest, verify_manifest
+from babysit.checkpoints.rng import restore_rng
+from babysit.checkpoints.save import rank_and_world
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from checkpoints._atomic import atomic_write_json, uncommit_and_remove
-from checkpoints.errors import CheckpointError, ManifestError
-from checkpoints.layout import MANIFEST_NAME, is_protocol_file, step_dir
+from babysit.checkpoints._atomic import atomic_write_json, uncommit_and_remove
+from babysit.checkpoints.errors import CheckpointError, ManifestError
+from babysit.checkpoints.layout import MANIFEST_NAME, is_protocol_file, step_dir
 
 FORMAT_VERSION = 1
 """Bumped when a manifest written by this version could be misread by an older reader."""

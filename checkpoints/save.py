@@ -35,10 +35,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from checkpoints._atomic import atomic_write_json, uncommit_and_remove
-from checkpoints.errors import CheckpointError
-from checkpoints.layout import part_marker_name, rank_state_name, step_dir
-from checkpoints.manifest import (
+from babysit.checkpoints._atomic import atomic_write_json, uncommit_and_remove
+from babysit.checkpoints.errors import CheckpointError
+from babysit.checkpoints.layout import part_marker_name, rank_state_name, step_dir
+from babysit.checkpoints.manifest import (
     KIND_DCP,
     FileEntry,
     Manifest,
@@ -47,7 +47,7 @@ from checkpoints.manifest import (
     merge_entries,
     write_manifest,
 )
-from checkpoints.rng import capture_rng
+from babysit.checkpoints.rng import capture_rng
 
 RANK_STATE_FORMAT = 1
 

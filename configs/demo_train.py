@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 # Let a checkout run this file without installing babysit (harmless once it is installed).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from supervisor import attach
+from babysit import attach
 
 # -- model: nanoGPT, shrunk ---------------------------------------------------------------------
 

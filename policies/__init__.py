@@ -18,23 +18,23 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from policies.detectors import CrashVerdict, classify
-    from policies.loader import PolicyError, builtin_names, load_policy
-    from policies.replay import Decision, Pipeline, run_replay
-    from policies.rules import Rules
-    from policies.schema import Policy
+    from babysit.policies.detectors import CrashVerdict, classify
+    from babysit.policies.loader import PolicyError, builtin_names, load_policy
+    from babysit.policies.replay import Decision, Pipeline, run_replay
+    from babysit.policies.rules import Rules
+    from babysit.policies.schema import Policy
 
 _LAZY = {
-    "CrashVerdict": "policies.detectors",
-    "classify": "policies.detectors",
-    "PolicyError": "policies.loader",
-    "builtin_names": "policies.loader",
-    "load_policy": "policies.loader",
-    "Decision": "policies.replay",
-    "Pipeline": "policies.replay",
-    "run_replay": "policies.replay",
-    "Rules": "policies.rules",
-    "Policy": "policies.schema",
+    "CrashVerdict": "babysit.policies.detectors",
+    "classify": "babysit.policies.detectors",
+    "PolicyError": "babysit.policies.loader",
+    "builtin_names": "babysit.policies.loader",
+    "load_policy": "babysit.policies.loader",
+    "Decision": "babysit.policies.replay",
+    "Pipeline": "babysit.policies.replay",
+    "run_replay": "babysit.policies.replay",
+    "Rules": "babysit.policies.rules",
+    "Policy": "babysit.policies.schema",
 }
 
 __all__ = [

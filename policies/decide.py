@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from policies.types import Action, Remedy, Severity
+from babysit.policies.types import Action, Remedy, Severity
 
 
 class State(str, enum.Enum):

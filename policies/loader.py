@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticUndefined
 
-from policies.schema import Policy
+from babysit.policies.schema import Policy
 
 BUILTIN_DIR = Path(__file__).resolve().parent
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-from policies.detectors import (
+from babysit.policies.detectors import (
     GradNormDetector,
     LossSpikeDetector,
     NonFiniteDetector,
@@ -36,9 +36,9 @@ from policies.detectors import (
     StragglerDetector,
     ThroughputDetector,
 )
-from policies.rules import Rules
-from policies.schema import Policy
-from policies.types import Action, Finding, JobStep, RankStep, StepRecord
+from babysit.policies.rules import Rules
+from babysit.policies.schema import Policy
+from babysit.policies.types import Action, Finding, JobStep, RankStep, StepRecord
 
 
 class CurveError(Exception):
@@ -195,7 +195,7 @@ SCOPES: dict[str, tuple[str, ...]] = {
   against its node's peers (a node of one rank has none, so it cannot flag one).
 - ``job``: the detectors of job-wide signals (loss spike, grad norm, throughput). One node's
   ranks would give a partial mean loss and a partial tokens/s, so the leader runs them on the
-  nodes' merged summaries (``supervisor.sketch.SummaryRecord``, a ``JobStep``).
+  nodes' merged summaries (``babysit.supervisor.node.sketch.SummaryRecord``, a ``JobStep``).
 
 ``node`` and ``job`` split ``all``: between them they run each step detector exactly once.
 """
@@ -312,7 +312,7 @@ def run_replay(curve_path: str, policy: str, as_json: bool, out: TextIO) -> int:
     (rolled back, relaunched or stopped), so scripts can ask "would it have stepped in?".
     Raises ``CurveError`` / ``PolicyError`` (one-paragraph messages) for bad inputs.
     """
-    from policies.loader import load_policy
+    from babysit.policies.loader import load_policy
 
     pol = load_policy(policy, {})
     n = 0

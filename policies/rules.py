@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from policies.schema import Policy, Response
-from policies.types import Action, Finding, Incident, Remedy, Severity
+from babysit.policies.schema import Policy, Response
+from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
 
 _DISRUPTIVE = (Action.ROLLBACK, Action.RELAUNCH)
 _SEVERITY = {"warning": Severity.WARNING, "critical": Severity.CRITICAL}

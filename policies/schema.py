@@ -20,7 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from policies.detectors import (
+from babysit.policies.detectors import (
     GradNormConfig,
     HangConfig,
     LossSpikeConfig,
@@ -30,7 +30,7 @@ from policies.detectors import (
     StragglerConfig,
     ThroughputConfig,
 )
-from policies.types import Action
+from babysit.policies.types import Action
 
 
 class _Model(BaseModel):

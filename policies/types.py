@@ -132,10 +132,11 @@ def mfu(rate: float | None, flops_per_token: float | None, peak_flops: float | N
 class JobStep(Protocol):
     """What a detector of a job-wide signal (loss spike, grad norm, throughput) reads of a step.
 
-    ``StepRecord`` (every rank's report, one node) and ``supervisor.sketch.SummaryRecord`` (the
-    nodes' summaries merged on the leader) both provide it, with the same meanings and the same
-    ``None`` rules as ``StepRecord``'s properties. Per-rank detectors (non-finite, straggler,
-    rank departure) need ``StepRecord.ranks`` and do not take it.
+    ``StepRecord`` (every rank's report, one node) and
+    ``babysit.supervisor.node.sketch.SummaryRecord`` (the nodes' summaries merged on the leader)
+    both provide it, with the same meanings and the same ``None`` rules as ``StepRecord``'s
+    properties. Per-rank detectors (non-finite, straggler, rank departure) need ``StepRecord.ranks``
+    and do not take it.
     """
 
     @property

@@ -29,7 +29,7 @@ def babysit_env() -> dict[str, str]:
 def run_babysit(*args: str, cwd: Path, timeout: float = 120,
                 **kw: Any) -> subprocess.CompletedProcess[str]:
     """Run the real CLI as a subprocess and wait for it."""
-    return subprocess.run([sys.executable, "-m", "supervisor.cli", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "babysit", *args], cwd=cwd,
                           env=babysit_env(), capture_output=True, text=True, timeout=timeout,
                           **kw)
 

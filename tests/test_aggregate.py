@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from policies.types import RankStep
-from supervisor.aggregate import StepAggregator, metrics_row
+from babysit.policies.types import RankStep
+from babysit.supervisor.node.aggregate import StepAggregator, metrics_row
 
 
 def report(rank: int, step: int, loss: float = 1.0) -> RankStep:

@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 import pytest
 
-from policies.types import Incident, Severity
-from supervisor.alerts import (
+from babysit.policies.types import Incident, Severity
+from babysit.supervisor.services.alerts import (
     Alert,
     AlertConfigError,
     AlertDispatcher,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.alerts import SinkGate, Verdict
+from babysit.supervisor.services.alerts import SinkGate, Verdict
 
 
 def gate(dedup: float = 600.0, max_alerts: int = 100, window: float = 600.0) -> SinkGate:

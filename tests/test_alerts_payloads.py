@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from policies.types import Finding, Incident, Severity
-from supervisor.alerts import (
+from babysit.policies.types import Finding, Incident, Severity
+from babysit.supervisor.services.alerts import (
     Alert,
     AlertConfigError,
     AlertsConfig,
@@ -20,7 +20,7 @@ from supervisor.alerts import (
     slack_payload,
     webhook_payload,
 )
-from supervisor.alerts.transport import redact, retry_after_s, secrets_of
+from babysit.supervisor.services.alerts.transport import redact, retry_after_s, secrets_of
 
 
 def make_alert(**kw: Any) -> Alert:

@@ -1,6 +1,6 @@
 """Checkpoint cadence: Young's interval from measured costs and interruptions
-(``supervisor.cadence``), and the worker side that reports each save's blocking cost and follows
-a cadence change from the control file (``supervisor.saving.Checkpointer``).
+(``babysit.supervisor.run.cadence``), and the worker side that reports each save's blocking cost and
+follows a cadence change from the control file (``babysit.supervisor.rank.saving.Checkpointer``).
 
 The Checkpointer tests save for real (a tiny model, ``torch.distributed.checkpoint`` in one
 process); two "ranks" are two Checkpointers with their own checkpoint folders reading one control
@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 
-from supervisor.cadence import (
+from babysit.supervisor.contract.directive import CONTROL_FILE, Directive
+from babysit.supervisor.rank.saving import Checkpointer
+from babysit.supervisor.run.cadence import (
     DEFAULT_MTBF_PRIOR_S,
     Advice,
     CadenceAdvisor,
@@ -31,8 +33,6 @@ from supervisor.cadence import (
     optimal_interval,
     waste_fraction,
 )
-from supervisor.directive import CONTROL_FILE, Directive
-from supervisor.saving import Checkpointer
 from tests.conftest import babysat, read_jsonl
 
 # Saving in one process without a process group is what these tests mean to do.
@@ -510,7 +510,7 @@ def test_a_real_run_journals_blocking_costs_and_rebuilds_advice(tmp_path: Path) 
 
 
 def _keeper(auto: bool, every: int = 100, blocking: float = 2.0, step_s: float = 0.1):
-    from supervisor.cadence import CadenceAdvisor, CadenceKeeper
+    from babysit.supervisor.run.cadence import CadenceAdvisor, CadenceKeeper
 
     advisor = CadenceAdvisor(every, mtbf_prior_s=3600.0)
     advisor.on_checkpoint(blocking)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import (
+from babysit.checkpoints import (
     Catalog,
     CheckpointError,
     ManifestError,
@@ -25,8 +25,13 @@ from checkpoints import (
     step_dir,
     verify_manifest,
 )
-from checkpoints.layout import MANIFEST_NAME, VERDICTS_NAME, part_marker_name, rank_state_name
-from checkpoints.save import commit, hash_part
+from babysit.checkpoints.layout import (
+    MANIFEST_NAME,
+    VERDICTS_NAME,
+    part_marker_name,
+    rank_state_name,
+)
+from babysit.checkpoints.save import commit, hash_part
 
 REPO = Path(__file__).resolve().parents[1]
 

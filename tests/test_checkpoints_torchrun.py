@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from checkpoints import Catalog, CheckpointError, read_manifest, step_dir, verify_manifest
-from checkpoints.layout import MANIFEST_NAME, PART_MARKER_PREFIX
+from babysit.checkpoints import Catalog, CheckpointError, read_manifest, step_dir, verify_manifest
+from babysit.checkpoints.layout import MANIFEST_NAME, PART_MARKER_PREFIX
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "workers" / "ckpt_roundtrip.py"
@@ -161,7 +161,7 @@ def tiny(extra_layer: bool = False) -> tuple[Any, Any, Any]:
 
 
 def test_load_refuses_another_world_size(runs: Runs) -> None:
-    from checkpoints import load
+    from babysit.checkpoints import load
 
     model, opt, sched = tiny()
     with pytest.raises(CheckpointError, match=r"saved by 2 ranks, but this job has 1.*relaunch"):
@@ -169,7 +169,7 @@ def test_load_refuses_another_world_size(runs: Runs) -> None:
 
 
 def test_load_names_a_missing_key(tmp_path: Path) -> None:
-    from checkpoints import load, save
+    from babysit.checkpoints import load, save
 
     model, opt, sched = tiny()
     save(tmp_path, 1, cursor=1, lr_scale=1.0, model=model, optimizer=opt, scheduler=sched)
@@ -182,7 +182,7 @@ def test_load_names_a_missing_key(tmp_path: Path) -> None:
 
 
 def test_save_to_an_unwritable_root_says_where(tmp_path: Path) -> None:
-    from checkpoints import save
+    from babysit.checkpoints import save
 
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("")
@@ -194,7 +194,7 @@ def test_save_to_an_unwritable_root_says_where(tmp_path: Path) -> None:
 def test_single_process_async_save_commits_on_poll_and_round_trips(tmp_path: Path) -> None:
     import torch
 
-    from checkpoints import load, save, wait_pending
+    from babysit.checkpoints import load, save, wait_pending
 
     model, opt, sched = tiny()
     handle = save(tmp_path, 7, cursor=70, lr_scale=0.5, model=model, optimizer=opt,

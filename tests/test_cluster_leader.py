@@ -18,17 +18,17 @@ from typing import Any
 
 import pytest
 
-from policies.loader import load_policy
-from policies.types import Finding, Incident, RankStep, Severity
-from supervisor.cluster.leader import LEADER, Cluster, JobExit
-from supervisor.cluster.node import NodeView, located
-from supervisor.cluster.wire import AuthError, Peer, connect, parse_address
-from supervisor.directive import Directive
-from supervisor.launcher import free_port
-from supervisor.plan import SECRET_ENV, RunPlan, from_mapping
-from supervisor.protocol import WorkerEvent
-from supervisor.sketch import StepSummary
-from supervisor.watch import Watch
+from babysit.policies.loader import load_policy
+from babysit.policies.types import Finding, Incident, RankStep, Severity
+from babysit.supervisor.cluster.membership import LEADER, Cluster, JobExit
+from babysit.supervisor.cluster.node_view import NodeView, located
+from babysit.supervisor.cluster.wire import AuthError, Peer, connect, parse_address
+from babysit.supervisor.config.plan import SECRET_ENV, RunPlan, from_mapping
+from babysit.supervisor.contract.directive import Directive
+from babysit.supervisor.contract.protocol import WorkerEvent
+from babysit.supervisor.node.launcher import free_port
+from babysit.supervisor.node.sketch import StepSummary
+from babysit.supervisor.run.watch import Watch
 from tests.conftest import poll
 
 SECRET = "cluster-leader-test-secret"
@@ -658,7 +658,7 @@ def test_located_names_the_node_once() -> None:
 def test_torchruns_failure_summary_maps_local_ranks_to_global_ones() -> None:
     # A rank that dies before its hello is known only by its log folder (a local rank); the
     # summary torchrun prints at exit says which global rank that was.
-    from supervisor import launcher
+    from babysit.supervisor.node import launcher
 
     summary = """Failures:
 [1]:

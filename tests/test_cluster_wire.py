@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.cluster import AuthError, Listener, Peer, connect, parse_address
-from supervisor.cluster.wire import MAX_FRAME
+from babysit.supervisor.cluster import AuthError, Listener, Peer, connect, parse_address
+from babysit.supervisor.cluster.wire import MAX_FRAME
 from tests.conftest import poll
 
 SECRET = b"run-secret-0123456789abcdef"

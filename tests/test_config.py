@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import config, plan
-from supervisor.cli import main
+from babysit.supervisor.commands.cli import main
+from babysit.supervisor.config import plan
+from babysit.supervisor.config import schema as config
 from tests.conftest import WORKERS
 
 

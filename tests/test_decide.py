@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from policies import decide as sm
-from policies.types import Action, Finding, Incident, Remedy, Severity
+from babysit.policies import decide as sm
+from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
 
 FINDING = Finding(Incident.LOSS_SPIKE, "loss_spike", Severity.CRITICAL, step=50, onset_step=45,
                   message="loss 3.1x baseline")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from policies.detectors import (
+from babysit.policies.detectors import (
     GradNormConfig,
     GradNormDetector,
     HangConfig,
@@ -20,7 +20,7 @@ from policies.detectors import (
     ThroughputConfig,
     ThroughputDetector,
 )
-from policies.types import Incident, RankStep, Severity, StepRecord
+from babysit.policies.types import Incident, RankStep, Severity, StepRecord
 
 
 def rec(step: int, loss: float | None = None, *, grad: float | None = None,
@@ -357,8 +357,8 @@ def test_throughput_steps_per_s_ignores_the_tokens() -> None:
 def test_straggler_slow_loader_is_not_mirrored_onto_the_ranks_waiting_for_it() -> None:
     # Rank 1 waits 80 ms for data; under a synchronous all-reduce rank 0 waits the same 80 ms in
     # the collective, which its compute signal (step_time - data_wait) cannot tell apart.
-    from policies.detectors import StragglerDetector
-    from policies.types import RankStep, StepRecord
+    from babysit.policies.detectors import StragglerDetector
+    from babysit.policies.types import RankStep, StepRecord
 
     det = StragglerDetector()
     finding = None
@@ -373,9 +373,9 @@ def test_straggler_slow_loader_is_not_mirrored_onto_the_ranks_waiting_for_it() -
 
 def test_a_relaunch_is_not_a_throughput_regression() -> None:
     # Fast steps, then a relaunch whose first steps run at a third of the pace (warm-up).
-    from policies.loader import load_policy
-    from policies.replay import Pipeline
-    from policies.types import RankStep, StepRecord
+    from babysit.policies.loader import load_policy
+    from babysit.policies.replay import Pipeline
+    from babysit.policies.types import RankStep, StepRecord
 
     def record(step: int, step_time: float) -> StepRecord:
         ranks = tuple(RankStep(rank=r, step=step, time=float(step), step_time=step_time,

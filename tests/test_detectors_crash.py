@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from policies.detectors import CrashClass, classify
-from policies.types import Incident
+from babysit.policies.detectors import CrashClass, classify
+from babysit.policies.types import Incident
 
 TB = 'Traceback (most recent call last):\n  File "train.py", line 42, in <module>\n'
 

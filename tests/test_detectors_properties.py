@@ -18,7 +18,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.detectors import (
+from babysit.policies.detectors import (
     GradNormDetector,
     HangConfig,
     HangDetector,
@@ -27,9 +27,9 @@ from policies.detectors import (
     StragglerDetector,
     ThroughputDetector,
 )
-from policies.loader import load_policy
-from policies.replay import Pipeline
-from policies.types import Finding, RankStep, Severity, StepRecord
+from babysit.policies.loader import load_policy
+from babysit.policies.replay import Pipeline
+from babysit.policies.types import Finding, RankStep, Severity, StepRecord
 
 settings.register_profile("babysit", max_examples=60, deadline=None, derandomize=True)
 settings.load_profile("babysit")

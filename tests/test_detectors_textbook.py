@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import random
 
-from policies.detectors import LossSpikeDetector, StragglerDetector
-from policies.loader import load_policy
-from policies.replay import Pipeline
-from policies.types import Incident, RankStep, Severity, StepRecord
+from babysit.policies.detectors import LossSpikeDetector, StragglerDetector
+from babysit.policies.loader import load_policy
+from babysit.policies.replay import Pipeline
+from babysit.policies.types import Incident, RankStep, Severity, StepRecord
 
 WORLD = 8
 

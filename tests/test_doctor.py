@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from checkpoints import register_external
-from supervisor.doctor import (
+from babysit.checkpoints import register_external
+from babysit.supervisor.commands.doctor import (
     Check,
     CheckResult,
     Context,
@@ -32,9 +32,9 @@ from supervisor.doctor import (
     render,
     runtime,
 )
-from supervisor.doctor.core import run_one
-from supervisor.health import Nvml
-from supervisor.plan import RunPlan
+from babysit.supervisor.commands.doctor.core import run_one
+from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.services.health import Nvml
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "/services/T000/B000/very-secret-token"
@@ -119,8 +119,8 @@ def test_fast_checks_import_no_torch_and_skip_the_slow_ones(tmp_path: Path) -> N
     # A fresh interpreter: this pytest process may have imported torch for other tests.
     code = textwrap.dedent(f"""\
         import json, sys, time
-        from supervisor.plan import from_file
-        from supervisor.doctor import fast_checks
+        from babysit.supervisor.config.plan import from_file
+        from babysit.supervisor.commands.doctor import fast_checks
         plan = from_file({str(ROOT / "configs" / "demo.yaml")!r})
         start = time.monotonic()
         results = fast_checks(plan)
@@ -227,7 +227,7 @@ def test_a_run_interpreter_without_torch_fails_the_torch_check(tmp_path: Path) -
 
 
 def fake_nvml(gpus: list[dict[str, Any]]) -> types.ModuleType:
-    """A stand-in for ``pynvml`` with the calls ``supervisor.health.Nvml`` makes."""
+    """A stand-in for ``pynvml`` with the calls ``services.health.Nvml`` makes."""
     m = types.ModuleType("pynvml")
     mem = types.SimpleNamespace(used=0, total=80 * 1024**3)
     m.__dict__.update(

@@ -15,8 +15,8 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.exporter import Exporter, ExporterConfig, ExporterError
-from supervisor.health import DiskSample, GpuSample, HealthSample, HostSample
+from babysit.supervisor.services.exporter import Exporter, ExporterConfig, ExporterError
+from babysit.supervisor.services.health import DiskSample, GpuSample, HealthSample, HostSample
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.fingerprint import (
+from babysit.supervisor.rank.fingerprint import (
     COLUMNS,
     Fingerprinter,
     _checksum,
@@ -145,7 +145,7 @@ def test_meta_parameters_have_no_param_digest() -> None:
 
 
 def test_probe_is_stable_across_calls_and_processes() -> None:
-    code = "from supervisor.fingerprint import probe_digest; print(probe_digest())"
+    code = "from babysit.supervisor.rank.fingerprint import probe_digest; print(probe_digest())"
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
                               text=True) for _ in range(2)]
     digests = {probe_digest() for _ in range(100)}

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.health import (
+from babysit.supervisor.services.health import (
     GIB,
     DiskSample,
     GpuSample,

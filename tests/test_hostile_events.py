@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from policies.loader import load_policy
-from supervisor.cadence import CadenceAdvisor, replay_journal
-from supervisor.loop import _positive
-from supervisor.protocol import WorkerEvent
-from supervisor.watch import Watch
-from supervisor.worker import _flops_per_token
+from babysit.policies.loader import load_policy
+from babysit.supervisor.contract.protocol import WorkerEvent
+from babysit.supervisor.rank.api import _flops_per_token
+from babysit.supervisor.run.cadence import CadenceAdvisor, replay_journal
+from babysit.supervisor.run.loop import _positive
+from babysit.supervisor.run.watch import Watch
 
 
 def fingerprint(rank: int, **data: Any) -> WorkerEvent:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from supervisor.incident import incident_name, next_number, write_incident
-from supervisor.stacks import Frame, StackDump, ThreadStack, Verdict, odd_one_out
+from babysit.supervisor.node.incident import incident_name, next_number, write_incident
+from babysit.supervisor.node.stacks import Frame, StackDump, ThreadStack, Verdict, odd_one_out
 
 RAW0 = """Process 11: python -u train.py
 Python v3.11.7 (/usr/bin/python3.11)

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.loader import load_policy
-from policies.replay import SCOPES, Pipeline
-from policies.types import Finding, JobStep, RankStep, StepRecord
-from supervisor.sketch import NodeMerger, StepSummary, SummaryRecord
+from babysit.policies.loader import load_policy
+from babysit.policies.replay import SCOPES, Pipeline
+from babysit.policies.types import Finding, JobStep, RankStep, StepRecord
+from babysit.supervisor.node.sketch import NodeMerger, StepSummary, SummaryRecord
 
 # -- helpers ----------------------------------------------------------------------------------
 

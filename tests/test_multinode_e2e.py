@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 
-from supervisor.launcher import free_port
+from babysit.supervisor.node.launcher import free_port
 from tests.conftest import FAST_POLICY, ROOT, WORKERS, babysit_env, read_jsonl, run_babysit
 
 SECRET = "correct horse battery staple"
@@ -45,7 +45,7 @@ class Nodes:
         env = {**babysit_env(), "BABYSIT_SECRET": secret}
         log = open(self.tmp_path / f"node{node}.log", "a")  # noqa: SIM115 - closed with the test
         proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.cli", "run", "--node-rank", str(node),
+            [sys.executable, "-m", "babysit", "run", "--node-rank", str(node),
              str(self.config)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             text=True)
         self.procs[node] = proc

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from policies.loader import PolicyError, builtin_names, load_policy
-from policies.schema import Policy
-from policies.types import Action
+from babysit.policies.loader import PolicyError, builtin_names, load_policy
+from babysit.policies.schema import Policy
+from babysit.policies.types import Action
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -178,7 +178,7 @@ def test_babysit_schema_policy_documents_the_new_sections(capsys: pytest.Capture
                                                           ) -> None:
     import json
 
-    from supervisor.cli import main
+    from babysit.supervisor.commands.cli import main
 
     assert main(["schema", "--policy"]) == 0
     schema = json.loads(capsys.readouterr().out)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from policies import decide as sm
-from policies.types import RankStep, StepRecord
-from supervisor.progress import Progress, si
+from babysit.policies import decide as sm
+from babysit.policies.types import RankStep, StepRecord
+from babysit.supervisor.run.progress import Progress, si
 
 
 def record(step: int, tokens: float | None, flops: float | None = None) -> StepRecord:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from policies.types import RankStep
-from supervisor import protocol
-from supervisor.directive import Directive, SkipRange
-from supervisor.intake import Intake
-from supervisor.worker import Run, attach
+from babysit.policies.types import RankStep
+from babysit.supervisor.contract import protocol
+from babysit.supervisor.contract.directive import Directive, SkipRange
+from babysit.supervisor.node.intake import Intake
+from babysit.supervisor.rank.api import Run, attach
 
 TOKEN = bytes(range(16))
 
@@ -56,7 +56,7 @@ def intake(tmp_path: Path):
 
 
 def connect(path: Path) -> socket.socket:
-    from supervisor.intake import connect as rank_connect
+    from babysit.supervisor.contract.protocol import connect as rank_connect
 
     return rank_connect(str(path))
 
@@ -160,7 +160,7 @@ class Seekable:
 
 @pytest.mark.parametrize("seekable", [True, False])
 def test_batches_resume_and_skip_in_cursor_space(seekable: bool) -> None:
-    from supervisor.directive import Resume
+    from babysit.supervisor.contract.directive import Resume
 
     directive = Directive(resume=Resume(path="x", step=3, cursor=3),
                           skip=(SkipRange(5, 7), SkipRange(9, 10)))
@@ -191,7 +191,7 @@ def test_lr_scale_applies_only_inside_optimizer_step() -> None:
 
 
 def test_journal_evidence_may_carry_any_key(tmp_path: Path) -> None:
-    from supervisor.journal import Journal, read
+    from babysit.supervisor.run.journal import Journal, read
 
     journal = Journal(tmp_path / "events.jsonl").open()
     journal.write("digest", 1.0, 2, 7, attempt=9, time="x", loss=float("nan"))
@@ -202,7 +202,7 @@ def test_journal_evidence_may_carry_any_key(tmp_path: Path) -> None:
 
 
 def test_prior_run_reads_what_a_killed_supervisor_left() -> None:
-    from supervisor.journal import prior_run
+    from babysit.supervisor.run.journal import prior_run
 
     assert prior_run([]) is None
     directive = {"skip": [{"start": 3, "end": 9}], "lr_scale": 0.5}
@@ -224,7 +224,7 @@ def test_prior_run_reads_what_a_killed_supervisor_left() -> None:
 
 
 def test_prior_run_finds_a_remedy_decided_but_never_launched() -> None:
-    from supervisor.journal import prior_run
+    from babysit.supervisor.run.journal import prior_run
 
     finding = {"event": "finding", "attempt": 0, "finding": {"incident": "loss_spike"},
                "remedy": {"action": "rollback"}}
@@ -242,9 +242,9 @@ def test_prior_run_finds_a_remedy_decided_but_never_launched() -> None:
 def test_watch_state_round_trips_through_json() -> None:
     import json
 
-    from policies.loader import load_policy
-    from policies.types import Finding, Incident, Severity
-    from supervisor.watch import Watch
+    from babysit.policies.loader import load_policy
+    from babysit.policies.types import Finding, Incident, Severity
+    from babysit.supervisor.run.watch import Watch
 
     watch = Watch(load_policy("default"))
     crash = Finding(Incident.CRASH, "crash", Severity.CRITICAL, step=7, onset_step=7,
@@ -254,7 +254,7 @@ def test_watch_state_round_trips_through_json() -> None:
     watch.classify_crash(1, {0: "ValueError: x"}, 7)  # remembered for the deterministic check
     assert len(watch.crashes) == 1
     watch.lr_scale = 0.25
-    from policies.types import RankStep, StepRecord
+    from babysit.policies.types import RankStep, StepRecord
 
     def record(step: int, loss: float) -> StepRecord:
         ranks = tuple(RankStep(rank=r, step=step, time=float(step), cursor=step, loss=loss,

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.detectors import RankDepartureConfig, RankDepartureDetector, loss_spread
-from policies.loader import load_policy
-from policies.replay import Pipeline
-from policies.types import Finding, Incident, RankStep, Severity, StepRecord
+from babysit.policies.detectors import RankDepartureConfig, RankDepartureDetector, loss_spread
+from babysit.policies.loader import load_policy
+from babysit.policies.replay import Pipeline
+from babysit.policies.types import Finding, Incident, RankStep, Severity, StepRecord
 
 settings.register_profile("babysit", max_examples=60, deadline=None, derandomize=True)
 settings.load_profile("babysit")

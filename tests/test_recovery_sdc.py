@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoints import Catalog, Verdict
-from policies.types import Action, Finding, Incident, Remedy, Severity
-from supervisor.recovery import Recovery
+from babysit.checkpoints import Catalog, Verdict
+from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
+from babysit.supervisor.run.recovery import Recovery
 from tests.test_checkpoints_catalog import make_ckpt
 
 

@@ -22,8 +22,8 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from supervisor.report import report_main
-from supervisor.report.data import RunData
+from babysit.supervisor.commands.report import report_main
+from babysit.supervisor.commands.report.data import RunData
 from tests.conftest import read_jsonl
 from tests.test_status import real_run
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from policies.detectors import classify
-from policies.loader import load_policy
-from policies.rules import Rules
-from policies.schema import Policy
-from policies.types import Action, Finding, Incident, Severity
+from babysit.policies.detectors import classify
+from babysit.policies.loader import load_policy
+from babysit.policies.rules import Rules
+from babysit.policies.schema import Policy
+from babysit.policies.types import Action, Finding, Incident, Severity
 
 
 def finding(incident: Incident = Incident.LOSS_SPIKE, step: int = 1000,

@@ -78,7 +78,7 @@ def wait_for(predicate, timeout: float, what: str):
 def test_sigint_stops_cleanly_and_leaves_no_orphans(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.cli", "run", "--nproc-per-node", "2", "--run-dir",
+        [sys.executable, "-m", "babysit", "run", "--nproc-per-node", "2", "--run-dir",
          str(run_dir), str(WORKERS / "tiny_train.py"), "--steps", "100000"],
         cwd=tmp_path, env=babysit_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True)

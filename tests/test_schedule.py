@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import Catalog, step_dir
-from checkpoints.layout import rank_state_name
-from checkpoints.save import commit, hash_part
-from supervisor.health import HealthConfig, HealthKind, HealthWarning
-from supervisor.schedule import (
+from babysit.checkpoints import Catalog, step_dir
+from babysit.checkpoints.layout import rank_state_name
+from babysit.checkpoints.save import commit, hash_part
+from babysit.supervisor.services.health import HealthConfig, HealthKind, HealthWarning
+from babysit.supervisor.services.schedule import (
     Digest,
     DigestSnapshot,
     HealthReport,

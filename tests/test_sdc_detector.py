@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from policies.detectors import SdcConfig, SdcDetector
-from policies.loader import load_policy
-from policies.replay import Pipeline
-from policies.types import Finding, Incident, Severity
+from babysit.policies.detectors import SdcConfig, SdcDetector
+from babysit.policies.loader import load_policy
+from babysit.policies.replay import Pipeline
+from babysit.policies.types import Finding, Incident, Severity
 
 P = "9f" * 32  # a 64-hex-digit parameter digest
 Q = "a0" * 32

@@ -26,7 +26,7 @@ def test_metrics_endpoint_and_scheduled_jobs_on_a_live_run(tmp_path: Path) -> No
         f"run_dir: {run_dir}\n"
         "prometheus: {enabled: true}\n"
         "schedule: {health_every_s: 0.5, digest_every_s: 2.0}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", str(config)],
+    proc = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
                             cwd=tmp_path, env=babysit_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:

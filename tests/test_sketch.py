@@ -11,9 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.types import RankStep
-from supervisor.aggregate import StepAggregator, metrics_row
-from supervisor.sketch import QuantileSketch, RawRing, StepStats, StepSummary, SummaryAggregator
+from babysit.policies.types import RankStep
+from babysit.supervisor.node.aggregate import StepAggregator, metrics_row
+from babysit.supervisor.node.sketch import (
+    QuantileSketch,
+    RawRing,
+    StepStats,
+    StepSummary,
+    SummaryAggregator,
+)
 
 ALPHA = 0.005
 QS = (0.0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 0.999, 1.0)

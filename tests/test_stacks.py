@@ -15,9 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor.incident import write_incident
-from supervisor.launcher import free_port
-from supervisor.stacks import (
+from babysit.supervisor.node.incident import write_incident
+from babysit.supervisor.node.launcher import free_port
+from babysit.supervisor.node.stacks import (
     Frame,
     StackDump,
     ThreadStack,
@@ -101,9 +101,12 @@ def test_native_frames_show_ddp_waiting_in_backward() -> None:
 
 
 def test_babysit_and_threading_frames_are_ignored() -> None:
-    inside_api = [SLEEPING[0], ("Run.batches", "supervisor/worker.py", 110), SLEEPING[1]]
+    inside_api = [SLEEPING[0], ("Run.batches", "supervisor/rank/api.py", 110), SLEEPING[1]]
+    installed = [SLEEPING[0], ("Run.step", "/venv/lib/site-packages/babysit/supervisor/rank/api.py",
+                               140), SLEEPING[1]]
     threading_ = [*SLEEPING, ("Thread.run", "threading.py", 982)]
-    dumps = {0: dump(0, SLEEPING), 1: dump(1, threading_), 2: dump(2, inside_api)}
+    dumps = {0: dump(0, SLEEPING), 1: dump(1, threading_), 2: dump(2, inside_api),
+             3: dump(3, installed)}
     verdict = odd_one_out(dumps)
     assert verdict.rule == "same", verdict.reason
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.status import snapshot, status_main
+from babysit.supervisor.commands.status import snapshot, status_main
 from tests.conftest import ROOT, journal, read_jsonl, run_babysit
 
 pytestmark = pytest.mark.e2e

@@ -26,7 +26,7 @@ def test_a_killed_supervisor_is_taken_over_and_the_run_resumes(tmp_path: Path) -
         f"  args: {json.dumps(['--steps', '40', '--step-sleep', '0.15'])}\n"
         f"run_dir: {run_dir}\n"
         "checkpoints: {every_steps: 5, probation_steps: 2}\n")
-    first = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", str(config)],
+    first = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
                              cwd=tmp_path, env=babysit_env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     try:
@@ -73,7 +73,7 @@ def test_sigterm_saves_a_final_checkpoint_and_the_next_run_resumes_from_it(
         f"run_dir: {run_dir}\n"
         # No checkpoint on the cadence before the end: only the final one can be resumed from.
         "checkpoints: {every_steps: 100, final_grace_s: 60}\n")
-    first = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", str(config)],
+    first = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
                              cwd=tmp_path, env=babysit_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:

@@ -19,19 +19,19 @@ classify()        exit + log tail      CrashVerdict (class, signature, determini
 ================  ===================  ===========================================
 """
 
-from policies.detectors.crash import CrashClass, CrashSignature, CrashVerdict, classify
-from policies.detectors.grad_norm import GradNormConfig, GradNormDetector
-from policies.detectors.hang import HangConfig, HangDetector
-from policies.detectors.loss_spike import LossSpikeConfig, LossSpikeDetector
-from policies.detectors.nonfinite import NonFiniteConfig, NonFiniteDetector
-from policies.detectors.rank_departure import (
+from babysit.policies.detectors.crash import CrashClass, CrashSignature, CrashVerdict, classify
+from babysit.policies.detectors.grad_norm import GradNormConfig, GradNormDetector
+from babysit.policies.detectors.hang import HangConfig, HangDetector
+from babysit.policies.detectors.loss_spike import LossSpikeConfig, LossSpikeDetector
+from babysit.policies.detectors.nonfinite import NonFiniteConfig, NonFiniteDetector
+from babysit.policies.detectors.rank_departure import (
     RankDepartureConfig,
     RankDepartureDetector,
     loss_spread,
 )
-from policies.detectors.sdc import SdcConfig, SdcDetector
-from policies.detectors.straggler import StragglerConfig, StragglerDetector
-from policies.detectors.throughput import ThroughputConfig, ThroughputDetector
+from babysit.policies.detectors.sdc import SdcConfig, SdcDetector
+from babysit.policies.detectors.straggler import StragglerConfig, StragglerDetector
+from babysit.policies.detectors.throughput import ThroughputConfig, ThroughputDetector
 
 __all__ = [
     "CrashClass",

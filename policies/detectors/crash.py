@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from policies.types import Finding, Incident, Severity
+from babysit.policies.types import Finding, Incident, Severity
 
 
 class CrashClass(str, enum.Enum):

@@ -31,8 +31,8 @@ from typing import Any
 
 from pydantic import Field
 
-from policies.detectors._base import DetectorConfig, r4
-from policies.types import Finding, Incident, RankStep, Severity
+from babysit.policies.detectors._base import DetectorConfig, r4
+from babysit.policies.types import Finding, Incident, RankStep, Severity
 
 
 class HangConfig(DetectorConfig):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from policies.detectors._base import DetectorConfig
-from policies.types import Finding, Incident, Severity, StepRecord
+from babysit.policies.detectors._base import DetectorConfig
+from babysit.policies.types import Finding, Incident, Severity, StepRecord
 
 
 class NonFiniteConfig(DetectorConfig):

@@ -2,7 +2,7 @@
 
 Every few steps each rank sends digests of things that are identical on every healthy replica,
 as a ``dict[str, str]`` of hex digests, e.g. ``{"params": "9f..", "probe": "31.."}`` (the worker
-side is ``supervisor/fingerprint.py``): the parameters after the optimizer step (data parallel
+side is ``supervisor/rank/fingerprint.py``): the parameters after the optimizer step (data parallel
 replicas hold the same bits) and a probe, a fixed computation on fixed inputs that a healthy
 device always answers the same way. This module only compares them; it never sees a tensor.
 
@@ -47,8 +47,8 @@ from typing import Any
 
 from pydantic import Field
 
-from policies.detectors._base import DetectorConfig
-from policies.types import Finding, Incident, Severity
+from babysit.policies.detectors._base import DetectorConfig
+from babysit.policies.types import Finding, Incident, Severity
 
 _SHORT = 16
 """Characters of a digest shown in evidence and messages (64 bits: plenty to tell them apart)."""

@@ -32,8 +32,8 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from policies.detectors._base import DetectorConfig, r4
-from policies.types import Finding, Incident, RankStep, Severity, StepRecord
+from babysit.policies.detectors._base import DetectorConfig, r4
+from babysit.policies.types import Finding, Incident, RankStep, Severity, StepRecord
 
 
 class StragglerConfig(DetectorConfig):

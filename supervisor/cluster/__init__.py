@@ -3,15 +3,14 @@
 ``wire`` is the authenticated channel between them (handshake, frames, threat model).
 """
 
-from supervisor.cluster.wire import (
+from babysit.supervisor.cluster.wire import (
     MAX_FRAME,
     AuthError,
     Listener,
     Peer,
     connect,
-    format_address,
-    parse_address,
 )
+from babysit.supervisor.config.address import format_address, parse_address
 
 __all__ = [
     "MAX_FRAME",

@@ -26,16 +26,16 @@ import time
 from types import FrameType
 from typing import Any
 
-from policies.types import Finding, RankStep
-from supervisor import forensics, launcher
-from supervisor import journal as journal_mod
-from supervisor.cluster.node import NodeView
-from supervisor.cluster.wire import AuthError, Peer, connect
-from supervisor.console import Console
-from supervisor.plan import RunPlan
-from supervisor.protocol import WorkerEvent
-from supervisor.sketch import StepSummary
-from supervisor.workers import NodeWorkers
+from babysit.policies.types import Finding, RankStep
+from babysit.supervisor.cluster.node_view import NodeView
+from babysit.supervisor.cluster.wire import AuthError, Peer, connect
+from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.contract.protocol import WorkerEvent
+from babysit.supervisor.node import forensics, launcher
+from babysit.supervisor.node.sketch import StepSummary
+from babysit.supervisor.node.workers import NodeWorkers
+from babysit.supervisor.run import journal as journal_mod
+from babysit.supervisor.run.console import Console
 
 TICK_S = 0.1
 FORWARDED = ("hello", "close", "skip", "checkpoint", "checkpoint_failed", "cadence",
@@ -213,7 +213,7 @@ class Follower:
         return None
 
     def _launch(self, message: dict[str, Any]) -> None:
-        from supervisor.directive import Directive
+        from babysit.supervisor.contract.directive import Directive
 
         self._stop_workers("a new attempt starts")
         attempt = int(message["attempt"])

@@ -1,263 +1,309 @@
-"""The leader's side of a multi-node run: who takes part, what the nodes report, what they are
-told.
+"""The leader's control loop: the single-node loop, over every node.
 
-The leader's babysitter (node rank 0) listens on ``nodes.leader``; every other node's babysitter
-joins it over an authenticated channel (``supervisor.cluster.wire``). The control loop
-(``supervisor.loop``) stays the one place that decides; this class only turns the nodes'
-messages into things it can decide on, and its decisions into messages::
+``Leader`` is ``babysit.supervisor.run.loop.Supervisor`` with its node-facing steps replaced; the
+state machine, the rules, recovery, cadence, alerts and the journal are the same objects doing the
+same things. What changes, step by step::
 
-    follower -> leader                      leader -> follower
-    summary   one node's StepSummary        launch   attempt, directive, rendezvous, nnodes
-    finding   per-rank detector, hang       stop     stop the attempt's workers, say stopped
-    event     checkpoint, fingerprint, ...  control  checkpoint cadence / final checkpoint
-    exited    torchrun's code, log tails    finish   the run is over
-    stopped   the stop asked for is done    beat     heartbeat (both ways)
-    beat      heartbeat
-
-Two things need every node's view before the leader acts, so they *settle* for
-``nodes.settle_s``: a crash (the node whose rank failed has the telling log; the others see only a
-peer that closed its connection) and a hang (the node with the stuck rank names it from its
-stacks; the others see ranks waiting in a collective). A node that vanishes (its connection
-closes, or it is silent for ``nodes.lost_after_s``) is reported at once: the crashes of its
-peers that follow are its consequence.
-
-The leader's own node takes part like any other (node 0); its messages come from the loop, not
-the wire.
+    this node's ranks     per-rank detectors and hang timers in a NodeView (as on every node);
+                          its step summaries merge with the other nodes' (NodeMerger)
+    the job's steps       merged summaries -> metrics row, progress, the job-level detectors
+    the other nodes       joins, summaries, findings, rank events, exits, losses (Cluster)
+    torchrun's exit       waits for every node's exit, or settles after the first failure
+    launch                the nodes present now take part: same attempt, directive, rendezvous
+    stop                  every node stops its workers; the leader waits until they say so
+    control requests      the control file here, and the same request to every node
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import deque
 from typing import Any
 
-from policies.types import Finding, Incident, Severity
-from supervisor.cluster.node import node_name
-from supervisor.cluster.wire import Listener, Peer, format_address, parse_address
-from supervisor.launcher import free_port
-from supervisor.plan import RunPlan
-from supervisor.sketch import NodeMerger, StepSummary
+from babysit.policies import decide as sm
+from babysit.policies.types import Finding, Incident, RankStep, Severity
+from babysit.supervisor.cluster.membership import LEADER, Cluster, JobExit
+from babysit.supervisor.cluster.node_view import NodeView, located
+from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.contract.directive import Directive
+from babysit.supervisor.contract.protocol import WorkerEvent
+from babysit.supervisor.node import forensics
+from babysit.supervisor.node.aggregate import with_rates
+from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
+from babysit.supervisor.run.console import Console
+from babysit.supervisor.run.loop import TICK_S, Supervisor
+from babysit.supervisor.run.watch import Watch
 
-LEADER = 0
-
-
-@dataclass
-class JobExit:
-    """Every node taking part has exited (or the settle time ran out after a failure)."""
-
-    code: int
-    """0 when every node's torchrun exited 0; else the first non-zero code seen."""
-    tails: dict[int, str] = field(default_factory=dict)
-    """Each failed rank's log tail, from every node, by global rank."""
-    root: int | None = None
-    """The rank torchrun named as the first failure, on the first node that named one."""
-    nodes: dict[int, int] = field(default_factory=dict)
-    """Each node's exit code."""
+Pending = deque[sm.Event | Finding]
+LOST_EXIT_CODE = 137
+"""The exit a lost node's torchrun is counted with: killed, as far as anyone can tell."""
 
 
-@dataclass
-class _Attempt:
-    """What the nodes of one attempt said about its end and its hangs."""
+class Leader(Supervisor):
+    """Runs a multi-node job from node rank 0. ``run()`` returns the process exit code."""
 
-    nodes: list[int]
-    exits: dict[int, dict[str, Any]] = field(default_factory=dict)
-    failed_at: float | None = None
-    hangs: dict[int, Finding] = field(default_factory=dict)
-    hang_at: float | None = None
-    stopped: set[int] = field(default_factory=set)
-    done: bool = False
-    peers: dict[int, Peer] = field(default_factory=dict)
-    """The followers' connections this attempt was launched on."""
+    def __init__(self, plan: RunPlan, console: Console, secret: bytes) -> None:
+        super().__init__(plan, console)
+        self.watch = Watch.from_plan(plan, scope="job")
+        self.view = NodeView.from_plan(plan, LEADER)
+        self.cluster = Cluster(plan, secret, self.clock)
+        self._exit_code: int | None = None
+        self._local_hang: tuple[Finding, forensics.Diagnosis | None] | None = None
 
+    # -- lifecycle ------------------------------------------------------------------------------
 
-class Cluster:
-    """The leader's view of the nodes. ``open()`` starts listening; the loop polls."""
-
-    def __init__(self, plan: RunPlan, secret: bytes,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        nodes = plan.config.nodes
-        self.config = nodes
-        self.low, self.high = plan.config.launch.node_range
-        _, port = parse_address(plan.leader_address)
-        # Every interface: the followers reach this host by the name in nodes.leader.
-        self.leader_host = parse_address(plan.leader_address)[0]
-        self.listener = Listener("::" if ":" in self.leader_host else "", port, secret)
-        self.clock = clock
-        self.peers: dict[int, Peer] = {}
-        """Followers connected now, by node rank."""
-        self.hosts: dict[int, str] = {LEADER: node_name()}
-        self.rank_node: dict[int, int] = {}
-        """Global rank -> node rank, from the hellos of the current attempt."""
-        self.merger = NodeMerger({LEADER})
-        self.attempt = _Attempt([LEADER])
-        self._backlog: list[tuple[int, dict[str, Any]]] = []
-
-    def open(self) -> None:
-        self.listener.open()
-
-    def close(self, code: int | None = None) -> None:
-        """Tell every follower the run is over (with its exit code), then hang up."""
-        if code is not None:
-            for peer in self.peers.values():
-                peer.send({"type": "finish", "code": code})
-        self.listener.close()
-
-    # -- membership -------------------------------------------------------------------------------
-
-    def accept(self) -> list[tuple[str, dict[str, Any]]]:
-        """Followers that joined since the last call; returns journal entries."""
-        entries = []
-        for peer in self.listener.accept():
-            node, host = peer.info.get("node_rank"), str(peer.info.get("host", "?"))
-            old = self.peers.get(node) if isinstance(node, int) else None
-            if not isinstance(node, int) or not 0 < node < self.high:
-                # Never going to work: another config, or a typo in --node-rank.
-                why = f"node rank {node!r} is not in 1..{self.high - 1} (launch.nnodes)"
-                final = True
-            elif old is not None and not old.closed:
-                # Its previous connection may not have been seen closing yet: it may retry.
-                why, final = f"node rank {node} is already taken by {self.hosts.get(node)}", False
+    def _loop(self) -> int:
+        try:
+            self._await_start()
+            return super()._loop()
+        except NodesMissing as exc:
+            if self._signal is not None:  # asked to stop while waiting for nodes
+                code, state, reason = 128 + self._signal, "stopped", f"signal {self._signal}"
             else:
-                if old is not None:  # gone, but what it said last (its exit, its loss) counts
-                    self._backlog.extend(self._hear(node, old, time.monotonic()))
-                self.peers[node], self.hosts[node] = peer, host
-                peer.keep_alive(self.config.heartbeat_s)
-                entries.append(("node_joined", {"node": node, "host": host,
-                                                "pid": peer.info.get("pid"),
-                                                "address": peer.info.get("address")}))
-                continue
-            peer.send({"type": "refused", "reason": why, "final": final})
-            peer.close()
-            entries.append(("node_refused", {"node": node, "host": host, "reason": why}))
-        if self.listener.last_rejected:
-            entries.append(("node_rejected", {"why": self.listener.last_rejected,
-                                              "counts": dict(self.listener.rejected)}))
-            self.listener.last_rejected = ""
-        return entries
+                code, state, reason = 1, "failed", str(exc)
+                self._notify(sm.Notify(Severity.CRITICAL, f"run failed: {exc}"))
+            self._journal("run_finished", state=state, exit_code=code, reason=reason)
+            self._exit_code = code
+            return code
 
-    def present(self) -> list[int]:
-        """Nodes that could take part in an attempt now (the leader and live followers)."""
-        return [LEADER, *sorted(n for n, p in self.peers.items() if not p.closed)]
+    def _await_start(self) -> None:
+        """Wait for every node ``launch.nnodes`` allows, or at least the fewest it allows."""
+        try:
+            self.cluster.open()
+        except OSError as exc:
+            raise NodesMissing(f"cannot listen for the other nodes at {self.plan.leader_address}"
+                               f" ({exc.strerror or exc}): another run holds the port, or the "
+                               f"host is not this machine; change nodes.leader") from None
+        self._journal("leader_listening", address=self.plan.leader_address,
+                      nnodes=self.plan.config.launch.nnodes)
+        low, high = self.cluster.low, self.cluster.high
+        timeout = self.plan.config.nodes.join_timeout_s
+        self.console.log(f"babysit: leading {low if low == high else f'{low} to {high}'} "
+                         f"nodes; waiting for the others at {self.plan.leader_address}")
+        if not self._await_nodes(high, timeout) and \
+                (len(self.cluster.present()) < low or self._signal is not None):
+            raise NodesMissing(f"only {len(self.cluster.present())} of at least {low} nodes "
+                               f"joined within {timeout:g} s (nodes.join_timeout_s); check "
+                               f"that every node runs babysit with the same secret and can "
+                               f"reach {self.plan.leader_address}")
 
-    def describe(self, node: int) -> str:
-        return f"node {node} ({self.hosts.get(node, '?')})"
+    def _await_nodes(self, want: int, timeout: float) -> bool:
+        """Wait until ``want`` nodes are present, up to ``timeout`` s; False if they are not."""
+        deadline = self.clock() + timeout
+        while len(self.cluster.present()) < want:
+            if self.clock() >= deadline or self._signal is not None:
+                return False
+            time.sleep(TICK_S)
+            self._journal_all(self.cluster.accept())
+            for node, message in self.cluster.receive():
+                if message.get("type") == "lost":
+                    self._journal("node_lost", node=node, why=message.get("why"))
+            self.console.status(f"waiting for nodes: {len(self.cluster.present())}/{want}")
+        return True
 
-    # -- telling the nodes ---------------------------------------------------------------------
+    def _teardown(self) -> None:
+        self.cluster.close(self._exit_code if self._exit_code is not None else 1)
+        super()._teardown()
 
-    def launch(self, attempt: int, directive: dict[str, Any], rdzv_id: str,
-               endpoint: str | None) -> tuple[list[int], str]:
-        """Tell every present follower to start ``attempt``; returns the nodes taking part and
-        the rendezvous endpoint. The leader's own node is node index 0 of the attempt."""
-        nodes = self.present()
-        endpoint = endpoint or format_address(self.leader_host, free_port(""))
-        self.attempt = _Attempt(nodes, peers={n: self.peers[n] for n in nodes if n != LEADER})
-        for index, node in enumerate(nodes):
-            if node != LEADER:
-                self.peers[node].send({"type": "launch", "attempt": attempt,
-                                       "directive": directive, "rdzv_id": rdzv_id,
-                                       "rdzv_endpoint": endpoint, "nnodes": str(len(nodes)),
-                                       "node_rank": index})
-        self.merger.reset(set(nodes))
-        self.rank_node = {}
-        return nodes, endpoint
+    def _perform(self, action: sm.ActionT, pending: Pending) -> int | None:
+        code = super()._perform(action, pending)
+        if code is not None:
+            self._exit_code = code
+        return code
 
-    def tell(self, message: dict[str, Any]) -> None:
-        """Send ``message`` to every follower of the current attempt (not to a babysitter that
-        has since taken a lost node's place: it runs nothing of this attempt)."""
-        for peer in self.attempt.peers.values():
-            peer.send(message)
+    # -- this node's ranks ----------------------------------------------------------------------
 
-    # -- hearing from the nodes ------------------------------------------------------------------
+    def _rank_step(self, sample: RankStep, pending: Pending) -> None:
+        summaries, findings = self.view.observe_rank(sample, self.clock())
+        self._node_report(LEADER, summaries, findings, pending)
 
-    def receive(self) -> list[tuple[int, dict[str, Any]]]:
-        """Every follower's messages since the last call, then ``lost`` for followers that
-        closed or fell silent (each once)."""
-        out, self._backlog = self._backlog, []
-        now = time.monotonic()  # the wire stamps last_heard with the real monotonic clock
-        for node, peer in list(self.peers.items()):
-            out.extend(self._hear(node, peer, now))
-        return out
+    def _local_event(self, event: WorkerEvent, pending: Pending) -> None:
+        self.view.observe_event(event, self.clock())
+        self._rank_event(LEADER, event, pending)
 
-    def _hear(self, node: int, peer: Peer, now: float) -> list[tuple[int, dict[str, Any]]]:
-        """One follower's messages, then ``lost`` (once) if it closed or fell silent."""
-        closed = peer.closed  # before draining: the reader queues its last message, then closes
-        out = [(node, m) for m in peer.receive()]
-        silent = now - peer.last_heard
-        if closed or silent > self.config.lost_after_s:
-            why = (f"its babysitter was silent for {silent:.0f} s" if not closed
-                   else f"its connection closed ({peer.close_reason or 'eof'})")
-            peer.close()
-            if self.peers.get(node) is peer:
-                del self.peers[node]
-            out.append((node, {"type": "lost", "why": why}))
-        return out
+    def _check_workers(self, now: float, pending: Pending) -> None:
+        a = self.cluster.attempt
+        if LEADER not in a.exits:
+            code = self.workers.poll()
+            if code is not None:
+                self._take_telemetry(pending)
+                self._node_report(LEADER, *self.view.flush(), pending)
+                tails: dict[int, str] = {}
+                root = None
+                if code and not self._teardown_crash(code):
+                    tails, root = self.workers.crash_evidence(self.machine.attempt)
+                elif code:
+                    code = 0
+                self.cluster.exited(LEADER, code, tails, root)
+            elif self.workers.group is not None and \
+                    forensics.ranks_all_alive(self.workers.rank_pids.values()):
+                for finding in self.view.check(now):
+                    finding, diagnosis = super()._diagnose(finding)
+                    finding = self.view.name(finding)
+                    self._local_hang = (finding, diagnosis)
+                    self.cluster.hang(LEADER, finding)
 
-    def summary(self, node: int, summary: StepSummary) -> list[StepSummary]:
-        """A node's summary of a step; the job's merged steps that are complete now."""
-        return self.merger.add(node, summary)
+    # -- the other nodes ------------------------------------------------------------------------
 
-    def exited(self, node: int, code: int, tails: dict[int, str], root: int | None) -> None:
-        a = self.attempt
-        if node not in a.nodes or node in a.exits:
-            return
-        a.exits[node] = {"code": code, "tails": tails, "root": root}
-        if code != 0 and a.failed_at is None:
-            a.failed_at = self.clock()
+    def _take_telemetry(self, pending: Pending) -> None:
+        super()._take_telemetry(pending)  # this node's ranks
+        self._gather_nodes(pending)
 
-    def hang(self, node: int, finding: Finding) -> None:
-        a = self.attempt
-        if node in a.nodes:
-            a.hangs.setdefault(node, finding)
-            if a.hang_at is None:
-                a.hang_at = self.clock()
+    def _gather_nodes(self, pending: Pending) -> None:
+        # Settled before this tick's messages: a node lost in this tick is judged first, and
+        # once its remedy stops the workers, the others' exits are its consequence.
+        if self.machine.state in (sm.State.STARTING, sm.State.RUNNING):
+            hang = self.cluster.settled_hang()
+            if hang is not None:
+                pending.append(hang)
+            end = self.cluster.settled_exit()
+            if end is not None:
+                pending.append(self._job_exit(end))
+        self._journal_all(self.cluster.accept())
+        for node, message in self.cluster.receive():
+            self._node_message(node, message, pending)
 
-    def stopped(self, node: int) -> None:
-        self.attempt.stopped.add(node)
+    def _node_message(self, node: int, message: dict[str, Any], pending: Pending) -> None:
+        kind = message.get("type")
+        if kind in ("summary", "finding", "event", "exited", "stopped") \
+                and message.get("attempt") != self.machine.attempt:
+            return  # about an attempt already replaced: it judges nothing now
+        try:
+            if kind == "summary":
+                self._node_report(node, [StepSummary.from_dict(message["summary"])], [],
+                                  pending)
+            elif kind == "finding":
+                self._node_report(node, [], [Finding.from_json(message["finding"])], pending)
+            elif kind == "event":
+                self._rank_event(node, WorkerEvent(
+                    rank=int(message["rank"]), type=str(message["event"]),
+                    time=float(message["time"]), data=dict(message["data"])), pending)
+            elif kind == "exited":
+                tails = {int(r): str(t) for r, t in dict(message.get("tails") or {}).items()}
+                root = message.get("root")
+                self.cluster.exited(node, int(message["code"]), tails,
+                                    root if isinstance(root, int) else None)
+            elif kind == "stopped":
+                self.cluster.stopped(node)
+            elif kind in ("lost", "leaving"):
+                self._node_lost(node, str(message.get("why")), pending)
+        except Exception as exc:
+            # A follower of another babysit version, or a bug: say so, never stop the run.
+            self._journal("node_message_refused", node=node, type=str(kind),
+                          error=f"{type(exc).__name__}: {exc}")
 
-    def all_stopped(self) -> bool:
-        """Every follower of the attempt said it stopped (or is gone)."""
-        a = self.attempt
-        return all(n in a.stopped or peer.closed for n, peer in a.peers.items())
+    def _node_report(self, node: int, summaries: list[StepSummary], findings: list[Finding],
+                     pending: Pending) -> None:
+        newest = None
+        for summary in summaries:
+            self._newest_step = max(self._newest_step, summary.step)
+            for merged in self.cluster.summary(node, summary):
+                self._job_step(merged, pending)
+                newest = max(newest or 0, merged.step)
+        if newest is not None:
+            pending.append(sm.Progress(newest))
+            self._journal_all(self.recovery.on_progress(newest))
+        for finding in findings:
+            if finding.incident is Incident.HANG:
+                self.cluster.hang(node, finding)
+            else:
+                pending.append(finding)
 
-    def settled_exit(self) -> JobExit | None:
-        """The attempt's end once every node's view is in (or the settle time is up)."""
-        a = self.attempt
-        if a.done or not a.exits:
-            return None
-        everyone = all(n in a.exits for n in a.nodes)
-        if not everyone and (a.failed_at is None
-                             or self.clock() - a.failed_at < self.config.settle_s):
-            return None
-        a.done = True
-        codes = {n: int(e["code"]) for n, e in a.exits.items()}
-        failed = [n for n in a.exits if codes[n] != 0]  # in the order they came: cause first
-        job = JobExit(code=codes[failed[0]] if failed else 0, nodes=codes)
-        for n in failed:
-            job.tails.update(a.exits[n]["tails"])
-            if job.root is None:
-                job.root = a.exits[n]["root"]
-        return job
+    def _job_step(self, summary: StepSummary, pending: Pending) -> None:
+        agg = self._aggregator
+        record = SummaryRecord(summary, agg.flops_per_token, agg.peak_flops)
+        self._record(record, with_rates(summary.to_row(self.machine.attempt), record), pending)
 
-    def settled_hang(self) -> Finding | None:
-        """The most telling node's hang finding: one whose stacks named a rank, else one that
-        named a rank at all, else the first."""
-        a = self.attempt
-        if a.hang_at is None or not a.hangs:
-            return None
-        if len(a.hangs) < len(a.nodes) and self.clock() - a.hang_at < self.config.settle_s:
-            return None
-        found = list(a.hangs.values())
-        a.hangs, a.hang_at = {}, None
-        return max(found, key=lambda f: ("stacks" in f.evidence, bool(f.ranks)))
+    def _rank_event(self, node: int, event: WorkerEvent, pending: Pending) -> None:
+        if event.type == "hello":
+            self.cluster.rank_node[event.rank] = node
+            event.data.setdefault("node", node)
+        self._worker_event(event, pending)
 
-    def lost_finding(self, node: int, why: str, step: int) -> Finding:
-        """The finding for a node that vanished, naming its ranks in this attempt."""
-        ranks = tuple(sorted(r for r, n in self.rank_node.items() if n == node))
-        return Finding(
-            incident=Incident.NODE_LOST, detector="cluster", severity=Severity.CRITICAL,
-            step=step, onset_step=step, ranks=ranks,
-            message=f"{self.describe(node)} lost at step {step}: {why}",
-            evidence={"node": node, "host": self.hosts.get(node), "why": why,
-                      "nodes_left": [n for n in self.present() if n != node]})
+    def _node_lost(self, node: int, why: str, pending: Pending) -> None:
+        self._journal("node_lost", node=node, host=self.cluster.hosts.get(node), why=why)
+        self.console.log(f"babysit: {self.cluster.describe(node)} is lost: {why}")
+        a = self.cluster.attempt
+        if node in a.nodes and node not in a.exits:
+            # Its ranks are gone: an exit, so the others' exits still settle the attempt if
+            # the policy's answer to the loss leaves the run going.
+            self.cluster.exited(node, LOST_EXIT_CODE, {}, None)
+            if self.machine.state in (sm.State.STARTING, sm.State.RUNNING):
+                pending.append(self.cluster.lost_finding(node, why, self.machine.step))
+
+    def _job_exit(self, end: JobExit) -> sm.Exited:
+        self._journal("nodes_exited", codes={str(n): c for n, c in end.nodes.items()})
+        if end.code == 0:
+            return sm.Exited(0)
+        # Whatever still runs of the attempt (ranks blocked in a collective with a dead peer)
+        # stops now, not when the next attempt starts on the same devices.
+        self.cluster.tell({"type": "stop", "reason": "the attempt failed on another node"})
+        if self.workers.group is not None and self.workers.group.processes():
+            self.workers.stop()
+        self.crash_tails = end.tails
+        finding = self.watch.classify_crash(end.code, end.tails, self.machine.step, end.root)
+        if finding.ranks:
+            node = self.cluster.rank_node.get(finding.ranks[0], LEADER)
+            finding = located(finding, node, self.cluster.hosts.get(node, self.view.host))
+        return sm.Exited(end.code, self._judge(finding))
+
+    # -- telling the nodes ----------------------------------------------------------------------
+
+    def _diagnose(self, finding: Finding) -> tuple[Finding, forensics.Diagnosis | None]:
+        # Every node diagnosed its own hang before reporting it; this node's stacks go into
+        # the incident folder when its view was chosen (the others' are in their own folders).
+        if self._local_hang is not None and self._local_hang[0] == finding:
+            return finding, self._local_hang[1]
+        return finding, None
+
+    def _request(self, **fields: Any) -> None:
+        super()._request(**fields)
+        self.cluster.tell({"type": "control", "fields": fields})
+
+    def _start_workers(self, attempt: int, directive: Directive) -> dict[str, Any]:
+        present = len(self.cluster.present())
+        if present < self.cluster.low:
+            self._await_rejoin(present)
+        self.view.new_attempt(self.clock(), directive)
+        launch = self.plan.config.launch
+        rdzv_id = launch.rdzv_id or f"{self.plan.name}-{attempt}"
+        nodes, endpoint = self.cluster.launch(attempt, directive.to_json(), rdzv_id,
+                                              launch.rdzv_endpoint)
+        command = self.workers.launch(attempt, directive, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
+                                      nnodes=str(len(nodes)), node_rank=0)
+        self.console.log(f"babysit: attempt {attempt} on {len(nodes)} node(s): "
+                         f"{', '.join(self.cluster.describe(n) for n in nodes)}")
+        return {"command": command, "rdzv_endpoint": endpoint, "nodes": nodes,
+                "hosts": {str(n): self.cluster.hosts.get(n, self.view.host) for n in nodes}}
+
+    def _await_rejoin(self, present: int) -> None:
+        """Fewer nodes than ``launch.nnodes`` allows: page, and wait for the lost to return."""
+        low, timeout = self.cluster.low, self.plan.config.nodes.rejoin_timeout_s
+        title = (f"{present} of at least {low} nodes present; waiting up to {timeout:g} s for "
+                 f"the lost node(s) to rejoin (nodes.rejoin_timeout_s)")
+        self._journal("waiting_for_nodes", present=self.cluster.present(), need=low)
+        self._notify(sm.Notify(Severity.CRITICAL, title))
+        if not self._await_nodes(low, timeout):
+            raise NodesMissing(f"only {len(self.cluster.present())} of at least {low} nodes "
+                               f"came back within {timeout:g} s (nodes.rejoin_timeout_s)")
+        self._journal("nodes_rejoined", present=self.cluster.present())
+
+    def _stop_workers(self, reason: str) -> None:
+        self.cluster.attempt.done = True  # what the nodes say of its end is moot now
+        self.cluster.tell({"type": "stop", "reason": reason})
+        super()._stop_workers(reason)
+        deadline = self.clock() + self.plan.config.launch.stop_grace_s + 10.0
+        ignored: Pending = deque()
+        while not self.cluster.all_stopped() and self.clock() < deadline:
+            time.sleep(TICK_S)
+            for node, message in self.cluster.receive():
+                if message.get("type") in ("stopped", "lost", "leaving"):
+                    self._node_message(node, message, ignored)
+        missing = [n for n in self.cluster.attempt.nodes
+                   if n != LEADER and n not in self.cluster.attempt.stopped]
+        self._journal("nodes_stopped", missing=missing)
+
+
+class NodesMissing(Exception):
+    """Too few nodes joined, or came back, for the run to go on."""
 

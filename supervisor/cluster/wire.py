@@ -57,6 +57,8 @@ import threading
 import time
 from typing import Any
 
+from babysit.supervisor.config.address import format_address, parse_address
+
 VERSION = 1
 NONCE_BYTES = 32
 TAG_BYTES = 32
@@ -97,22 +99,6 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
 def _canonical(node: dict[str, Any]) -> bytes:
     return json.dumps({k: node[k] for k in _NODE_FIELDS}, sort_keys=True,
                       separators=(",", ":")).encode()
-
-
-def format_address(host: str, port: int) -> str:
-    """``host:port``, with an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """Split ``host:port`` or ``[v6]:port``; raises ``ValueError`` with the expected form."""
-    host, sep, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"leader address {address!r} is not host:port; write it as "
-                         "node0:29500, or [::1]:29500 for an IPv6 address")
-    return host, int(port)
 
 
 def _recv_exact(sock: socket.socket, size: int, deadline: float | None) -> bytes | None:

@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from supervisor import attach
+from babysit import attach
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ def main() -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    import checkpoints
+    from babysit import checkpoints
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)

@@ -37,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from supervisor import attach
+from babysit import attach
 
 
 def pair(text: str) -> tuple[int, float]:

@@ -1,0 +1,264 @@
+"""The leader's side of a multi-node run: who takes part, what the nodes report, what they are
+told.
+
+The leader's babysitter (node rank 0) listens on ``nodes.leader``; every other node's babysitter
+joins it over an authenticated channel (``supervisor.cluster.wire``). The control loop
+(``babysit.supervisor.run.loop``) stays the one place that decides; this class only turns the nodes'
+messages into things it can decide on, and its decisions into messages::
+
+    follower -> leader                      leader -> follower
+    summary   one node's StepSummary        launch   attempt, directive, rendezvous, nnodes
+    finding   per-rank detector, hang       stop     stop the attempt's workers, say stopped
+    event     checkpoint, fingerprint, ...  control  checkpoint cadence / final checkpoint
+    exited    torchrun's code, log tails    finish   the run is over
+    stopped   the stop asked for is done    beat     heartbeat (both ways)
+    beat      heartbeat
+
+Two things need every node's view before the leader acts, so they *settle* for
+``nodes.settle_s``: a crash (the node whose rank failed has the telling log; the others see only a
+peer that closed its connection) and a hang (the node with the stuck rank names it from its
+stacks; the others see ranks waiting in a collective). A node that vanishes (its connection
+closes, or it is silent for ``nodes.lost_after_s``) is reported at once: the crashes of its
+peers that follow are its consequence.
+
+The leader's own node takes part like any other (node 0); its messages come from the loop, not
+the wire.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from babysit.policies.types import Finding, Incident, Severity
+from babysit.supervisor.cluster.node_view import node_name
+from babysit.supervisor.cluster.wire import Listener, Peer
+from babysit.supervisor.config.address import format_address, parse_address
+from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.node.launcher import free_port
+from babysit.supervisor.node.sketch import NodeMerger, StepSummary
+
+LEADER = 0
+
+
+@dataclass
+class JobExit:
+    """Every node taking part has exited (or the settle time ran out after a failure)."""
+
+    code: int
+    """0 when every node's torchrun exited 0; else the first non-zero code seen."""
+    tails: dict[int, str] = field(default_factory=dict)
+    """Each failed rank's log tail, from every node, by global rank."""
+    root: int | None = None
+    """The rank torchrun named as the first failure, on the first node that named one."""
+    nodes: dict[int, int] = field(default_factory=dict)
+    """Each node's exit code."""
+
+
+@dataclass
+class _Attempt:
+    """What the nodes of one attempt said about its end and its hangs."""
+
+    nodes: list[int]
+    exits: dict[int, dict[str, Any]] = field(default_factory=dict)
+    failed_at: float | None = None
+    hangs: dict[int, Finding] = field(default_factory=dict)
+    hang_at: float | None = None
+    stopped: set[int] = field(default_factory=set)
+    done: bool = False
+    peers: dict[int, Peer] = field(default_factory=dict)
+    """The followers' connections this attempt was launched on."""
+
+
+class Cluster:
+    """The leader's view of the nodes. ``open()`` starts listening; the loop polls."""
+
+    def __init__(self, plan: RunPlan, secret: bytes,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        nodes = plan.config.nodes
+        self.config = nodes
+        self.low, self.high = plan.config.launch.node_range
+        _, port = parse_address(plan.leader_address)
+        # Every interface: the followers reach this host by the name in nodes.leader.
+        self.leader_host = parse_address(plan.leader_address)[0]
+        self.listener = Listener("::" if ":" in self.leader_host else "", port, secret)
+        self.clock = clock
+        self.peers: dict[int, Peer] = {}
+        """Followers connected now, by node rank."""
+        self.hosts: dict[int, str] = {LEADER: node_name()}
+        self.rank_node: dict[int, int] = {}
+        """Global rank -> node rank, from the hellos of the current attempt."""
+        self.merger = NodeMerger({LEADER})
+        self.attempt = _Attempt([LEADER])
+        self._backlog: list[tuple[int, dict[str, Any]]] = []
+
+    def open(self) -> None:
+        self.listener.open()
+
+    def close(self, code: int | None = None) -> None:
+        """Tell every follower the run is over (with its exit code), then hang up."""
+        if code is not None:
+            for peer in self.peers.values():
+                peer.send({"type": "finish", "code": code})
+        self.listener.close()
+
+    # -- membership -------------------------------------------------------------------------------
+
+    def accept(self) -> list[tuple[str, dict[str, Any]]]:
+        """Followers that joined since the last call; returns journal entries."""
+        entries = []
+        for peer in self.listener.accept():
+            node, host = peer.info.get("node_rank"), str(peer.info.get("host", "?"))
+            old = self.peers.get(node) if isinstance(node, int) else None
+            if not isinstance(node, int) or not 0 < node < self.high:
+                # Never going to work: another config, or a typo in --node-rank.
+                why = f"node rank {node!r} is not in 1..{self.high - 1} (launch.nnodes)"
+                final = True
+            elif old is not None and not old.closed:
+                # Its previous connection may not have been seen closing yet: it may retry.
+                why, final = f"node rank {node} is already taken by {self.hosts.get(node)}", False
+            else:
+                if old is not None:  # gone, but what it said last (its exit, its loss) counts
+                    self._backlog.extend(self._hear(node, old, time.monotonic()))
+                self.peers[node], self.hosts[node] = peer, host
+                peer.keep_alive(self.config.heartbeat_s)
+                entries.append(("node_joined", {"node": node, "host": host,
+                                                "pid": peer.info.get("pid"),
+                                                "address": peer.info.get("address")}))
+                continue
+            peer.send({"type": "refused", "reason": why, "final": final})
+            peer.close()
+            entries.append(("node_refused", {"node": node, "host": host, "reason": why}))
+        if self.listener.last_rejected:
+            entries.append(("node_rejected", {"why": self.listener.last_rejected,
+                                              "counts": dict(self.listener.rejected)}))
+            self.listener.last_rejected = ""
+        return entries
+
+    def present(self) -> list[int]:
+        """Nodes that could take part in an attempt now (the leader and live followers)."""
+        return [LEADER, *sorted(n for n, p in self.peers.items() if not p.closed)]
+
+    def describe(self, node: int) -> str:
+        return f"node {node} ({self.hosts.get(node, '?')})"
+
+    # -- telling the nodes ---------------------------------------------------------------------
+
+    def launch(self, attempt: int, directive: dict[str, Any], rdzv_id: str,
+               endpoint: str | None) -> tuple[list[int], str]:
+        """Tell every present follower to start ``attempt``; returns the nodes taking part and
+        the rendezvous endpoint. The leader's own node is node index 0 of the attempt."""
+        nodes = self.present()
+        endpoint = endpoint or format_address(self.leader_host, free_port(""))
+        self.attempt = _Attempt(nodes, peers={n: self.peers[n] for n in nodes if n != LEADER})
+        for index, node in enumerate(nodes):
+            if node != LEADER:
+                self.peers[node].send({"type": "launch", "attempt": attempt,
+                                       "directive": directive, "rdzv_id": rdzv_id,
+                                       "rdzv_endpoint": endpoint, "nnodes": str(len(nodes)),
+                                       "node_rank": index})
+        self.merger.reset(set(nodes))
+        self.rank_node = {}
+        return nodes, endpoint
+
+    def tell(self, message: dict[str, Any]) -> None:
+        """Send ``message`` to every follower of the current attempt (not to a babysitter that
+        has since taken a lost node's place: it runs nothing of this attempt)."""
+        for peer in self.attempt.peers.values():
+            peer.send(message)
+
+    # -- hearing from the nodes ------------------------------------------------------------------
+
+    def receive(self) -> list[tuple[int, dict[str, Any]]]:
+        """Every follower's messages since the last call, then ``lost`` for followers that
+        closed or fell silent (each once)."""
+        out, self._backlog = self._backlog, []
+        now = time.monotonic()  # the wire stamps last_heard with the real monotonic clock
+        for node, peer in list(self.peers.items()):
+            out.extend(self._hear(node, peer, now))
+        return out
+
+    def _hear(self, node: int, peer: Peer, now: float) -> list[tuple[int, dict[str, Any]]]:
+        """One follower's messages, then ``lost`` (once) if it closed or fell silent."""
+        closed = peer.closed  # before draining: the reader queues its last message, then closes
+        out = [(node, m) for m in peer.receive()]
+        silent = now - peer.last_heard
+        if closed or silent > self.config.lost_after_s:
+            why = (f"its babysitter was silent for {silent:.0f} s" if not closed
+                   else f"its connection closed ({peer.close_reason or 'eof'})")
+            peer.close()
+            if self.peers.get(node) is peer:
+                del self.peers[node]
+            out.append((node, {"type": "lost", "why": why}))
+        return out
+
+    def summary(self, node: int, summary: StepSummary) -> list[StepSummary]:
+        """A node's summary of a step; the job's merged steps that are complete now."""
+        return self.merger.add(node, summary)
+
+    def exited(self, node: int, code: int, tails: dict[int, str], root: int | None) -> None:
+        a = self.attempt
+        if node not in a.nodes or node in a.exits:
+            return
+        a.exits[node] = {"code": code, "tails": tails, "root": root}
+        if code != 0 and a.failed_at is None:
+            a.failed_at = self.clock()
+
+    def hang(self, node: int, finding: Finding) -> None:
+        a = self.attempt
+        if node in a.nodes:
+            a.hangs.setdefault(node, finding)
+            if a.hang_at is None:
+                a.hang_at = self.clock()
+
+    def stopped(self, node: int) -> None:
+        self.attempt.stopped.add(node)
+
+    def all_stopped(self) -> bool:
+        """Every follower of the attempt said it stopped (or is gone)."""
+        a = self.attempt
+        return all(n in a.stopped or peer.closed for n, peer in a.peers.items())
+
+    def settled_exit(self) -> JobExit | None:
+        """The attempt's end once every node's view is in (or the settle time is up)."""
+        a = self.attempt
+        if a.done or not a.exits:
+            return None
+        everyone = all(n in a.exits for n in a.nodes)
+        if not everyone and (a.failed_at is None
+                             or self.clock() - a.failed_at < self.config.settle_s):
+            return None
+        a.done = True
+        codes = {n: int(e["code"]) for n, e in a.exits.items()}
+        failed = [n for n in a.exits if codes[n] != 0]  # in the order they came: cause first
+        job = JobExit(code=codes[failed[0]] if failed else 0, nodes=codes)
+        for n in failed:
+            job.tails.update(a.exits[n]["tails"])
+            if job.root is None:
+                job.root = a.exits[n]["root"]
+        return job
+
+    def settled_hang(self) -> Finding | None:
+        """The most telling node's hang finding: one whose stacks named a rank, else one that
+        named a rank at all, else the first."""
+        a = self.attempt
+        if a.hang_at is None or not a.hangs:
+            return None
+        if len(a.hangs) < len(a.nodes) and self.clock() - a.hang_at < self.config.settle_s:
+            return None
+        found = list(a.hangs.values())
+        a.hangs, a.hang_at = {}, None
+        return max(found, key=lambda f: ("stacks" in f.evidence, bool(f.ranks)))
+
+    def lost_finding(self, node: int, why: str, step: int) -> Finding:
+        """The finding for a node that vanished, naming its ranks in this attempt."""
+        ranks = tuple(sorted(r for r, n in self.rank_node.items() if n == node))
+        return Finding(
+            incident=Incident.NODE_LOST, detector="cluster", severity=Severity.CRITICAL,
+            step=step, onset_step=step, ranks=ranks,
+            message=f"{self.describe(node)} lost at step {step}: {why}",
+            evidence={"node": node, "host": self.hosts.get(node), "why": why,
+                      "nodes_left": [n for n in self.present() if n != node]})
+

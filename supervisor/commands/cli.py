@@ -1,0 +1,281 @@
+"""``babysit``: the command line.
+
+    babysit run CONFIG.yaml [--run-dir DIR] [torchrun options that override the file]
+    babysit run [torchrun options] SCRIPT [script args...]      # drop-in for torchrun
+    babysit validate CONFIG.yaml
+    babysit doctor CONFIG.yaml [--send-alert] [--json]
+    babysit alert-test CONFIG.yaml
+    babysit status RUN_DIR [--json]
+    babysit report RUN_DIR [--out PATH]
+    babysit schema [--policy]
+    babysit replay CURVE [--policy NAME|PATH] [--json]
+
+Exit codes: 0 success; 1 the run failed (a remedy could not save it) or a check failed; 2 a
+usage or configuration mistake; 128+N babysit was stopped by signal N.
+Heavy modules are imported inside the subcommands so ``babysit --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+
+# torchrun options babysit models, as (flag, config key, type). Both spellings are accepted.
+_TORCHRUN_OPTIONS: list[tuple[str, str, type]] = [
+    ("nproc-per-node", "nproc_per_node", str),
+    ("nnodes", "nnodes", str),
+    ("node-rank", "node_rank", int),
+    ("rdzv-backend", "rdzv_backend", str),
+    ("rdzv-endpoint", "rdzv_endpoint", str),
+    ("rdzv-id", "rdzv_id", str),
+    ("rdzv-conf", "rdzv_conf", str),
+    ("master-addr", "master_addr", str),
+    ("master-port", "master_port", int),
+    ("local-addr", "local_addr", str),
+    ("start-method", "start_method", str),
+    ("monitor-interval", "monitor_interval", float),
+    ("role", "role", str),
+    ("max-restarts", "max_restarts", int),
+]
+# torchrun options whose job babysit does itself; accepting them silently would mislead.
+_OWNED_BY_BABYSIT = {
+    "log-dir": "babysit keeps every rank's stdout/stderr under the run directory "
+               "(attempts/<n>/torchrun/); use --run-dir to choose where",
+    "redirects": "babysit always keeps per-rank logs and shows them on the console",
+    "tee": "babysit always keeps per-rank logs and shows them on the console",
+}
+
+
+class UsageError(Exception):
+    pass
+
+
+def _spellings(name: str) -> list[str]:
+    dashed = f"--{name}"
+    underscored = f"--{name.replace('-', '_')}"
+    return [dashed] if dashed == underscored else [dashed, underscored]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="babysit",
+        description="Run distributed PyTorch training under a babysitter: a drop-in for torchrun "
+                    "that detects loss spikes, NaNs, hangs, stragglers and crashes, and recovers.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run", help="run a job from a config file, or torchrun-style from a script",
+        description="Run CONFIG.yaml, or run SCRIPT like torchrun would (default policy, run "
+                    "directory under ./runs). torchrun options given with a config file override "
+                    "its launch section.",
+        allow_abbrev=False)
+    run.add_argument("target", metavar="CONFIG.yaml|SCRIPT",
+                     help="a run config (.yaml/.yml) or a training script")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
+                     help="arguments for the script (torchrun style)")
+    run.add_argument("--run-dir", "--run_dir", dest="run_dir",
+                     help="folder for the journal, logs, metrics and checkpoints")
+    run.add_argument("--policy", help="built-in policy name or path to a policy YAML")
+    run.add_argument("--name", help="name of the run (alerts, default run directory)")
+    run.add_argument("--leader", metavar="HOST:PORT",
+                     help="multi-node runs: where node 0's babysitter listens (nodes.leader)")
+    run.add_argument("--skip-doctor", action="store_true",
+                     help="start even if the fast pre-flight checks fail")
+    torchrun = run.add_argument_group("torchrun options (both dash and underscore spellings)")
+    for flag, key, kind in _TORCHRUN_OPTIONS:
+        torchrun.add_argument(*_spellings(flag), dest=key, type=kind, default=None)
+    torchrun.add_argument("--standalone", action="store_true",
+                          help="accepted for compatibility: single-node runs always get a fresh "
+                               "local rendezvous")
+    torchrun.add_argument("-m", "--module", dest="module", action="store_true",
+                          help="SCRIPT is a module name, as python -m")
+    torchrun.add_argument("--no-python", "--no_python", dest="no_python", action="store_true")
+    for flag in _OWNED_BY_BABYSIT:
+        torchrun.add_argument(*_spellings(flag), dest=f"owned_{flag}", default=None,
+                              help=argparse.SUPPRESS)
+
+    validate = sub.add_parser("validate", help="check a config file without running it")
+    validate.add_argument("config", metavar="CONFIG.yaml")
+
+    doctor = sub.add_parser(
+        "doctor", help="pre-flight checks before a long run (imports, torch, GPUs, disk, "
+        "checkpoint round trip, rendezvous, alert sinks)")
+    doctor.add_argument("config", metavar="CONFIG.yaml")
+    doctor.add_argument("--send-alert", action="store_true",
+                        help="send a real test alert to every sink (default: only probe them)")
+    doctor.add_argument("--json", action="store_true", help="one JSON list of results")
+
+    schema = sub.add_parser("schema", help="print the JSON Schema of run configs (or policies)")
+    schema.add_argument("--policy", action="store_true", help="print the policy schema instead")
+
+    status = sub.add_parser("status", help="state, progress, incidents and checkpoints of a run")
+    status.add_argument("run_dir", metavar="RUN_DIR")
+    status.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+
+    report = sub.add_parser("report", help="write an HTML report with plots of a run")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.add_argument("--out", help="where to write the page (default RUN_DIR/report.html)")
+
+    alert_test = sub.add_parser("alert-test",
+                                help="send one test alert to every sink of a config")
+    alert_test.add_argument("config", metavar="CONFIG.yaml")
+
+    replay = sub.add_parser(
+        "replay", help="run a recorded loss curve through the detectors and a policy",
+        description="Replay a TSV/CSV curve (step and loss columns, optional grad norm) or a run "
+                    "directory's metrics.jsonl, and print every decision the policy would take.")
+    replay.add_argument("curve", metavar="CURVE")
+    replay.add_argument("--policy", default="default", help="built-in name or YAML path")
+    replay.add_argument("--json", action="store_true", help="one JSON object per decision")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from babysit.supervisor.config.schema import ConfigError
+
+    try:
+        handler = {"run": _run, "validate": _validate, "schema": _schema, "replay": _replay,
+                   "alert-test": _alert_test, "status": _status, "report": _report,
+                   "doctor": _doctor}
+        return handler[args.command](args)
+    except (ConfigError, UsageError) as exc:
+        print(f"babysit: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _launch_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    for flag, why in _OWNED_BY_BABYSIT.items():
+        if getattr(args, f"owned_{flag}") is not None:
+            raise UsageError(f"--{flag} is not needed: {why}.")
+    overrides = {key: getattr(args, key) for _, key, _ in _TORCHRUN_OPTIONS
+                 if getattr(args, key) is not None}
+    if args.no_python:
+        overrides["no_python"] = True
+    return overrides
+
+
+def _plan(args: argparse.Namespace) -> Any:
+    from babysit.supervisor.config import plan
+
+    overrides = _launch_overrides(args)
+    extra: dict[str, Any] = {}
+    if args.policy:  # the file's overrides were written for the file's policy
+        extra["policy"] = {"name": args.policy, "overrides": {}}
+    if args.leader:
+        extra["nodes"] = {"leader": args.leader}
+    if args.name:
+        extra["name"] = args.name
+    if args.target.endswith((".yaml", ".yml")) and not args.module:
+        if args.args:
+            raise UsageError(
+                f"arguments after the config file ({' '.join(args.args)}) have nowhere to go: put "
+                f"script arguments under launch.args in {args.target}, and babysit or torchrun "
+                f"options before the config file.")
+        return plan.from_file(args.target, args.run_dir, overrides, extra)
+    launch: dict[str, Any] = {"args": list(args.args), **overrides}
+    launch["module" if args.module else "script"] = args.target
+    return plan.from_mapping({"launch": launch, **extra}, source="command line",
+                             base=Path.cwd(), stem="command line", run_dir=args.run_dir)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from babysit.supervisor.run.console import Console
+    from babysit.supervisor.run.loop import Supervisor
+
+    plan = _plan(args)
+    console = Console()
+    from babysit.supervisor.commands.doctor import Status, fast_checks, render
+
+    results = fast_checks(plan)
+    if any(r.status in (Status.WARN, Status.FAIL) for r in results):
+        console.log(render(results, problems_only=True))
+    if any(r.status is Status.FAIL for r in results) and not args.skip_doctor:
+        console.log("babysit: not starting: fix the failures above, or pass --skip-doctor.")
+        return 1
+    if not plan.config.launch.multinode:
+        return Supervisor(plan, console).run()
+    if plan.node_rank == 0:
+        from babysit.supervisor.cluster.leader import Leader
+
+        return Leader(plan, console, plan.secret()).run()
+    from babysit.supervisor.cluster.follower import Follower
+
+    return Follower(plan, console, plan.secret()).run()
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from babysit.supervisor.config import plan
+
+    p = plan.from_file(args.config)
+    launch = p.config.launch
+    what = f"script {p.script}" if p.script else f"module {launch.module}"
+    print(f"{args.config}: OK. Run '{p.name}': {launch.nproc_per_node} worker(s) per node x "
+          f"{launch.nnodes} node(s), {what}, policy '{p.config.policy.name}', "
+          f"run directory {p.run_dir}.")
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from babysit.supervisor.commands.doctor import doctor_main
+
+    return doctor_main(args.config, args.send_alert, args.json, sys.stdout)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from babysit.supervisor.commands.status import status_main
+
+    return status_main(args.run_dir, args.json, sys.stdout)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from babysit.supervisor.commands.report import report_main
+
+    return report_main(args.run_dir, args.out, sys.stdout)
+
+
+def _alert_test(args: argparse.Namespace) -> int:
+    from babysit.supervisor.config import plan
+    from babysit.supervisor.services.alerts import AlertDispatcher
+
+    p = plan.from_file(args.config)
+    if not p.config.alerts.sinks:
+        print(f"{args.config}: no alert sinks configured (alerts.sinks is empty); alerts are "
+              f"only journaled.")
+        return 1
+    results = AlertDispatcher.from_config(p.config.alerts).test_all(run=p.name)
+    for name, ok, detail in results:
+        print(f"{name}: {'delivered' if ok else 'FAILED'} ({detail})")
+    return 0 if all(ok for _, ok, _ in results) else 1
+
+
+def _schema(args: argparse.Namespace) -> int:
+    if args.policy:
+        from babysit.policies.schema import Policy
+
+        print(json.dumps(Policy.model_json_schema(), indent=2))
+    else:
+        from babysit.supervisor.config.schema import schema
+
+        print(json.dumps(schema(), indent=2))
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from babysit.policies.loader import PolicyError
+    from babysit.policies.replay import CurveError, run_replay
+
+    try:
+        return run_replay(args.curve, args.policy, args.json, sys.stdout)
+    except (CurveError, PolicyError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,415 @@
+"""The run configuration: one YAML file per run, declared once here.
+
+Every field carries its documentation as the docstring under it; pydantic turns those into the
+JSON Schema that ``babysit schema`` prints, so the reference can never drift from the code.
+Keys may be spelled with dashes or underscores (``nproc-per-node`` or ``nproc_per_node``), as
+torchrun accepts both. Unknown keys are errors. Relative paths are resolved against the folder
+of the config file, except ``run_dir``, which is relative to where babysit is started.
+
+Errors a user can cause become one ``ConfigError`` paragraph each, naming the file, the key path
+and what to do; the CLI prints them without a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from babysit.supervisor.config.address import parse_address
+from babysit.supervisor.services.alerts.config import AlertsConfig
+from babysit.supervisor.services.exporter import ExporterConfig
+from babysit.supervisor.services.health import HealthConfig
+from babysit.supervisor.services.schedule import ScheduleConfig
+
+
+class ConfigError(Exception):
+    """A configuration mistake, with a message meant for the person who wrote the file."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dashes_to_underscores(cls, data: Any) -> Any:
+        # Only this model's own keys are normalised; values such as launch.env keep their names.
+        if isinstance(data, dict):
+            return {k.replace("-", "_") if isinstance(k, str) else k: v for k, v in data.items()}
+        return data
+
+
+class LaunchConfig(_Section):
+    """How to start the workers: torchrun's options, the script and its environment."""
+
+    script: str | None = None
+    """Training script to run on every rank (a path, relative to the config file's folder)."""
+    module: str | None = None
+    """Run a module instead of a script, like ``torchrun -m`` (``launch.script`` must be unset)."""
+    args: list[str] = Field(default_factory=list)
+    """Arguments passed to the script or module, after babysit's and torchrun's own."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables for the workers (names kept exactly as written)."""
+    python: str | None = None
+    """Python interpreter that runs torchrun and the workers; default: the one running babysit."""
+    nproc_per_node: int | Literal["auto", "cpu", "gpu"] = 1
+    """Workers per node, as torchrun's ``--nproc-per-node``."""
+    nnodes: str = "1"
+    """Number of nodes, or ``MIN:MAX`` for an elastic range, as torchrun's ``--nnodes``."""
+    node_rank: int = Field(0, ge=0)
+    """This node's rank among the nodes, as torchrun's ``--node-rank``."""
+    rdzv_backend: str = "c10d"
+    """Rendezvous backend, as torchrun's ``--rdzv-backend``."""
+    rdzv_endpoint: str | None = None
+    """``host:port`` of the rendezvous for multi-node runs. Single-node runs leave it unset and
+    babysit picks a fresh local port for every attempt."""
+    rdzv_id: str | None = None
+    """Rendezvous id shared by all nodes; default: the run's name plus the attempt number."""
+    rdzv_conf: str | None = None
+    """Extra rendezvous settings ``key=value,...``, as torchrun's ``--rdzv-conf``."""
+    master_addr: str | None = None
+    """As torchrun's ``--master-addr`` (only with ``rdzv_backend: static``)."""
+    master_port: int | None = None
+    """As torchrun's ``--master-port`` (only with ``rdzv_backend: static``)."""
+    local_addr: str | None = None
+    """As torchrun's ``--local-addr``."""
+    start_method: Literal["spawn", "fork", "forkserver"] | None = None
+    """As torchrun's ``--start-method``."""
+    monitor_interval: float | None = Field(None, gt=0)
+    """As torchrun's ``--monitor-interval`` (seconds)."""
+    role: str | None = None
+    """As torchrun's ``--role``."""
+    no_python: bool = False
+    """Run ``launch.script`` as an executable instead of through Python, as ``--no-python``."""
+    torchrun_args: list[str] = Field(default_factory=list)
+    """Further torchrun options passed through verbatim, for options babysit does not model."""
+    stop_grace_s: float = Field(15.0, gt=0)
+    """Seconds between SIGTERM and SIGKILL when babysit stops the workers."""
+    max_restarts: int | None = Field(None, ge=0)
+    """Relaunches allowed after crashes; overrides the policy's crash budget when set. babysit
+    owns restarts, so torchrun itself always runs with ``--max-restarts 0``."""
+
+    @field_validator("nproc_per_node", mode="before")
+    @classmethod
+    def _nproc_shape(cls, value: Any) -> Any:
+        # One clear message instead of pydantic's one-per-union-branch.
+        if value in ("auto", "cpu", "gpu") or (isinstance(value, int) and value >= 1):
+            return value
+        if isinstance(value, str) and value.isdigit() and int(value) >= 1:
+            return int(value)
+        raise ValueError("must be a positive number of workers, or one of auto, cpu, gpu")
+
+    @field_validator("nnodes", mode="before")
+    @classmethod
+    def _nnodes_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) else value
+
+    @field_validator("nnodes")
+    @classmethod
+    def _nnodes_shape(cls, value: str) -> str:
+        if not re.fullmatch(r"\d+(:\d+)?", str(value)):
+            raise ValueError("must be a number of nodes like 2, or a range MIN:MAX like 1:4")
+        low, _, high = value.partition(":")
+        if int(low) < 1 or int(high or low) < int(low):
+            raise ValueError("needs 1 <= MIN <= MAX nodes")
+        return str(value)
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        """``nnodes`` as (fewest, most) nodes."""
+        low, _, high = self.nnodes.partition(":")
+        return int(low), int(high or low)
+
+    @property
+    def multinode(self) -> bool:
+        return self.node_range[1] > 1
+
+    @model_validator(mode="after")
+    def _script_or_module(self) -> LaunchConfig:
+        if (self.script is None) == (self.module is None):
+            raise ValueError(
+                "set exactly one of launch.script (a path) or launch.module (a module name)"
+            )
+        if self.node_rank >= self.node_range[1]:
+            raise ValueError(f"node_rank {self.node_rank} is not below nnodes "
+                             f"{self.node_range[1]}: node ranks count from 0")
+        return self
+
+
+class CadenceConfig(_Section):
+    """Checkpoint cadence advice: the interval that minimises expected lost work (docs/cadence.md).
+
+    babysit measures a checkpoint's blocking cost C on this run and the mean time between
+    interruptions tau (this run's own crashes, hangs, rollbacks and preemptions, weighed against
+    the prior), and journals the Young/Daly interval sqrt(2 C tau) beside the configured one."""
+
+    auto: bool = False
+    """Adopt the advised interval while the run goes on (within ``min_steps``..``max_steps``);
+    by default babysit only reports it."""
+    min_steps: int = Field(10, ge=1)
+    """Fewest steps between checkpoints that ``auto`` may choose."""
+    max_steps: int = Field(100_000, ge=1)
+    """Most steps between checkpoints that ``auto`` may choose."""
+    mtbf_prior_s: float = Field(86_400.0, gt=0)
+    """Prior mean time between interruptions, seconds (a day); it counts as one interruption
+    observed, so a few real ones soon outweigh it."""
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> CadenceConfig:
+        if self.min_steps > self.max_steps:
+            raise ValueError(f"min_steps ({self.min_steps}) must not exceed max_steps "
+                             f"({self.max_steps})")
+        return self
+
+
+class CheckpointConfig(_Section):
+    """Where and how often the worker API saves checkpoints."""
+
+    dir: str | None = None
+    """Checkpoint folder; default: ``checkpoints/`` inside the run directory."""
+    every_steps: int = Field(0, ge=0)
+    """Save every N optimizer steps through the worker API; 0 leaves saving to the script."""
+    keep: int = Field(3, ge=1)
+    """How many recent checkpoints retention keeps (the newest good one is always kept)."""
+    probation_steps: int = Field(50, ge=1)
+    """Healthy steps after a checkpoint before it counts as *good*; until then it is *pending*,
+    and an anomaly whose onset falls within this many steps of it makes it *suspect*."""
+    async_save: bool = False
+    """Save in the background with ``torch.distributed.checkpoint.async_save``; the script then
+    needs an ``if __name__ == "__main__":`` guard."""
+    final_grace_s: float = Field(120.0, ge=0)
+    """On SIGTERM (what a scheduler sends before reclaiming the node), seconds babysit waits for
+    the workers to save a final checkpoint before stopping them; 0 stops at once. The next
+    ``babysit run`` with the same run directory resumes from it. SIGINT never waits."""
+    cadence: CadenceConfig = CadenceConfig()
+    """Advice on ``every_steps`` from this run's measured costs, and its opt-in adoption."""
+
+
+class SdcCheckConfig(_Section):
+    """The silent-data-corruption check: ranks compare checksums of values that must agree."""
+
+    every_steps: int = Field(0, ge=0)
+    """Every N steps each rank checksums its replicated parameters and runs a fixed arithmetic
+    probe on its device; the supervisor compares them across ranks and names the rank that
+    disagrees. 0 (default) turns the check off. Needs ``attach(model=...)``."""
+
+
+class NodesConfig(_Section):
+    """How the babysitters of a multi-node run (``launch.nnodes`` above 1) find and trust each
+    other. Every node runs ``babysit run`` with the same config and its own ``--node-rank``;
+    node rank 0's babysitter is the leader (docs/multinode.md)."""
+
+    leader: str | None = None
+    """``host:port`` where the leader's babysitter listens and the others connect. Default: the
+    host of ``launch.rdzv_endpoint`` and the port after its port."""
+    secret: str | None = None
+    """The run's shared secret; better set ``BABYSIT_SECRET`` in every node's environment (it
+    wins over this key). Babysitters prove they know it before they may join or command."""
+    join_timeout_s: float = Field(600.0, gt=0)
+    """How long the leader waits for the nodes to join at the start, and a follower for the
+    leader to answer."""
+    rejoin_timeout_s: float = Field(600.0, ge=0)
+    """A relaunch that has fewer nodes than ``launch.nnodes`` allows waits this long for lost
+    nodes to come back (paging a human meanwhile), then the run fails; 0 fails at once."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """Seconds between a babysitter's heartbeats to the leader, and back."""
+    lost_after_s: float = Field(15.0, gt=0)
+    """Silence after which a node (or, for a follower, the leader) counts as lost."""
+    settle_s: float = Field(3.0, ge=0)
+    """After the first node reports a crash or hang, how long the leader waits for the other
+    nodes' view of it before choosing the most telling one (the node with the failing rank
+    explains it; the others see only a broken connection)."""
+
+    @field_validator("leader")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_address(value)
+        return value
+
+    @model_validator(mode="after")
+    def _beats_before_loss(self) -> NodesConfig:
+        if self.lost_after_s <= 2 * self.heartbeat_s:
+            raise ValueError(f"lost_after_s ({self.lost_after_s:g}) must exceed twice "
+                             f"heartbeat_s ({self.heartbeat_s:g}), or a late beat loses a node")
+        return self
+
+
+class PolicyRef(_Section):
+    """Which policy judges this run, and the fields it changes."""
+
+    name: str = "default"
+    """A built-in policy (``default``, ``conservative``, ``aggressive``) or a YAML file path."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Fields of the policy to change, nested as in the policy file."""
+
+
+class RunConfig(_Section):
+    """One babysat run."""
+
+    launch: LaunchConfig
+    """How to start the workers."""
+    name: str | None = None
+    """Name of the run, used in alerts and the default run directory; default: the config file's
+    name (or the script's name when launched without a config)."""
+    run_dir: str | None = None
+    """Folder for everything the run leaves behind (journal, logs, metrics, checkpoints). Default:
+    ``runs/<name>-<date>-<time>`` under the current directory. Reusing the folder of a run whose
+    supervisor died (killed, OOM, reboot) takes it over: leftover workers are stopped and the
+    run resumes from its newest checkpoint with the skips and LR scale it had. Reusing a
+    finished run's folder appends a new run to its journal."""
+    checkpoints: CheckpointConfig = CheckpointConfig()
+    """Checkpoint settings."""
+    sdc: SdcCheckConfig = SdcCheckConfig()
+    """The opt-in silent-data-corruption check."""
+    policy: PolicyRef = PolicyRef()
+    """The policy that maps incidents to actions."""
+    alerts: AlertsConfig = AlertsConfig()
+    """Where alerts go (Slack, webhooks). With no sinks, alerts are journaled only."""
+    health: HealthConfig = HealthConfig()
+    """Thresholds for host, worker and GPU health warnings (memory, disk, leaks, GPU)."""
+    schedule: ScheduleConfig = ScheduleConfig()
+    """How often the background jobs run (health sampling, the digest alert)."""
+    prometheus: ExporterConfig = ExporterConfig()
+    """The opt-in Prometheus ``/metrics`` endpoint."""
+    nodes: NodesConfig = NodesConfig()
+    """Multi-node runs: where the babysitters meet, and the secret they share."""
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The raw mapping in a config file, before validation."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file. Check the path to the config file.") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror}).") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" line {mark.line + 1}, column {mark.column + 1}:"
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(
+            f"{path}:{where} invalid YAML ({problem}). Fix the syntax there.") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: expected a mapping with at least a 'launch' section, got "
+            f"{type(data).__name__}. See `babysit schema` for the layout."
+        )
+    return data
+
+
+def parse(data: dict[str, Any], source: str) -> RunConfig:
+    """Validate a config mapping; ``source`` names it in errors (a path or ``command line``)."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError("\n".join(_describe(source, e) for e in exc.errors())) from None
+
+
+def _describe(source: str, error: Any) -> str:
+    loc = [str(part) for part in error["loc"]]
+    key = ".".join(loc) or "(top level)"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        known = _fields_at(RunConfig, loc[:-1])
+        close = difflib.get_close_matches(loc[-1].replace("-", "_"), known, n=1)
+        hint = f"Did you mean '{close[0]}'?" if close else f"Known keys here: {', '.join(known)}."
+        return f"{source}: {key}: unknown key. {hint}"
+    if kind == "missing":
+        return f"{source}: {key}: required key is missing. Add it (see `babysit schema`)."
+    got = error.get("input")
+    message = error["msg"].removeprefix("Value error, ")
+    shown = f" (got {got!r})" if not isinstance(got, dict) else ""
+    return f"{source}: {key}: {message}{shown}. See `babysit schema` for what this key takes."
+
+
+def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:
+    for part in loc:
+        field = model.model_fields.get(part)
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema of the run config, with every field's documentation."""
+    return RunConfig.model_json_schema()
+
+
+# -- checks that need the file system (validate and run, never at parse time) --------------------
+
+
+def resolve_script(config: RunConfig, base: Path) -> Path | None:
+    """The absolute script path, or None for module launches."""
+    if config.launch.script is None:
+        return None
+    return (base / config.launch.script).resolve()
+
+
+def default_run_dir(name: str, now: float | None = None) -> Path:
+    """``runs/<name>-<date>-<time>`` under the current directory."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return Path("runs") / f"{name}-{stamp}"
+
+
+def check_environment(config: RunConfig, base: Path, run_dir: Path, source: str) -> list[str]:
+    """Problems that only the file system can reveal: a missing script, an unwritable folder.
+
+    Returns one message per problem (empty when all is well). Creates nothing.
+    """
+    problems = []
+    script = resolve_script(config, base)
+    if script is not None and not script.is_file():
+        problems.append(
+            f"{source}: launch.script: file '{config.launch.script}' not found (looked at "
+            f"{script}). Fix the path; relative paths start at the config file's folder."
+        )
+    if run_dir.exists() and run_dir.stat().st_uid != os.geteuid():
+        # The run directory guards the telemetry socket (mode 0700) and holds the journal that
+        # a takeover trusts: a folder someone else owns could hold either, planted.
+        problems.append(
+            f"{source}: run_dir: '{run_dir}' belongs to uid {run_dir.stat().st_uid}, not to you "
+            f"(uid {os.geteuid()}). babysit only uses a run directory it owns; choose another "
+            f"run_dir.")
+    folders = (("run_dir", run_dir), ("checkpoints.dir", checkpoint_dir(config, base, run_dir)))
+    for key, folder in folders:
+        problem = _unwritable(folder)
+        if problem:
+            problems.append(
+                f"{source}: {key}: cannot write to '{folder}' ({problem}). Choose a folder you "
+                f"can write to, or fix its permissions."
+            )
+    return problems
+
+
+def checkpoint_dir(config: RunConfig, base: Path, run_dir: Path) -> Path:
+    if config.checkpoints.dir is None:
+        return run_dir / "checkpoints"
+    return (base / config.checkpoints.dir).resolve()
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why ``folder`` could not be created or written, or None. Looks, creates nothing."""
+    probe = folder.resolve()
+    while not probe.exists():
+        if probe.parent == probe:
+            return "no existing parent folder"
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"'{probe}' is a file, not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"no write permission on '{probe}'"
+    return None

@@ -1,0 +1,301 @@
+"""Starting and stopping one attempt: a fresh ``python -m torch.distributed.run`` child.
+
+babysit owns restarts. torchrun's in-agent restart fails to reconnect gloo workers in torch 2.13
+(unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), so every attempt is a new torchrun with
+``--max-restarts 0`` and a fresh rendezvous port, started in its own session.
+
+torchrun starts each worker in a session of its own too, so signalling the launcher's process
+group does not reach them, and a worker whose launcher died is re-parented away from it. babysit
+therefore marks itself a *child subreaper* (Linux): every orphan of the tree is re-parented to
+babysit, and ``psutil.Process().children(recursive=True)`` always finds every process to stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from babysit.supervisor.config.schema import LaunchConfig
+
+_PR_SET_CHILD_SUBREAPER = 36
+_RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")
+
+
+def become_subreaper() -> bool:
+    """Adopt orphaned descendants (Linux only). Returns False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now, for a fresh rendezvous endpoint per attempt."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_command(
+    launch: LaunchConfig,
+    script: Path | None,
+    *,
+    python: str,
+    rdzv_id: str,
+    rdzv_endpoint: str,
+    log_dir: Path,
+) -> list[str]:
+    """The torchrun command line for one attempt. Pure: builds a list, starts nothing."""
+    cmd = [python, "-m", "torch.distributed.run",
+           "--nproc-per-node", str(launch.nproc_per_node),
+           "--nnodes", launch.nnodes,
+           "--node-rank", str(launch.node_rank),
+           "--max-restarts", "0",
+           "--rdzv-backend", launch.rdzv_backend,
+           "--rdzv-endpoint", rdzv_endpoint,
+           "--rdzv-id", rdzv_id,
+           # Per-rank stdout/stderr files under the attempt folder, and tee'd to the console.
+           "--log-dir", str(log_dir), "--redirects", "3", "--tee", "3"]
+    optional: list[tuple[str, object]] = [
+        ("--rdzv-conf", launch.rdzv_conf), ("--master-addr", launch.master_addr),
+        ("--master-port", launch.master_port), ("--local-addr", launch.local_addr),
+        ("--start-method", launch.start_method), ("--monitor-interval", launch.monitor_interval),
+        ("--role", launch.role),
+    ]
+    for flag, value in optional:
+        if value is not None:
+            cmd += [flag, str(value)]
+    if launch.no_python:
+        cmd.append("--no-python")
+    cmd += launch.torchrun_args
+    if launch.module is not None:
+        cmd += ["-m", launch.module]
+    else:
+        cmd.append(str(script))
+    return cmd + launch.args
+
+
+@dataclass(frozen=True, slots=True)
+class OutputLine:
+    """A line the workers or torchrun printed; ``rank`` is set for tee'd worker output."""
+
+    text: str
+    rank: int | None
+
+
+class WorkerGroup:
+    """One attempt's torchrun and everything it starts.
+
+    ``start()`` launches; ``poll()`` returns torchrun's exit code once it ended; ``stop()`` ends
+    every process of the tree, politely first. Output lines are written to ``log_path`` and queued
+    on ``lines`` for the console; when the console falls behind, queued lines are dropped (the log
+    file keeps them all).
+    """
+
+    def __init__(self, command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
+                 lines: queue.Queue[OutputLine]) -> None:
+        self.command = command
+        self._env = env
+        self._cwd = cwd
+        self.log_path = log_path
+        self._lines = lines
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._reader: threading.Thread | None = None
+        self._known: dict[int, psutil.Process] = {}
+        self.dropped_lines = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> None:
+        self._proc = subprocess.Popen(
+            self.command, env=self._env, cwd=self._cwd, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._pump, name="babysit-output", daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        with open(self.log_path, "ab") as log:
+            for raw in iter(self._proc.stdout.readline, b""):
+                log.write(raw)
+                log.flush()
+                text = raw.decode("utf-8", "replace").rstrip("\n")
+                match = _RANK_PREFIX.match(text)
+                line = (OutputLine(text[match.end():], int(match.group(1))) if match
+                        else OutputLine(text, None))
+                try:
+                    self._lines.put_nowait(line)
+                except queue.Full:
+                    self.dropped_lines += 1
+
+    def poll(self) -> int | None:
+        """torchrun's exit code (negative for a signal), or None while it runs."""
+        if self._proc is None:
+            return None
+        code = self._proc.poll()
+        if code is not None and self._reader is not None:
+            self._reader.join(timeout=2.0)  # let the last lines reach the log and console
+        return code
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of this attempt: torchrun, the workers and what they started."""
+        self._refresh()
+        return list(self._known.values())
+
+    def _refresh(self) -> None:
+        roots = []
+        if self._proc is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                roots.append(psutil.Process(self._proc.pid))
+        # Orphans re-parented to us (as subreaper) are our children now.
+        with contextlib.suppress(psutil.NoSuchProcess):
+            roots.extend(psutil.Process().children(recursive=True))
+        for proc in roots:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for p in [proc, *proc.children(recursive=True)]:
+                    self._known.setdefault(p.pid, p)
+        self._known = {pid: p for pid, p in self._known.items() if _alive(p)}
+
+    def stop(self, grace_s: float) -> int | None:
+        """SIGTERM every process group of the tree, wait up to ``grace_s``, then SIGKILL.
+
+        Blocks until everything is gone. Returns torchrun's exit code.
+        """
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            self._reap()
+            if not self.processes():
+                break
+            time.sleep(0.05)
+        else:
+            self._signal_all(signal.SIGKILL)
+            for p in self.processes():
+                with contextlib.suppress(psutil.Error):
+                    p.wait(timeout=5)
+        self._reap()
+        code = self._proc.wait() if self._proc else None
+        if self._reader is not None:
+            self._reader.join(timeout=2.0)
+        return code
+
+    def _signal_all(self, sig: signal.Signals) -> None:
+        signal_groups(self.processes(), sig)
+
+    def _reap(self) -> None:
+        # Orphans adopted by us (subreaper) become our zombies; collect them, but never torchrun,
+        # whose exit status Popen must see.
+        launcher = self._proc.pid if self._proc is not None else None
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process().children():
+                if p.pid != launcher and p.status() == psutil.STATUS_ZOMBIE:
+                    with contextlib.suppress(ChildProcessError, OSError):
+                        os.waitpid(p.pid, os.WNOHANG)
+
+
+def signal_groups(procs: list[psutil.Process], sig: signal.Signals) -> None:
+    """Send ``sig`` to the process group of each of ``procs`` (torchrun starts every worker in
+    a session of its own), never to babysit's own group, then to each process directly."""
+    groups = set()
+    for p in procs:
+        with contextlib.suppress(psutil.Error, OSError):
+            groups.add(os.getpgid(p.pid))
+    for pgid in groups:
+        if pgid != os.getpgrp():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, sig)
+    for p in procs:  # processes that share babysit's group, if any
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(sig)
+
+
+def stop_leftovers(pids: tuple[int, ...], run_dir: Path, grace_s: float) -> list[int]:
+    """Stop what a killed supervisor of ``run_dir`` left running; returns the pids stopped.
+
+    Only processes whose environment names this run directory count (with their children):
+    pids are reused, and a stranger's process must never be signalled.
+    """
+    ours: dict[int, psutil.Process] = {}
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            if proc.environ().get("BABYSIT_RUN_DIR") == str(run_dir):
+                for p in [proc, *proc.children(recursive=True)]:
+                    ours[p.pid] = p
+    procs = [p for p in ours.values() if _alive(p)]
+    if not procs:
+        return []
+    signal_groups(procs, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    if alive:
+        signal_groups(alive, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5)
+    return sorted(p.pid for p in procs)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def rank_logs(attempt_dir: Path) -> dict[int, Path]:
+    """Each local rank's stderr log of an attempt (torchrun's ``--log-dir`` layout)."""
+    logs = {}
+    for path in attempt_dir.glob("torchrun/*/attempt_*/*/stderr.log"):
+        with contextlib.suppress(ValueError):
+            logs[int(path.parent.name)] = path
+    return logs
+
+
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)", re.S)
+
+
+_FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
+
+
+def failed_ranks(launcher_output: str) -> dict[int, int]:
+    """Local rank -> global rank of every failure torchrun's end-of-run summary lists (a rank
+    that died before saying hello is known to babysit by its log folder, a local rank)."""
+    return {int(local): int(rank) for rank, local in _FAILED_RANK.findall(launcher_output)}
+
+
+def root_cause_rank(launcher_output: str) -> int | None:
+    """The global rank torchrun names as the first failure, from its end-of-run summary.
+
+    The other ranks usually die of the consequence (a peer closed the connection), so this is
+    the rank whose log explains the crash.
+    """
+    match = _ROOT_CAUSE.search(launcher_output)
+    return int(match.group(1)) if match else None
+
+
+def tail(path: Path, max_bytes: int = 16384) -> str:
+    """The end of a log file, decoded leniently (logs may hold partial UTF-8 at the cut)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""

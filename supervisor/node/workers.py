@@ -1,0 +1,154 @@
+"""This node's workers: the telemetry socket, one torchrun per attempt, and its ranks.
+
+The supervisor of a single-node run and every node's babysitter of a multi-node run do the same
+things with their own node's processes: open the socket the ranks report to, write the
+attempt's directive and start its control file, start torchrun with the environment the worker
+API reads, learn each rank's pid from its hello, notice torchrun's exit (and whether only its
+teardown crashed), stop the whole process tree, and pass the ranks' output on to the console.
+That lives here, once; what to *do* about what the workers do is the caller's business.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.contract import protocol
+from babysit.supervisor.contract.control import ControlFile
+from babysit.supervisor.contract.directive import Directive
+from babysit.supervisor.node import forensics, launcher
+from babysit.supervisor.node.intake import Intake
+
+
+class NodeWorkers:
+    """Starts, watches and stops the attempts of one node. ``open()`` binds the socket."""
+
+    def __init__(self, plan: RunPlan, run_dir: Path) -> None:
+        self.plan = plan
+        self.run_dir = run_dir
+        self.token = secrets.token_bytes(protocol.TOKEN_BYTES)
+        self.intake = Intake(run_dir / "telemetry.sock", self.token)
+        self.lines: queue.Queue[launcher.OutputLine] = queue.Queue(maxsize=10_000)
+        self.group: launcher.WorkerGroup | None = None
+        self.rank_pids: dict[int, int] = {}
+        """Global rank -> pid, from each rank's hello in this attempt."""
+        self.closed_ranks: set[int] = set()
+        self.control = ControlFile()
+        """Requests to the running ranks (checkpoint cadence, a final checkpoint)."""
+        self.global_rank: dict[int, int] = {}
+        """Local rank -> global rank, from the hellos (torchrun names log folders by local
+        rank; on a node other than the first the two differ)."""
+
+    def open(self) -> None:
+        self.intake.open()
+
+    def close(self) -> None:
+        if self.group is not None and self.group.processes():
+            self.group.stop(self.plan.config.launch.stop_grace_s)
+        self.intake.close()
+
+    def attempt_dir(self, attempt: int) -> Path:
+        return self.run_dir / "attempts" / str(attempt)
+
+    def launch(self, attempt: int, directive: Directive, *, rdzv_endpoint: str, rdzv_id: str,
+               nnodes: str | None = None, node_rank: int | None = None) -> list[str]:
+        """Start attempt ``attempt`` with ``directive``; returns the torchrun command.
+        ``nnodes``/``node_rank`` replace the config's for this attempt (a multi-node leader
+        decides which nodes take part)."""
+        attempt_dir = self.attempt_dir(attempt)
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        directive.write(attempt_dir / "directive.json")
+        self.control.new_attempt(attempt_dir)
+        launch = self.plan.config.launch
+        if nnodes is not None or node_rank is not None:
+            launch = launch.model_copy(update={
+                "nnodes": nnodes if nnodes is not None else launch.nnodes,
+                "node_rank": node_rank if node_rank is not None else launch.node_rank})
+        command = launcher.torchrun_command(
+            launch, self.plan.script, python=self.plan.python, rdzv_id=rdzv_id,
+            rdzv_endpoint=rdzv_endpoint, log_dir=attempt_dir / "torchrun")
+        # Anything still queued belongs to the attempt being replaced.
+        self.intake.forget_connections()
+        self.rank_pids = {}
+        self.closed_ranks = set()
+        self.global_rank = {}
+        self.group = launcher.WorkerGroup(command, self._env(attempt_dir, attempt), Path.cwd(),
+                                          attempt_dir / "launcher.log", self.lines)
+        self.group.start()
+        return command
+
+    def _env(self, attempt_dir: Path, attempt: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")  # so rank output reaches the console live
+        env.update(self.plan.config.launch.env)
+        env.update({
+            protocol.ENV_SOCKET: str(self.intake.path),
+            protocol.ENV_TOKEN: self.token.hex(),
+            protocol.ENV_RUN_DIR: str(self.run_dir),
+            protocol.ENV_ATTEMPT: str(attempt),
+            protocol.ENV_DIRECTIVE: str(attempt_dir / "directive.json"),
+        })
+        return env
+
+    def note(self, event: protocol.WorkerEvent) -> None:
+        """Keep what a rank's hello and close say about its process."""
+        if event.type == "hello":
+            pid = event.data.get("pid")
+            if isinstance(pid, int) and pid > 0:
+                self.rank_pids[event.rank] = pid
+            local = event.data.get("local_rank")
+            if isinstance(local, int) and local >= 0:
+                self.global_rank[local] = event.rank
+        elif event.type == "close":
+            self.closed_ranks.add(event.rank)
+
+    def teardown_only(self, code: int, attempt: int) -> bool:
+        """torchrun's non-zero ``code`` came only from the process teardown after every rank
+        closed its run (``forensics.teardown_only``)."""
+        return forensics.teardown_only(code, self.rank_pids, self.closed_ranks,
+                                       self.attempt_dir(attempt))
+
+    def tails(self, attempt: int, max_bytes: int = 16384) -> dict[int, str]:
+        """The end of each rank's stderr log of ``attempt``, by global rank (from the hellos,
+        else from torchrun's failure summary for a rank that died before its hello)."""
+        attempt_dir = self.attempt_dir(attempt)
+        known = {**launcher.failed_ranks(launcher.tail(attempt_dir / "launcher.log")),
+                 **self.global_rank}
+        return {known.get(local, local): launcher.tail(path, max_bytes)
+                for local, path in launcher.rank_logs(attempt_dir).items()}
+
+    def crash_evidence(self, attempt: int) -> tuple[dict[int, str], int | None]:
+        """Each rank's log tail, and the rank torchrun names as the first observed failure."""
+        summary = launcher.tail(self.attempt_dir(attempt) / "launcher.log")
+        return self.tails(attempt), launcher.root_cause_rank(summary)
+
+    def poll(self) -> int | None:
+        """torchrun's exit code once it ended, else None (also None before any launch)."""
+        return self.group.poll() if self.group is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self.group is not None and self.group.poll() is None
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.group.processes()] if self.group is not None else []
+
+    def stop(self) -> int | None:
+        """Stop every process of the attempt (politely, then not); torchrun's exit code."""
+        if self.group is None:
+            return None
+        return self.group.stop(self.plan.config.launch.stop_grace_s)
+
+    def output(self) -> Iterator[str]:
+        """The lines printed since the last call, prefixed with the rank (or ``torchrun``)."""
+        while True:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                return
+            prefix = f"[r{line.rank}] " if line.rank is not None else "[torchrun] "
+            yield prefix + line.text

@@ -1,0 +1,417 @@
+"""The worker API: the few calls a training script makes so babysit can watch and steer it.
+
+A training loop with the API stays a training loop::
+
+    from babysit import attach
+
+    run = attach(model=model, optimizer=opt, scheduler=sched)
+    for batch in run.batches(loader):       # counts the data cursor, skips bad ranges
+        loss = compute_loss(batch)
+        loss.backward()
+        gnorm = clip_grad_norm_(model.parameters(), 1.0)
+        if run.step(loss=loss.item(), grad_norm=gnorm):   # report; False = skip this step
+            opt.step()
+        opt.zero_grad()
+        sched.step()
+    run.close()
+
+Calling rules:
+
+- ``attach()`` once per process, after the model and optimizer exist. Under plain ``torchrun`` or
+  ``python train.py`` (no babysit environment) it returns a ``Run`` that reports nothing and skips
+  nothing, so the script trains unchanged.
+- ``step()`` exactly once per optimizer step, on every rank, after the backward pass. It sends one
+  message and never waits: if the supervisor is behind, the report is dropped and counted. It
+  converts its arguments with ``float()``: a CUDA tensor would synchronise, so pass the Python
+  float you already have (``loss.item()``) where you already sync, or accept that cost knowingly.
+- ``batches()`` wraps the loader each rank iterates; every rank's loader yields that rank's shard
+  of the same global batch, so one local batch advances the global data cursor by one.
+- ``phase(name)`` around work that is not a training step (checkpoint, eval): the hang detector
+  grants it a longer allowance and step times exclude it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from babysit.supervisor.contract import protocol
+from babysit.supervisor.contract.directive import CONTROL_FILE, Directive, Resume, SkipRange
+from babysit.supervisor.rank.saving import Checkpointer
+
+T = TypeVar("T")
+
+_perf = time.perf_counter
+_wall = time.time
+
+
+class Run:
+    """What ``attach()`` returns: the training script's handle on babysit.
+
+    ``step`` is the number of optimizer steps completed (restored from a checkpoint on resume);
+    ``cursor`` the number of global batches consumed. ``dropped`` counts reports the supervisor
+    was too busy to take.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        directive: Directive,
+        sock: socket.socket | None,
+        token: bytes,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.directive = directive
+        self.step_count = directive.resume.step if directive.resume else 0
+        self.cursor = directive.resume.cursor if directive.resume else 0
+        self.dropped = 0
+        self._sock = sock
+        self._token = token
+        self._optimizer = optimizer
+        self._last_step: float | None = None
+        self._data_wait = 0.0
+        self._phase_time = 0.0
+        self._skips = sorted(directive.skip, key=lambda r: r.start)
+        self._hooks: list[Any] = []
+        self._closed = False
+        self._checkpointer = Checkpointer(directive, rank, model, optimizer, scheduler,
+                                          self._event)
+        self._guard = _grad_guard(directive.grad_guard)
+        self._fingerprint = _fingerprinter(directive.sdc_every, model, rank)
+        self._fingerprinted = -1
+        if optimizer is not None and directive.lr_scale != 1.0:
+            self._install_lr_scale(optimizer, directive.lr_scale)
+
+    @property
+    def resume(self) -> Resume | None:
+        """The checkpoint this attempt resumes from (None on a fresh start). A checkpoint that
+        babysit saved is already restored by ``attach()``; one the script registered itself
+        with ``checkpoint_saved()`` is the script's to load from ``resume.path``."""
+        return self.directive.resume
+
+    @property
+    def active(self) -> bool:
+        """True when a babysit supervisor is listening (False under plain torchrun/python)."""
+        return self._sock is not None
+
+    # -- the data cursor ------------------------------------------------------------------------
+
+    def batches(self, loader: Iterable[T]) -> Iterator[T]:
+        """Yield the loader's batches, fast-forwarding to the resume cursor and skipping ranges.
+
+        A loader with a ``seek(cursor)`` method (after which ``iter(loader)`` starts at global
+        batch ``cursor``) is repositioned for free; any other iterable is advanced by consuming
+        and discarding batches. Time spent waiting in ``next()`` is reported as data wait.
+        """
+        seek = getattr(loader, "seek", None)
+        it = self._position(loader, seek, 0, self.cursor)
+        while True:
+            # Between steps: the previous step's optimizer and scheduler updates are done and the
+            # next batch is not drawn, so a checkpoint here is exactly (step, cursor).
+            self._checkpointer.maybe_save(self.step_count, self.cursor, self.directive.lr_scale,
+                                          self.phase)
+            self._check_integrity()
+            skip = self._skip_at(self.cursor)
+            if skip is not None:
+                self._event("skip", start=skip.start, end=skip.end)
+                it = self._position(loader, seek, self.cursor, skip.end, it)
+                self.cursor = skip.end
+            t0 = _perf()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self._data_wait += _perf() - t0
+            self.cursor += 1
+            yield batch
+
+    def _check_integrity(self) -> None:
+        """The silent-data-corruption check, between steps: every rank's parameters are the
+        same here (step k's update is done, batch k+1 not drawn), so the supervisor can compare
+        their digests at this step across ranks."""
+        fp = self._fingerprint
+        if fp is None or self.step_count == self._fingerprinted or not fp.due(self.step_count):
+            return
+        self._fingerprinted = self.step_count
+        self._event("fingerprint", step=self.step_count, digests=fp.digests())
+
+    def _position(
+        self,
+        loader: Iterable[T],
+        seek: Any,
+        current: int,
+        target: int,
+        it: Iterator[T] | None = None,
+    ) -> Iterator[T]:
+        if target == current and it is not None:
+            return it
+        if seek is not None:
+            seek(target)
+            return iter(loader)
+        it = iter(loader) if it is None else it
+        for _ in range(target - current):
+            next(it, None)
+        return it
+
+    def _skip_at(self, cursor: int) -> SkipRange | None:
+        while self._skips and self._skips[0].end <= cursor:
+            self._skips.pop(0)
+        if self._skips and cursor in self._skips[0]:
+            return self._skips.pop(0)
+        return None
+
+    # -- the per-step report (hot path) ---------------------------------------------------------
+
+    def step(
+        self,
+        loss: Any = None,
+        grad_norm: Any = None,
+        lr: Any = None,
+        tokens: Any = None,
+        samples: Any = None,
+    ) -> bool:
+        """Report one optimizer step; return False when this optimizer step should be skipped.
+
+        Units: loss as the script computes it, grad_norm the total L2 norm, lr the base LR before
+        babysit's scale (read from the optimizer's first param group when omitted), tokens and
+        samples processed by this rank in this step.
+        """
+        now = _perf()
+        last = self._last_step
+        self._last_step = now
+        self.step_count += 1
+        self._checkpointer.poll()
+        keep = True
+        if self._guard is not None and grad_norm is not None:
+            # Every rank sees the same all-reduced grad norm, so every rank decides alike.
+            keep = self._guard.observe_value(self.step_count, float(grad_norm)) is None
+        sock = self._sock
+        if sock is None:
+            return keep
+        flags = 0 if keep else protocol.FLAG_SKIPPED
+        if loss is None:
+            loss = 0.0
+        else:
+            loss = float(loss)
+            flags |= 1
+        if grad_norm is None:
+            grad_norm = 0.0
+        else:
+            grad_norm = float(grad_norm)
+            flags |= 2
+        if lr is None and self._optimizer is not None:
+            lr = self._optimizer.param_groups[0]["lr"]
+        if lr is None:
+            lr = 0.0
+        else:
+            lr = float(lr) * self.directive.lr_scale
+            flags |= 4
+        if tokens is None:
+            tokens = 0.0
+        else:
+            tokens = float(tokens)
+            flags |= 8
+        if samples is None:
+            samples = 0.0
+        else:
+            samples = float(samples)
+            flags |= 16
+        if last is None:
+            step_time = 0.0
+        else:
+            step_time = now - last - self._phase_time
+            flags |= 32
+        data_wait = self._data_wait
+        flags |= 64
+        self._data_wait = 0.0
+        self._phase_time = 0.0
+        message = protocol.STEP.pack(
+            protocol.MAGIC, protocol.VERSION, protocol.KIND_STEP, self._token, self.rank, flags,
+            self.step_count, self.cursor, _wall(), loss, grad_norm, lr, tokens, samples,
+            step_time, data_wait,
+        )
+        try:
+            sock.send(message)
+        except OSError:
+            # Full queue (BlockingIOError) or supervisor gone: drop rather than wait.
+            self.dropped += 1
+        return keep
+
+    def checkpoint_saved(self, path: str | os.PathLike[str]) -> None:
+        """Tell babysit the script saved a checkpoint of the current step and cursor at ``path``.
+
+        For scripts that save and load themselves ("bring your own checkpoint"). Call it on
+        every rank, after the save finished on every rank; it is collective. On a relaunch,
+        ``run.resume.path`` is the checkpoint to load.
+        """
+        self._checkpointer.saved_externally(path, self.step_count, self.cursor,
+                                            self.directive.lr_scale)
+
+    # -- phases, events, shutdown ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark work that is not a training step (``"checkpoint"``, ``"eval"``, ...)."""
+        self._event("phase", name=name, begin=True)
+        t0 = _perf()
+        try:
+            yield
+        finally:
+            self._phase_time += _perf() - t0
+            self._event("phase", name=name, begin=False)
+
+    def _event(self, type_: str, **data: Any) -> None:
+        if self._sock is None:
+            return
+        try:
+            self._sock.send(protocol.encode_event(self._token, self.rank, type_, _wall(), **data))
+        except OSError:
+            self.dropped += 1
+
+    def close(self) -> None:
+        """Tell the supervisor this rank finished cleanly. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._checkpointer.close()
+        self._event("close", step=self.step_count, cursor=self.cursor, dropped=self.dropped)
+        for hook in self._hooks:
+            hook.remove()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _install_lr_scale(self, optimizer: Any, scale: float) -> None:
+        # Scale just around optimizer.step() and restore right after, so LR schedulers (which
+        # read and write group["lr"]) never see the scale and any scheduler keeps working.
+        saved: list[Any] = []
+
+        def pre(opt: Any, args: Any, kwargs: Any) -> None:
+            saved[:] = [group["lr"] for group in opt.param_groups]
+            for group in opt.param_groups:
+                group["lr"] = group["lr"] * scale
+
+        def post(opt: Any, args: Any, kwargs: Any) -> None:
+            for group, lr in zip(opt.param_groups, saved, strict=True):
+                group["lr"] = lr
+
+        self._hooks.append(optimizer.register_step_pre_hook(pre))
+        self._hooks.append(optimizer.register_step_post_hook(post))
+
+
+def attach(
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    *,
+    flops_per_token: float | None = None,
+    param_count: int | None = None,
+    peak_flops: float | None = None,
+) -> Run:
+    """Connect this rank to its babysit supervisor, or return a no-op ``Run`` if there is none.
+
+    Call it after ``init_process_group`` and after building the model, optimizer and scheduler
+    exactly as for a fresh start: on a relaunch it restores them from the checkpoint the
+    supervisor chose (a collective). ``optimizer`` is also needed for the LR scale a rollback
+    sets. Reads only ``BABYSIT_*`` and torchrun's ``RANK``/``WORLD_SIZE`` variables.
+
+    MFU (model FLOPs utilisation) needs three numbers babysit cannot know, so it is reported
+    only when the script gives them: ``tokens`` in each ``step()``, the training FLOPs per token
+    (``flops_per_token``, forward plus backward; or ``param_count``, for the 6 x parameters
+    rule of dense transformers, which ignores attention's share), and ``peak_flops``, one
+    device's peak FLOP/s at the training precision (989e12 for an H100 SXM in dense BF16). A
+    "token" is whatever unit ``tokens`` counts: a vision script passes images and FLOPs per
+    image.
+    """
+    flops_per_token = _flops_per_token(flops_per_token, param_count)
+    if peak_flops is not None:
+        peak_flops = _positive("peak_flops", peak_flops)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    path = os.environ.get(protocol.ENV_SOCKET)
+    token_hex = os.environ.get(protocol.ENV_TOKEN)
+    if not path or not token_hex:
+        return Run(rank=rank, world_size=world_size, directive=Directive(), sock=None, token=b"",
+                   optimizer=optimizer)
+    directive_path = os.environ.get(protocol.ENV_DIRECTIVE)
+    directive = Directive.read(directive_path) if directive_path else Directive()
+    sock: socket.socket | None
+    try:
+        sock = protocol.connect(path)
+    except OSError as exc:
+        # Training must go on without its babysitter; the directive (skips, LR scale) still holds.
+        print(f"babysit: rank {rank} cannot reach the supervisor at {path} ({exc}); training "
+              f"continues unwatched", file=sys.stderr, flush=True)
+        sock = None
+    run = Run(rank=rank, world_size=world_size, directive=directive, sock=sock,
+              token=bytes.fromhex(token_hex), model=model, optimizer=optimizer,
+              scheduler=scheduler)
+    if directive_path:
+        run._checkpointer.control = Path(directive_path).with_name(CONTROL_FILE)
+    restored = run._checkpointer.resume()
+    if restored is not None:
+        run.step_count, run.cursor = restored
+    run._event("hello", pid=os.getpid(), host=socket.gethostname(), world_size=world_size,
+               local_rank=int(os.environ.get("LOCAL_RANK", "0")), step=run.step_count,
+               cursor=run.cursor, flops_per_token=flops_per_token, peak_flops=peak_flops)
+    return run
+
+
+def _positive(name: str, value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"attach({name}={value!r}): give a positive, finite number")
+    return number
+
+
+def _flops_per_token(flops_per_token: Any, param_count: Any) -> float | None:
+    if flops_per_token is not None:
+        return _positive("flops_per_token", flops_per_token)
+    if param_count is not None:
+        return 6.0 * _positive("param_count", param_count)
+    return None
+
+
+def _fingerprinter(every: int, model: Any, rank: int) -> Any:
+    """The SDC check's digests, when the run's config turns it on (``sdc.every_steps``)."""
+    if not every:
+        return None
+    if model is None:
+        if rank == 0:
+            print("babysit: sdc.every_steps is set but attach() got no model; the silent data "
+                  "corruption check is off. Pass attach(model=...).", file=sys.stderr, flush=True)
+        return None
+    from babysit.supervisor.rank.fingerprint import Fingerprinter
+
+    return Fingerprinter(every, model)
+
+
+def _grad_guard(settings: dict[str, Any]) -> Any:
+    """The in-process grad-norm detector, when the policy skips grad-norm spikes."""
+    if not settings:
+        return None
+    from babysit.policies.detectors.grad_norm import GradNormConfig, GradNormDetector
+
+    return GradNormDetector(GradNormConfig(**settings))

@@ -1,0 +1,245 @@
+"""The worker side of checkpoints: resume at ``attach()``, save on the directive's cadence.
+
+Two modes, chosen by what the script does:
+
+- babysit saves: the config sets ``checkpoints.every_steps``; the worker API saves model,
+  optimizer, scheduler, every rank's RNG state, the data cursor, the step and the LR scale with
+  ``torch.distributed.checkpoint`` (sharded), and restores them when a directive says so.
+- bring your own: the script saves and loads itself, calls ``run.checkpoint_saved(path)`` after
+  each save, and on a relaunch reads ``run.resume`` to know which of its checkpoints to load.
+
+A save happens at the top of the next ``batches()`` iteration, not inside ``step()``: the
+script's ``opt.step()``, ``zero_grad()`` and ``sched.step()`` for step *k* have all run by
+then, and batch *k+1* has not been drawn, so the checkpoint holds exactly "after step k, cursor
+k". Saving inside ``step()`` would capture the weights before that step's update.
+
+The supervisor can steer a running attempt through its control file (``CONTROL_FILE`` beside the
+directive, contract in ``babysit.supervisor.contract.directive``): a one-off checkpoint at a given
+step (before a preemption) and a new cadence from a given step on
+(``babysit.supervisor.run.cadence``). Rank 0 reports each save's blocking seconds, the stall
+training paid, so the supervisor can weigh the cost of a checkpoint against the work an interruption
+loses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from babysit.supervisor.contract.directive import Directive
+
+Emit = Callable[..., None]
+
+
+class Checkpointer:
+    """Owned by a ``Run``; every method is collective (all ranks call it at the same point)."""
+
+    def __init__(self, directive: Directive, rank: int, model: Any, optimizer: Any,
+                 scheduler: Any, emit: Emit) -> None:
+        self.directive = directive
+        self.rank = rank
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self._emit = emit
+        self._pending: Any = None  # an async SaveHandle not yet committed
+        self._pending_blocking = 0.0  # seconds its staging stalled training; sent on commit
+        self._last_saved = -1
+        self.control: Path | None = None
+        """The supervisor's control file (set by ``attach()`` when babysit runs)."""
+        self._control_seen: tuple[int, int, int] | None = None
+        self._control_step: int | None = None
+        self._cadence: list[tuple[int, int]] = [(0, directive.checkpoint_every)]
+        """``(from_step, every)`` pieces in step order: the directive's cadence, then each
+        change the control file made. Pieces wholly in the past are dropped as steps go by."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.directive.checkpoint_every and self.directive.checkpoint_dir)
+
+    def resume(self) -> tuple[int, int] | None:
+        """Restore the directive's checkpoint if babysit made it; returns (step, cursor).
+
+        A checkpoint the script registered itself is left for the script to load (``run.resume``
+        says where); the step and cursor still come from the directive.
+        """
+        resume = self.directive.resume
+        if resume is None:
+            return None
+        if resume.external:
+            return resume.step, resume.cursor
+        from babysit import checkpoints
+
+        if self.model is None:
+            raise checkpoints.CheckpointError(
+                f"babysit asked rank {self.rank} to resume from {resume.path} (step "
+                f"{resume.step}), but attach() got no model to restore into. Pass "
+                f"model=..., optimizer=... and scheduler=... to attach().")
+        restored = checkpoints.load(resume.path, self.model, self.optimizer, self.scheduler,
+                                    reshard=self.directive.reshard)
+        self._last_saved = restored.step
+        return restored.step, restored.cursor
+
+    def maybe_save(self, step: int, cursor: int, lr_scale: float,
+                   phase: Callable[[str], contextlib.AbstractContextManager[None]]) -> None:
+        """Save if the cadence, or the supervisor's request for a final checkpoint, says so.
+        Call between steps, on every rank."""
+        if not self.enabled or step == 0 or step == self._last_saved:
+            return
+        requested = self._read_control(step)
+        if step % self.every(step) and step != requested:
+            return
+        from babysit import checkpoints
+
+        self._last_saved = step
+        started = time.perf_counter()
+        try:
+            with phase("checkpoint"):
+                # save() would wait for an async save still writing anyway; waiting here lets
+                # that one be announced (or its failure reported) under its own step.
+                self._finish_pending()
+                handle = checkpoints.save(
+                    str(self.directive.checkpoint_dir), step, cursor, lr_scale, self.model,
+                    self.optimizer, self.scheduler, async_save=self.directive.checkpoint_async)
+        except checkpoints.CheckpointError as exc:
+            # Every rank raises together (the save is collective), so every rank trains on: a
+            # full disk must cost a checkpoint, never the run. The last good one still stands.
+            self._failed(step, exc)
+            return
+        # The stall training paid: the whole save when synchronous, the staging copy (and any
+        # wait for the previous async save) when asynchronous; the writes overlap training.
+        blocking = time.perf_counter() - started
+        if handle.committed:
+            self._announce(handle, blocking)
+        else:
+            self._pending, self._pending_blocking = handle, blocking
+
+    def every(self, step: int) -> int:
+        """The cadence in force at ``step``: a save at each step that is a multiple of it."""
+        every = self._cadence[0][1]
+        for start, value in self._cadence:
+            if start > step:
+                break
+            every = value
+        return every
+
+    def _read_control(self, step: int) -> int | None:
+        """Apply the supervisor's control file; return the step it asks a checkpoint at, if any.
+
+        One ``stat`` per step (about 2.6 us here when absent; between steps, never in
+        ``step()``); the file is read and parsed only when it changed. The supervisor replaces
+        it atomically, so a new version has a new inode even within one mtime tick. Every rank
+        reads the same requests, chosen ahead of the newest step reported, so all ranks meet in
+        the same collective save.
+        """
+        if self.control is None:
+            return None
+        try:
+            st = os.stat(self.control)
+        except OSError:
+            return None
+        seen = (st.st_mtime_ns, st.st_ino, st.st_size)
+        if seen != self._control_seen:
+            self._control_seen = seen
+            try:
+                request = json.loads(self.control.read_text())
+            except (OSError, ValueError):
+                request = None
+            self._apply_control(request if isinstance(request, dict) else {}, step)
+        while len(self._cadence) > 1 and self._cadence[1][0] <= step:
+            self._cadence.pop(0)  # a piece wholly in the past
+        return self._control_step
+
+    def _apply_control(self, request: dict[str, Any], step: int) -> None:
+        """``checkpoint_at_step`` is what the current file asks (absent: nothing);
+        ``checkpoint_every`` changes the cadence from ``from_step`` on (absent: the next step)
+        and stays in force when a later version of the file leaves it out."""
+        self._control_step = _as_int(request.get("checkpoint_at_step"))
+        every = _as_int(request.get("checkpoint_every"))
+        if every is None or every < 1:
+            return
+        start = _as_int(request.get("from_step"))
+        start = step + 1 if start is None else start
+        if self._cadence[-1] == (start, every):
+            return  # the same change, rewritten beside a new checkpoint_at_step
+        self._cadence = [piece for piece in self._cadence if piece[0] < start] + [(start, every)]
+        if self.rank == 0:
+            self._emit("cadence", every_steps=every, from_step=start)
+
+    def poll(self) -> None:
+        """Finish an async save when its writes are done (cheap; call once per step)."""
+        if self._pending is None:
+            return
+        from babysit import checkpoints
+
+        try:
+            done = self._pending.poll()
+        except checkpoints.CheckpointError as exc:
+            handle, self._pending = self._pending, None
+            self._failed(handle.step, exc)
+            return
+        if done:
+            handle, self._pending = self._pending, None
+            self._announce(handle, self._pending_blocking)
+
+    def close(self) -> None:
+        self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        """Wait for the async save in flight, if any, and announce it or report its failure."""
+        if self._pending is None:
+            return
+        from babysit import checkpoints
+
+        handle, self._pending = self._pending, None
+        try:
+            handle.wait()
+        except checkpoints.CheckpointError as exc:
+            self._failed(handle.step, exc)
+            return
+        self._announce(handle, self._pending_blocking)
+
+    def saved_externally(self, path: str | os.PathLike[str], step: int, cursor: int,
+                         lr_scale: float) -> None:
+        """The script saved ``path`` itself; make it a babysit checkpoint (collective)."""
+        from babysit import checkpoints
+
+        root = self.directive.checkpoint_dir
+        if root is None:
+            return
+        _barrier()
+        if self.rank == 0:
+            checkpoints.register_external(root, os.fspath(path), step, cursor, lr_scale)
+            self._emit("checkpoint", step=step, cursor=cursor, path=str(path), external=True)
+        _barrier()
+
+    def _failed(self, step: int, exc: Exception) -> None:
+        if self.rank == 0:
+            self._emit("checkpoint_failed", step=step, error=str(exc)[:2000])
+
+    def _announce(self, handle: Any, blocking_s: float) -> None:
+        """``blocking_s``: seconds rank 0's training stalled for this save (see maybe_save)."""
+        if self.rank == 0:
+            self._emit("checkpoint", step=handle.step, path=str(handle.path), external=False,
+                       asynchronous=handle.is_async, blocking_s=round(blocking_s, 6))
+
+
+def _as_int(value: Any) -> int | None:
+    """A JSON integer (an integral float too), else None: a malformed field asks nothing."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

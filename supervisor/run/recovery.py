@@ -1,0 +1,146 @@
+"""The supervisor's side of checkpoints: verdicts as the run goes, and where a relaunch resumes.
+
+The loop calls these at fixed points; each returns journal entries (event name, fields) so
+every verdict and every refusal is on the record:
+
+    on_checkpoint(step)      a rank reported a committed checkpoint  -> retention
+    on_progress(step)        healthy steps went by                   -> pending ones become good
+    on_finding(finding)      an anomaly began at finding.onset_step  -> nearby ones become suspect
+    resume_for(remedy)       a relaunch is about to start            -> which checkpoint, verified
+
+Rules: a rollback (loss spike, NaN) resumes from the newest *good* checkpoint strictly before
+the onset; a relaunch after a hang or a crash may also use a *pending* one (nothing suggests
+its weights are bad, and the work since it would otherwise be lost). A torn or corrupted
+checkpoint is refused, marked corrupt, and the next older one is tried.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from babysit.checkpoints import Catalog, Verdict
+from babysit.policies.types import Action, Finding, Incident, Remedy
+from babysit.supervisor.contract.directive import Resume
+
+Entry = tuple[str, dict[str, Any]]
+
+# Anomalies that say something about the weights around them (a hang or a crash does not).
+_WEIGHT_ANOMALIES = (Incident.LOSS_SPIKE, Incident.NONFINITE, Incident.GRAD_SPIKE)
+_PROMOTE_EVERY = 10
+"""Steps between promotion passes: each pass re-reads the catalog from disk."""
+
+
+def _storage_error(during: str, exc: OSError) -> Entry:
+    """The catalog's disk failed (full, gone, read-only): journal it and carry on, so a storage
+    fault costs checkpoints, never the supervisor."""
+    return ("checkpoint_storage_error", {"during": during, "error": f"{exc.strerror or exc}",
+                                         "path": exc.filename})
+
+
+class Recovery:
+    def __init__(self, catalog: Catalog, probation_steps: int, keep: int,
+                 sdc_checks: bool = False) -> None:
+        """``sdc_checks``: the run compares replicas (``sdc.every_steps``), so a checkpoint is
+        promoted only once a check at or after its step agreed (``vouch``): a corrupted
+        replica can pass probation with a healthy loss, and retention keeps only the newest
+        good checkpoint beyond the newest few, which must be one from before the corruption."""
+        self.catalog = catalog
+        self.probation_steps = probation_steps
+        self.keep = keep
+        self.vouched: int | None = -1 if sdc_checks else None
+        """The newest step an SDC check agreed at (-1: none yet); None: no SDC checks."""
+        self._next_promotion = 0
+
+    def vouch(self, step: int | None) -> None:
+        """Every replica agreed at ``step`` (the newest agreeing check, after a relaunch too)."""
+        if self.vouched is not None and step is not None:
+            self.vouched = step
+
+    def on_checkpoint(self, step: int) -> list[Entry]:
+        try:
+            deleted = self.catalog.retain(self.keep)
+        except OSError as exc:
+            return [_storage_error("retention", exc)]
+        return [("checkpoint_retention", {"deleted": [str(p) for p in deleted]})] if deleted else []
+
+    def on_progress(self, step: int) -> list[Entry]:
+        if step < self._next_promotion:
+            return []
+        self._next_promotion = step + _PROMOTE_EVERY
+        healthy = step
+        if self.vouched is not None:  # and only checkpoints at or before the agreeing check
+            healthy = min(step, self.vouched + self.probation_steps)
+        try:
+            promoted = self.catalog.promote(healthy, self.probation_steps)
+            if promoted:
+                # A newer good checkpoint exists: the one pinned for the last rollback may go.
+                self.catalog.unpin()
+        except OSError as exc:
+            return [_storage_error("promotion", exc)]
+        return [("checkpoint_verdict", {"checkpoint_step": c.step, "verdict": "good",
+                                        "healthy_step": step}) for c in promoted]
+
+    def on_finding(self, finding: Finding) -> list[Entry]:
+        if finding.incident not in _WEIGHT_ANOMALIES and finding.incident is not Incident.SDC:
+            return []
+        reason = f"{finding.incident.value} with onset at step {finding.onset_step}"
+        # Silent corruption began after the last agreeing check (onset - 1), which vouches for
+        # the checkpoints up to it: no window before the onset, every one after it is suspect.
+        window = 0 if finding.incident is Incident.SDC else self.probation_steps
+        try:
+            marked = self.catalog.mark_anomaly(finding.onset_step, window, reason)
+        except OSError as exc:
+            return [_storage_error("marking suspects", exc)]
+        # The returned checkpoints carry their verdict from before the call: journal changes only.
+        return [("checkpoint_verdict", {"checkpoint_step": c.step, "verdict": "suspect",
+                                        "reason": reason})
+                for c in marked if c.verdict is not Verdict.SUSPECT]
+
+    def resume_for(self, remedy: Remedy | None) -> tuple[Resume | None, list[Entry]]:
+        """The checkpoint the next attempt starts from (None: from scratch), and what was
+        refused on the way. Also cleans checkpoints a killed attempt left half-written."""
+        entries: list[Entry] = []
+        try:
+            cleaned = self.catalog.clean_incomplete()
+        except OSError as exc:
+            cleaned = []
+            entries.append(_storage_error("cleaning incomplete checkpoints", exc))
+        if cleaned:
+            entries.append(("checkpoint_cleaned", {"paths": [str(p) for p in cleaned]}))
+        if remedy is None:
+            return None, entries
+        rollback = remedy.action is Action.ROLLBACK
+        before = remedy.finding.onset_step if rollback else remedy.finding.step + 1
+        return self._choose(before, not rollback, entries)
+
+    def resume_latest(self) -> tuple[Resume | None, list[Entry]]:
+        """For a supervisor taking over a run whose supervisor died: the newest usable
+        checkpoint, pending ones included (nothing suggests they are bad)."""
+        _, entries = self.resume_for(None)
+        return self._choose(2**62, True, entries)
+
+    def _choose(self, before: int, allow_pending: bool,
+                entries: list[Entry]) -> tuple[Resume | None, list[Entry]]:
+        try:
+            choice = self.catalog.choose_for_rollback(before, allow_pending=allow_pending)
+        except OSError as exc:
+            entries.append(_storage_error("choosing a checkpoint", exc))
+            entries.append(("resume", {"from": None, "before_step": before,
+                                       "reason": "checkpoint storage unusable: starting over"}))
+            return None, entries
+        for refusal in choice.refused:
+            entries.append(("checkpoint_refused", {"checkpoint_step": refusal.step,
+                                                   "path": str(refusal.path),
+                                                   "problems": list(refusal.problems)}))
+        chosen = choice.checkpoint
+        if chosen is None:
+            entries.append(("resume", {"from": None, "before_step": before,
+                                       "reason": "no usable checkpoint: starting from scratch"}))
+            return None, entries
+        entries.append(("resume", {"from": str(chosen.path), "checkpoint_step": chosen.step,
+                                   "cursor": chosen.cursor, "verdict": chosen.verdict.value,
+                                   "before_step": before}))
+        external = chosen.manifest.external_path
+        return Resume(path=external or str(chosen.path), step=chosen.step, cursor=chosen.cursor,
+                      external=external is not None), entries
+

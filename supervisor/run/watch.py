@@ -1,0 +1,220 @@
+"""The supervisor's judgement for one run: detectors, the policy's rules, and resume directives.
+
+``Watch`` holds everything that decides *what* is wrong and *what the policy says*; it does no
+I/O and reads no clock (times are passed in), so the loop stays about side effects and this stays
+testable. It is the one place that knows which detector observes which stream.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from babysit.policies.detectors import HangDetector, classify
+from babysit.policies.detectors.crash import CrashClass, CrashSignature
+from babysit.policies.detectors.sdc import SdcDetector
+from babysit.policies.loader import load_policy
+from babysit.policies.replay import Pipeline
+from babysit.policies.schema import Policy
+from babysit.policies.types import Action, Finding, Incident, JobStep, RankStep, Remedy
+from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.contract.directive import Directive, Resume, SkipRange, merge_skips
+from babysit.supervisor.contract.protocol import WorkerEvent
+from babysit.supervisor.node.aggregate import PER_RANK_LIMIT
+
+
+@dataclass(frozen=True, slots=True)
+class SdcCheck:
+    """A completed silent-data-corruption check: every rank's digests at ``step`` compared."""
+
+    step: int
+    ranks: int
+    finding: Finding | None
+    """Set when a rank disagreed and was not already named in this attempt (a repeat of a
+    named disagreement has ``agree`` False and no finding)."""
+    last_agreeing_step: int | None
+
+    @property
+    def agree(self) -> bool:
+        return self.last_agreeing_step == self.step
+
+
+_SPECIFICITY = [CrashClass.USER_CODE, CrashClass.OOM, CrashClass.HARDWARE, CrashClass.NUMERICAL,
+                CrashClass.NETWORK, CrashClass.KILLED, CrashClass.UNKNOWN]
+"""When torchrun names no root cause: a peer's network error is usually the consequence."""
+
+_CURSOR_MEMORY = 4096
+"""Recent steps whose data cursor is remembered, to turn a spike's onset step into batches."""
+
+
+class Watch:
+    def __init__(self, policy: Policy, checkpoint_every: int = 0,
+                 checkpoint_dir: str | None = None, checkpoint_async: bool = False,
+                 sdc_every: int = 0, scope: str = "all") -> None:
+        """``scope`` picks the step detectors (``policies.replay.SCOPES``): a multi-node leader
+        watches the job's global signals, each node its own ranks. ``checkpoint_dir`` is always
+        passed to the workers: scripts that save their own checkpoints register them there even
+        when babysit does not save (every = 0). ``checkpoint_every`` may change during the run
+        (cadence adoption); the next attempt's directive carries the cadence in force."""
+        self.policy = policy
+        self.pipeline = Pipeline(policy, scope=scope)
+        self.rules = self.pipeline.rules
+        self.hang = HangDetector(policy.detectors.hang)
+        self.sdc = SdcDetector(policy.detectors.sdc)
+        self.sdc_every = sdc_every
+        self.checkpoint_every = checkpoint_every
+        self.skips: list[SkipRange] = []
+        self.lr_scale = 1.0
+        self.reshard = False
+        """Relaunches may change the world size (an elastic multi-node run)."""
+        self.crashes: list[CrashSignature] = []
+        self._cursor_at: OrderedDict[int, int] = OrderedDict()
+        self._alive: set[int] = set()
+        self._world = 0
+        self._checkpoint_dir, self._checkpoint_async = checkpoint_dir, checkpoint_async
+
+    @classmethod
+    def from_plan(cls, plan: RunPlan, scope: str = "all") -> Watch:
+        ref = plan.config.policy
+        name = ref.name
+        if name.endswith((".yaml", ".yml")) or "/" in name:
+            name = str((plan.base / name).resolve())
+        overrides = dict(ref.overrides)
+        restarts = plan.config.launch.max_restarts
+        if restarts is not None:
+            # torchrun's --max-restarts counts every failure alike; so does this override.
+            classes = ("oom", "network", "numerical", "hardware", "user_code", "signal", "unknown")
+            crash = dict(overrides.get("crash", {}))
+            crash["max_relaunches"] = dict.fromkeys(classes, restarts)
+            overrides["crash"] = crash
+        c = plan.config.checkpoints
+        watch = cls(load_policy(name, overrides), c.every_steps,
+                    str(plan.checkpoint_dir), c.async_save, plan.config.sdc.every_steps, scope)
+        low, high = plan.config.launch.node_range
+        watch.reshard = low < high
+        return watch
+
+    # -- streams --------------------------------------------------------------------------------
+
+    def new_attempt(self, now: float, directive: Directive) -> None:
+        """A new attempt launched: only ranks that say hello are watched for hangs, so a script
+        without the worker API is judged by liveness and exit code alone."""
+        self._alive = set()
+        self.hang.start(now)
+        if directive.attempt > 0:
+            self.pipeline.new_attempt()
+            self.sdc.new_attempt()
+
+    def observe_rank(self, sample: RankStep, now: float) -> None:
+        self.hang.observe(sample, now)
+
+    def observe_event(self, event: WorkerEvent, now: float) -> None:
+        if event.type == "hello":
+            self._alive.add(event.rank)
+        elif event.type == "close":
+            self._alive.discard(event.rank)
+        elif event.type == "phase":
+            self.hang.phase(event.rank, str(event.data.get("name", "?")),
+                            bool(event.data.get("begin")), now)
+
+    def observe_fingerprint(self, event: WorkerEvent, world_size: int) -> SdcCheck | None:
+        """One rank's silent-data-corruption digests; the verdict once every rank's are in."""
+        digests, step = event.data.get("digests"), event.data.get("step")
+        if not isinstance(digests, dict) or not isinstance(step, int):
+            return None
+        finding = self.sdc.observe(event.rank, step, digests, world_size)
+        if self.sdc.checked_step != step:
+            return None  # the check is not complete yet (or was dropped)
+        return SdcCheck(step=step, ranks=world_size, finding=finding,
+                        last_agreeing_step=self.sdc.last_agreeing_step)
+
+    def observe_record(self, record: JobStep) -> list[Finding]:
+        self._world = record.world_size
+        self._cursor_at[record.step] = record.cursor
+        while len(self._cursor_at) > _CURSOR_MEMORY:
+            self._cursor_at.popitem(last=False)
+        return self.pipeline.findings(record)
+
+    def check(self, now: float) -> list[Finding]:
+        """Periodic judgements that need no new telemetry (hangs)."""
+        if not self._alive:
+            return []
+        finding = self.hang.check(now, ranks_alive=self._alive)
+        return [finding] if finding is not None else []
+
+    def classify_crash(self, code: int, tails: dict[int, str], step: int,
+                       root_rank: int | None = None) -> Finding:
+        """A finding for torchrun's non-zero exit, from the failed ranks' log tails.
+
+        The most specific verdict names the rank: a peer's "connection closed" is usually the
+        consequence of another rank's exception. ``root_rank`` (torchrun's "first observed
+        failure") only breaks ties: it is the first exit torchrun noticed, not the cause, and a
+        peer dying of the broken connection is often noticed first.
+        """
+        verdicts = {rank: classify(code, None, tail, step or None, self.crashes)
+                    for rank, tail in sorted(tails.items())}
+        if not verdicts:
+            verdicts = {-1: classify(code, None, "", step or None, self.crashes)}
+
+        def weight(rank: int) -> tuple[int, bool, int]:
+            return (_SPECIFICITY.index(verdicts[rank].crash_class), rank != root_rank, rank)
+
+        rank = min(verdicts, key=weight)
+        verdict = verdicts[rank]
+        self.crashes.append(verdict.key())
+        return verdict.to_finding(step=step, ranks=(rank,) if rank >= 0 else ())
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a supervisor taking over this run needs to judge as this one would: the rules'
+        ladders and budget (so no remedy is spent twice), the crash history (so a deterministic
+        crash is still recognised), and the skip ranges and LR scale decided so far."""
+        detectors = self.pipeline.state_dict()["detectors"]
+        if self._world > PER_RANK_LIMIT:
+            # Its per-rank windows are megabytes at thousands of ranks (27.7 MB a line at
+            # 8,192): a taken-over run re-learns them in min_history steps instead.
+            detectors.pop("rank_departure", None)
+        return {"rules": self.rules.state_dict(),
+                "crashes": [[c.signature, c.step] for c in self.crashes],
+                "skips": [[r.start, r.end] for r in self.skips], "lr_scale": self.lr_scale,
+                "detectors": detectors, "sdc": self.sdc.state_dict()}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.rules.load_state_dict(d["rules"])
+        self.crashes = [CrashSignature(str(sig), None if step is None else int(step))
+                        for sig, step in d.get("crashes", ())]
+        self.skips = [SkipRange(int(a), int(b)) for a, b in d.get("skips", ())]
+        self.lr_scale = float(d.get("lr_scale", 1.0))
+        if "sdc" in d:  # the checks that agreed, and each device's first probe
+            self.sdc.load_state_dict(d["sdc"])
+        if "detectors" in d:  # the baselines: a taken-over run judges at once, no new warm-up
+            self.pipeline.load_state_dict({"detectors": d["detectors"],
+                                           "rules": self.rules.state_dict()})
+
+    # -- what the next attempt is told ----------------------------------------------------------
+
+    def directive_for(self, attempt: int, remedy: Remedy | None,
+                      resume: Resume | None = None) -> Directive:
+        """The directive of ``attempt``, folding in the remedy that caused it: skip ranges and
+        LR scale accumulate over the run; ``resume`` is the checkpoint the loop chose."""
+        # An SDC rollback goes back past the corruption, but the data was not at fault: it
+        # skips nothing and keeps the LR (the rules set no scale for it).
+        if remedy is not None and remedy.action is Action.ROLLBACK \
+                and remedy.finding.incident is not Incident.SDC:
+            # After a takeover the step -> cursor memory is empty; the finding carries its onset.
+            onset = self._cursor_at.get(remedy.finding.onset_step, remedy.finding.onset_cursor)
+            detected = self._cursor_at.get(remedy.finding.step, onset)
+            if onset is not None and detected is not None:
+                # The batch behind step s is cursor(s) - 1.
+                self.skips.append(SkipRange(max(0, onset - 1 - remedy.skip_before),
+                                            detected + remedy.skip_after))
+            self.lr_scale *= remedy.lr_scale
+        guard: dict[str, Any] = {}
+        if self.policy.incidents.grad_spike.ladder[0] is Action.SKIP_STEP:
+            guard = self.policy.detectors.grad_norm.model_dump()
+        return Directive(
+            attempt=attempt, resume=resume, skip=merge_skips(self.skips),
+            lr_scale=self.lr_scale, checkpoint_dir=self._checkpoint_dir,
+            checkpoint_every=self.checkpoint_every, checkpoint_async=self._checkpoint_async,
+            grad_guard=guard, sdc_every=self.sdc_every, reshard=self.reshard,
+        )

@@ -1,0 +1,283 @@
+"""An opt-in Prometheus ``/metrics`` endpoint for one babysat run.
+
+The control loop pushes values in (``update``, ``observe_step``, ``count_intervention``,
+``observe_health``); each call only stores numbers under a lock, a microsecond or two, so it may
+be called every step. The text exposition is built on the server's thread when Prometheus
+scrapes, from a copy taken under the same lock.
+
+The exporter uses its own ``CollectorRegistry``, never prometheus-client's global one: the
+supervisor's metrics must not mix with whatever else the process registers, and two exporters
+(tests, a future multi-run supervisor) must not collide. By default it listens on 127.0.0.1
+only: the metrics name the run and its health, and nothing here authenticates a scraper.
+
+Metrics (gauges unless said otherwise; a value not yet known is absent, not 0)::
+
+    babysit_run_info{name}                       1, names the run (when a name is given)
+    babysit_run_state{state}                     1 for the current state, 0 for the others
+    babysit_attempt                              current attempt number
+    babysit_step                                 newest step reported
+    babysit_loss                                 loss at that step (mean over ranks)
+    babysit_steps_per_second
+    babysit_tokens_per_second
+    babysit_mfu                                  model FLOPs utilisation, 0..1 (when reported)
+    babysit_rank_step_seconds{rank}              each rank's latest step time
+    babysit_interventions_total{incident,action} counter
+    babysit_dropped_reports_total                counter: reports the workers could not send
+    babysit_host_memory_available_bytes          from health samples (observe_health)
+    babysit_disk_free_bytes
+    babysit_gpu_temperature_celsius{gpu}
+    babysit_gpu_memory_used_bytes{gpu}
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator, Mapping
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from babysit.policies.decide import State
+
+if TYPE_CHECKING:
+    # prometheus-client is imported when an Exporter is built, not with this module: the config
+    # schema imports ExporterConfig, and a run with the exporter off should not pay for it.
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from babysit.supervisor.services.health import HealthSample
+
+
+class ExporterConfig(BaseModel):
+    """The Prometheus metrics endpoint (off unless enabled)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    enabled: bool = False
+    """Serve ``http://<host>:<port>/metrics`` while the run lasts."""
+    host: str = "127.0.0.1"
+    """Address to listen on. The default accepts only local scrapers; ``0.0.0.0`` exposes the
+    run's metrics to anyone who can reach this machine (there is no authentication)."""
+    port: int = Field(0, ge=0, le=65535)
+    """TCP port; 0 picks a free one (babysit prints and journals the port it got)."""
+
+
+class ExporterError(Exception):
+    """The endpoint could not start; the message says why and what to change."""
+
+
+class Exporter:
+    """Holds the run's current numbers and serves them to Prometheus.
+
+    Calling rules: the control loop calls the update methods from its own thread (cheap, safe to
+    call every step); ``start()`` once, ``stop()`` once at the end (idempotent). The constructor
+    does no I/O. Updates work whether or not the server was started.
+    """
+
+    def __init__(self, config: ExporterConfig, run_name: str | None = None) -> None:
+        self.config = config
+        self.run_name = run_name
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = {}
+        self._state: str | None = None
+        self._rank_step_s: dict[int, float] = {}
+        self._interventions: dict[tuple[str, str], int] = {}
+        self._gpus: dict[int, tuple[float | None, float | None]] = {}
+        from prometheus_client import CollectorRegistry
+
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(_Collector(self))
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- serving ------------------------------------------------------------------------------
+
+    def start(self) -> int:
+        """Listen on ``config.host:config.port`` (a daemon thread serves); return the port bound."""
+        if self._server is not None:
+            return self.port or 0
+        try:
+            server = _serve(self.config.host, self.config.port, self._registry)
+        except OSError as exc:
+            raise ExporterError(
+                f"Cannot serve metrics on {self.config.host}:{self.config.port} "
+                f"({exc.strerror or exc}). Choose another exporter.port (0 picks a free one) or "
+                f"turn the exporter off with exporter.enabled: false."
+            ) from None
+        # A short poll interval: stop() waits for the serving loop to notice, and the default
+        # half second would be added to every supervisor exit.
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                                  name="babysit-metrics", daemon=True)
+        thread.start()
+        self._server, self._thread = server, thread
+        return self.port or 0
+
+    @property
+    def port(self) -> int | None:
+        """The bound port while serving, else None."""
+        return int(self._server.server_port) if self._server is not None else None
+
+    def stop(self) -> None:
+        """Stop serving and close the socket. Blocks until the server thread has finished."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+
+    # -- updates (control loop thread, cheap) ---------------------------------------------------
+
+    def update(self, *, state: str | None = None, attempt: int | None = None,
+               steps_per_second: float | None = None, tokens_per_second: float | None = None,
+               mfu: float | None = None, dropped_reports: int | None = None) -> None:
+        """Set the values given; ``None`` leaves a value as it was.
+
+        ``state``: a ``policies.decide.State`` value such as ``"running"``. A new ``attempt``
+        forgets the per-rank step times (ranks of the last attempt are gone).
+        ``dropped_reports``: the run's total so far (not an increment).
+        """
+        with self._lock:
+            if state is not None:
+                self._state = state
+            if attempt is not None:
+                if self._values.get("attempt") != attempt:
+                    self._rank_step_s.clear()
+                self._values["attempt"] = attempt
+            if steps_per_second is not None:
+                self._values["steps_per_second"] = steps_per_second
+            if tokens_per_second is not None:
+                self._values["tokens_per_second"] = tokens_per_second
+            if mfu is not None:
+                self._values["mfu"] = mfu
+            if dropped_reports is not None:
+                self._values["dropped_reports"] = dropped_reports
+
+    def observe_step(self, step: int, loss: float | None = None,
+                     rank_step_s: Mapping[int, float] | None = None) -> None:
+        """A step was merged: its number, mean loss, and each rank's step time in seconds (ranks
+        missing from ``rank_step_s`` keep their previous value)."""
+        with self._lock:
+            self._values["step"] = step
+            if loss is not None:
+                self._values["loss"] = loss
+            if rank_step_s:
+                self._rank_step_s.update(rank_step_s)
+
+    def count_intervention(self, incident: str, action: str) -> None:
+        """One remedy was taken (e.g. ``"loss_spike"``, ``"rollback"``)."""
+        with self._lock:
+            key = (incident, action)
+            self._interventions[key] = self._interventions.get(key, 0) + 1
+
+    def observe_health(self, sample: HealthSample) -> None:
+        """The latest health sample (from ``babysit.supervisor.services.schedule.HealthReport``)."""
+        with self._lock:
+            self._values["host_memory_available"] = sample.host.memory_available_bytes
+            if sample.disk is not None:
+                self._values["disk_free"] = sample.disk.free_bytes
+            self._gpus = {g.index: (g.temperature_c, g.memory_used_bytes)
+                          for g in sample.gpus or ()}
+
+    # -- scrape (server thread) -----------------------------------------------------------------
+
+    def _families(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        with self._lock:
+            values = dict(self._values)
+            state = self._state
+            ranks = sorted(self._rank_step_s.items())
+            interventions = sorted(self._interventions.items())
+            gpus = sorted(self._gpus.items())
+        if self.run_name is not None:
+            info = GaugeMetricFamily("babysit_run_info", "The babysat run.", labels=["name"])
+            info.add_metric([self.run_name], 1)
+            yield info
+        states = [s.value for s in State]
+        if state is not None and state not in states:
+            states.append(state)
+        run_state = GaugeMetricFamily(
+            "babysit_run_state", "1 for the supervisor's current state, 0 for the others.",
+            labels=["state"])
+        for s in states:
+            run_state.add_metric([s], 1.0 if s == state else 0.0)
+        yield run_state
+        for key, name, doc in _SCALARS:
+            if key in values:
+                yield GaugeMetricFamily(name, doc, value=values[key])
+        per_rank = GaugeMetricFamily("babysit_rank_step_seconds",
+                                     "Each rank's latest step time, in seconds.", labels=["rank"])
+        for rank, seconds in ranks:
+            per_rank.add_metric([str(rank)], seconds)
+        yield per_rank
+        counted = CounterMetricFamily("babysit_interventions",
+                                      "Remedies taken, by incident and action.",
+                                      labels=["incident", "action"])
+        for (incident, action), n in interventions:
+            counted.add_metric([incident, action], n)
+        yield counted
+        yield CounterMetricFamily("babysit_dropped_reports",
+                                  "Step reports the workers dropped because babysit was behind.",
+                                  value=values.get("dropped_reports", 0))
+        temp = GaugeMetricFamily("babysit_gpu_temperature_celsius", "GPU core temperature.",
+                                 labels=["gpu"])
+        used = GaugeMetricFamily("babysit_gpu_memory_used_bytes", "GPU memory in use.",
+                                 labels=["gpu"])
+        for index, (celsius, used_bytes) in gpus:
+            if celsius is not None:
+                temp.add_metric([str(index)], celsius)
+            if used_bytes is not None:
+                used.add_metric([str(index)], used_bytes)
+        yield temp
+        yield used
+
+
+_SCALARS = (
+    ("attempt", "babysit_attempt", "Current attempt number (each relaunch is a new attempt)."),
+    ("step", "babysit_step", "Newest optimizer step reported by the ranks."),
+    ("loss", "babysit_loss", "Loss at the newest step, mean over ranks."),
+    ("steps_per_second", "babysit_steps_per_second", "Recent optimizer steps per second."),
+    ("tokens_per_second", "babysit_tokens_per_second", "Recent tokens per second, whole job."),
+    ("mfu", "babysit_mfu", "Model FLOPs utilisation (0..1): achieved over peak FLOP/s."),
+    ("host_memory_available", "babysit_host_memory_available_bytes",
+     "Host memory available to new allocations."),
+    ("disk_free", "babysit_disk_free_bytes", "Free bytes on the checkpoint file system."),
+)
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    # A thread per request, daemonic so a stuck scraper never holds the supervisor's exit.
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not news: keep them off the supervisor's console."""
+
+
+def _serve(host: str, port: int, registry: CollectorRegistry) -> _Server:
+    from prometheus_client import make_wsgi_app
+
+    # prometheus-client's start_http_server does the same, but serves with a fixed 0.5 s poll.
+    family, _, _, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+
+    class Server(_Server):
+        address_family = family  # IPv6 hosts ("::1") need AF_INET6
+
+    return make_server(str(address[0]), port, make_wsgi_app(registry), Server, _QuietHandler)
+
+
+class _Collector:
+    """prometheus-client's collector protocol, over the exporter's stored values."""
+
+    def __init__(self, exporter: Exporter) -> None:
+        self._exporter = exporter
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        return self._exporter._families()
