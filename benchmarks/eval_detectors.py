@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from babysit.policies.loader import load_policy  # noqa: E402
-from babysit.policies.replay import Decision, Pipeline, read_curve  # noqa: E402
+from babysit.policies.pipeline import Pipeline, ReplayDecision  # noqa: E402
+from babysit.policies.replay import read_curve  # noqa: E402
 from babysit.policies.schema import Policy  # noqa: E402
 from babysit.policies.types import RankStep, StepRecord  # noqa: E402
 
@@ -87,12 +88,12 @@ class Outcome:
 
 
 def run_clean(policy: Policy, loss: list[float], positions: list[int]) -> tuple[
-        list[Decision], dict[int, str]]:
+        list[ReplayDecision], dict[int, str]]:
     """Replay a whole clean curve; snapshot the pipeline before each position (1-based step)."""
     pipe = Pipeline(policy)
     wanted = set(positions)
     snaps: dict[int, str] = {}
-    decisions: list[Decision] = []
+    decisions: list[ReplayDecision] = []
     for i, v in enumerate(loss):
         step = i + 1
         if step in wanted:

@@ -4,7 +4,8 @@ The public surface the supervisor uses::
 
     load_policy(name_or_path, overrides) -> Policy        raises PolicyError
     Rules(policy).on_finding(finding, now) -> Remedy
-    Pipeline(policy).observe(record) -> list[Decision]    (detectors + rules, as replay runs them)
+    Pipeline(policy).observe(record) -> list[ReplayDecision]   (detectors + rules, live and
+                                                               in replay)
     classify(exit_code, signal, log_tail, step, previous) -> CrashVerdict
     run_replay(curve_path, policy, as_json, out) -> int   (``babysit replay``)
 
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from babysit.policies.detectors import CrashVerdict, classify
     from babysit.policies.loader import PolicyError, builtin_names, load_policy
-    from babysit.policies.replay import Decision, Pipeline, run_replay
+    from babysit.policies.pipeline import Pipeline, ReplayDecision
+    from babysit.policies.replay import run_replay
     from babysit.policies.rules import Rules
     from babysit.policies.schema import Policy
 
@@ -30,8 +32,8 @@ _LAZY = {
     "PolicyError": "babysit.policies.loader",
     "builtin_names": "babysit.policies.loader",
     "load_policy": "babysit.policies.loader",
-    "Decision": "babysit.policies.replay",
-    "Pipeline": "babysit.policies.replay",
+    "ReplayDecision": "babysit.policies.pipeline",
+    "Pipeline": "babysit.policies.pipeline",
     "run_replay": "babysit.policies.replay",
     "Rules": "babysit.policies.rules",
     "Policy": "babysit.policies.schema",
@@ -39,10 +41,10 @@ _LAZY = {
 
 __all__ = [
     "CrashVerdict",
-    "Decision",
     "Pipeline",
     "Policy",
     "PolicyError",
+    "ReplayDecision",
     "Rules",
     "builtin_names",
     "classify",

@@ -23,22 +23,13 @@ import gzip
 import io
 import json
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import TextIO
 
-from babysit.policies.detectors import (
-    GradNormDetector,
-    LossSpikeDetector,
-    NonFiniteDetector,
-    RankDepartureDetector,
-    StragglerDetector,
-    ThroughputDetector,
-)
-from babysit.policies.rules import Rules
+from babysit.policies.pipeline import Pipeline, ReplayDecision
 from babysit.policies.schema import Policy
-from babysit.policies.types import Action, Finding, JobStep, RankStep, StepRecord
+from babysit.policies.types import Action, RankStep, StepRecord
 
 
 class CurveError(Exception):
@@ -154,149 +145,13 @@ def _read_jsonl(p: Path) -> Iterator[StepRecord]:
                           None if t is None else float(t))
 
 
-# -- the pipeline -----------------------------------------------------------------------------
+# -- replaying ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """One finding and what the policy decided about it."""
-
-    step: int
-    detector: str
-    incident: str
-    severity: str
-    action: str
-    evidence: dict[str, Any]
-    reason: str
-    onset_step: int
-    message: str
-    remedy: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "detector": self.detector, "incident": self.incident,
-                "severity": self.severity, "action": self.action, "onset_step": self.onset_step,
-                "message": self.message, "evidence": self.evidence, "reason": self.reason,
-                "remedy": self.remedy}
-
-
-SCOPES: dict[str, tuple[str, ...]] = {
-    "all": ("nonfinite", "loss_spike", "grad_norm", "straggler", "rank_departure", "throughput"),
-    "node": ("nonfinite", "straggler", "rank_departure"),
-    "job": ("loss_spike", "grad_norm", "throughput"),
-}
-"""Which step detectors a ``Pipeline`` runs, by scope (detector names, in the order they run).
-
-- ``all``: every step detector, on ``StepRecord``s holding every rank's report: a single-node
-  supervisor, and replay.
-- ``node``: the detectors that name ranks from per-rank values (non-finite, straggler, rank
-  departure). They need ``StepRecord.ranks``, which only the node that received the ranks'
-  reports has, so each node's supervisor runs them over its own ranks. A non-finite value and
-  a departure from a rank's own past are a rank's own business; a straggler is then measured
-  against its node's peers (a node of one rank has none, so it cannot flag one).
-- ``job``: the detectors of job-wide signals (loss spike, grad norm, throughput). One node's
-  ranks would give a partial mean loss and a partial tokens/s, so the leader runs them on the
-  nodes' merged summaries (``babysit.supervisor.node.sketch.SummaryRecord``, a ``JobStep``).
-
-``node`` and ``job`` split ``all``: between them they run each step detector exactly once.
-"""
-
-
-class _StepDetector(Protocol):
-    name: str
-
-    def observe(self, record: StepRecord) -> Finding | None: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, d: dict[str, Any]) -> None: ...
-
-
-_MAKE: dict[str, Callable[[Policy], _StepDetector]] = {
-    "nonfinite": lambda p: NonFiniteDetector(p.detectors.nonfinite),
-    "loss_spike": lambda p: LossSpikeDetector(p.detectors.loss_spike),
-    "grad_norm": lambda p: GradNormDetector(p.detectors.grad_norm),
-    "straggler": lambda p: StragglerDetector(p.detectors.straggler),
-    "rank_departure": lambda p: RankDepartureDetector(p.detectors.rank_departure),
-    "throughput": lambda p: ThroughputDetector(p.detectors.throughput),
-}
-
-_JobDetector = LossSpikeDetector | GradNormDetector | ThroughputDetector
-"""The detectors that read only ``JobStep`` attributes (the ``job`` scope)."""
-
-
-class Pipeline:
-    """The step detectors of a policy (those of ``scope``, see ``SCOPES``), then its rules.
-
-    Call ``observe(record)`` once per merged step, in order; ``now`` defaults to
-    ``record.time``. A ``StepRecord`` suits every scope; a ``scope="job"`` pipeline also takes
-    any other ``JobStep`` (a ``SummaryRecord``). Hangs and crashes are not step-driven: the
-    supervisor feeds the ``HangDetector`` and ``classify`` itself and hands their findings to
-    ``decide(finding)``. Nor are fingerprints: the supervisor feeds each rank's digests to its
-    ``SdcDetector``.
-    """
-
-    def __init__(self, policy: Policy, scope: str = "all") -> None:
-        if scope not in SCOPES:
-            raise ValueError(f"Pipeline scope must be one of {sorted(SCOPES)}, got {scope!r}.")
-        self.policy = policy
-        self.scope = scope
-        self.detectors: list[_StepDetector] = [_MAKE[name](policy) for name in SCOPES[scope]]
-        self.rules = Rules(policy)
-
-    def new_attempt(self) -> None:
-        """The workers were relaunched: forget state that spans the gap. A spike pending in the
-        old attempt must not carry over, and a rate measured across the relaunch (or over the
-        new attempt's warm-up against the old one's pace) is no throughput regression. Other
-        baselines (grad norm, stragglers, each rank's loss level) stay valid: the model did not
-        change character, and a rank that departed still sits where it did."""
-        self.detectors = [
-            _MAKE[det.name](self.policy) if det.name in ("loss_spike", "throughput") else det
-            for det in self.detectors
-        ]
-
-    def findings(self, record: JobStep) -> list[Finding]:
-        """What the step detectors see in ``record``, before the rules judge it. ``record`` is a
-        ``StepRecord``, or for a ``scope="job"`` pipeline any ``JobStep``; ``TypeError``
-        otherwise (the per-rank detectors need every rank's values)."""
-        if isinstance(record, StepRecord):
-            return [f for det in self.detectors if (f := det.observe(record)) is not None]
-        if self.scope != "job":
-            raise TypeError(
-                f"A {type(record).__name__} carries no per-rank values, so only a "
-                f"Pipeline(scope='job') can observe it; this pipeline's scope is "
-                f"'{self.scope}'.")
-        job: list[_JobDetector] = [det for det in self.detectors if isinstance(det, _JobDetector)]
-        return [f for det in job if (f := det.observe(record)) is not None]
-
-    def observe(self, record: JobStep, now: float | None = None) -> list[Decision]:
-        t = record.time if now is None else now
-        return [self.decide(finding, t) for finding in self.findings(record)]
-
-    def decide(self, finding: Finding, now: float) -> Decision:
-        remedy = self.rules.on_finding(finding, now)
-        return Decision(
-            step=finding.step, detector=finding.detector, incident=finding.incident.value,
-            severity=finding.severity.name.lower(), action=remedy.action.value,
-            evidence=finding.evidence, reason=remedy.reason, onset_step=finding.onset_step,
-            message=finding.message, remedy=remedy.to_json(),
-        )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"detectors": {d.name: d.state_dict() for d in self.detectors},
-                "rules": self.rules.state_dict()}
-
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        """A detector missing from ``d`` (a state saved by an older babysit, before it
-        existed) starts fresh instead of failing the takeover."""
-        saved = d["detectors"]
-        for det in self.detectors:
-            if det.name in saved:
-                det.load_state_dict(saved[det.name])
-        self.rules.load_state_dict(d["rules"])
-
-
-def replay(records: Iterable[StepRecord], policy: Policy) -> list[Decision]:
+def replay(records: Iterable[StepRecord], policy: Policy) -> list[ReplayDecision]:
     """Every decision the policy takes over ``records`` (including ignored findings)."""
     pipe = Pipeline(policy)
-    out: list[Decision] = []
+    out: list[ReplayDecision] = []
     for record in records:
         out.extend(pipe.observe(record))
     return out
@@ -317,7 +172,7 @@ def run_replay(curve_path: str, policy: str, as_json: bool, out: TextIO) -> int:
     pol = load_policy(policy, {})
     n = 0
     last_step: int | None = None
-    decisions: list[Decision] = []
+    decisions: list[ReplayDecision] = []
     pipe = Pipeline(pol)
     for record in read_curve(curve_path):
         n += 1
@@ -338,6 +193,6 @@ def run_replay(curve_path: str, policy: str, as_json: bool, out: TextIO) -> int:
     return 1 if _INTERVENTIONS & set(counts) else 0
 
 
-def _human(d: Decision) -> str:
+def _human(d: ReplayDecision) -> str:
     return (f"step {d.step:>7}  {d.detector:<11} {d.severity:<8} -> {d.action:<9} "
             f"{d.message}")

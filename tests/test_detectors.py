@@ -374,7 +374,7 @@ def test_straggler_slow_loader_is_not_mirrored_onto_the_ranks_waiting_for_it() -
 def test_a_relaunch_is_not_a_throughput_regression() -> None:
     # Fast steps, then a relaunch whose first steps run at a third of the pace (warm-up).
     from babysit.policies.loader import load_policy
-    from babysit.policies.replay import Pipeline
+    from babysit.policies.pipeline import Pipeline
     from babysit.policies.types import RankStep, StepRecord
 
     def record(step: int, step_time: float) -> StepRecord:

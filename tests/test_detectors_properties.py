@@ -28,7 +28,7 @@ from babysit.policies.detectors import (
     ThroughputDetector,
 )
 from babysit.policies.loader import load_policy
-from babysit.policies.replay import Pipeline
+from babysit.policies.pipeline import Pipeline
 from babysit.policies.types import Finding, RankStep, Severity, StepRecord
 
 settings.register_profile("babysit", max_examples=60, deadline=None, derandomize=True)

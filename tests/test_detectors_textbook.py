@@ -10,7 +10,7 @@ import random
 
 from babysit.policies.detectors import LossSpikeDetector, StragglerDetector
 from babysit.policies.loader import load_policy
-from babysit.policies.replay import Pipeline
+from babysit.policies.pipeline import Pipeline
 from babysit.policies.types import Incident, RankStep, Severity, StepRecord
 
 WORLD = 8

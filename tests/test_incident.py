@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from babysit.supervisor.node.incident import incident_name, next_number, write_incident
-from babysit.supervisor.node.stacks import Frame, StackDump, ThreadStack, Verdict, odd_one_out
+from babysit.supervisor.node.stacks import Frame, StackDump, StackVerdict, ThreadStack, odd_one_out
 
 RAW0 = """Process 11: python -u train.py
 Python v3.11.7 (/usr/bin/python3.11)
@@ -85,7 +85,7 @@ def test_pure_naming_helpers() -> None:
 
 
 def test_a_verdict_without_suspects_reads_plainly(tmp_path: Path) -> None:
-    verdict = Verdict((), "all ranks are in the same place: main (train.py:45); no rank "
+    verdict = StackVerdict((), "all ranks are in the same place: main (train.py:45); no rank "
                           "stands out", {0: ["main (train.py:45)"]}, (), "same")
     folder = write_incident(tmp_path, "hang", 3, {}, None, {}, verdict)
     text = (folder / "summary.txt").read_text()

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from babysit.policies.loader import load_policy
-from babysit.policies.replay import SCOPES, Pipeline
+from babysit.policies.pipeline import SCOPES, Pipeline
 from babysit.policies.types import Finding, JobStep, RankStep, StepRecord
 from babysit.supervisor.node.sketch import NodeMerger, StepSummary, SummaryRecord
 

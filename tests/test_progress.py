@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from babysit.policies import decide as sm
 from babysit.policies.types import RankStep, StepRecord
-from babysit.supervisor.run.progress import Progress, si
+from babysit.supervisor.run.progress import RunProgress, si
 
 
 def record(step: int, tokens: float | None, flops: float | None = None) -> StepRecord:
@@ -14,7 +14,7 @@ def record(step: int, tokens: float | None, flops: float | None = None) -> StepR
 
 
 def test_without_tokens_the_line_has_no_throughput_fields() -> None:
-    p = Progress()
+    p = RunProgress()
     for s in range(1, 5):
         p.observe(record(s, None))
     line = p.status_line(sm.Machine(state=sm.State.RUNNING, attempt=0, step=4))
@@ -24,7 +24,7 @@ def test_without_tokens_the_line_has_no_throughput_fields() -> None:
 
 
 def test_tokens_and_mfu_are_medians_of_the_last_steps() -> None:
-    p = Progress()
+    p = RunProgress()
     for s in range(1, 6):
         p.observe(record(s, 1000.0 if s != 3 else 100_000.0, flops=1e5))  # one outlier step
     assert p.tokens_per_s() == 4000.0 and p.mfu() == 4000.0 * 1e5 / 1e9

@@ -270,3 +270,23 @@ def test_watch_state_round_trips_through_json() -> None:
     # The taken-over watch judges the next spike at once, exactly as the original would.
     spike = [w.observe_record(record(40, 9.0)) for w in (watch, other)]
     assert spike[0] == spike[1] and [f.incident.value for f in spike[1]] == ["loss_spike"]
+
+
+def test_the_worker_packs_every_field_where_the_decoder_reads_it(intake: Intake,
+                                                                  monkeypatch) -> None:
+    """The worker inlines the step message for speed: each optional field it sends must come
+    back as that field (a distinct value per field catches any two swapped)."""
+    monkeypatch.setenv(protocol.ENV_SOCKET, str(intake.path))
+    monkeypatch.setenv(protocol.ENV_TOKEN, TOKEN.hex())
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    run = attach()
+    for _ in run.batches(range(2)):
+        run.step(loss=1.5, grad_norm=2.5, lr=0.125, tokens=4096, samples=8)
+    run.close()
+    steps = [m for m in intake.drain() if isinstance(m, RankStep)]
+    last = steps[-1]
+    assert (last.rank, last.step, last.cursor) == (3, 2, 2)
+    assert (last.loss, last.grad_norm, last.lr, last.tokens, last.samples) == \
+        (1.5, 2.5, 0.125, 4096.0, 8.0)
+    assert last.step_time is not None and last.data_wait is not None and not last.skipped

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from babysit.policies.detectors import RankDepartureConfig, RankDepartureDetector, loss_spread
 from babysit.policies.loader import load_policy
-from babysit.policies.replay import Pipeline
+from babysit.policies.pipeline import Pipeline
 from babysit.policies.types import Finding, Incident, RankStep, Severity, StepRecord
 
 settings.register_profile("babysit", max_examples=60, deadline=None, derandomize=True)

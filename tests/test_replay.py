@@ -113,7 +113,7 @@ def test_real_curves_clean_runs_never_roll_back_and_the_160m_spike_is_flagged() 
 def test_a_pipeline_state_saved_before_the_new_detectors_still_loads() -> None:
     # A supervisor taking over a run journaled by an older babysit: detectors that did not
     # exist then start fresh instead of failing the takeover.
-    from babysit.policies.replay import Pipeline
+    from babysit.policies.pipeline import Pipeline
 
     pipe = Pipeline(load_policy("default", {}))
     state = json.loads(json.dumps(pipe.state_dict()))

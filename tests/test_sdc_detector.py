@@ -6,7 +6,7 @@ import json
 
 from babysit.policies.detectors import SdcConfig, SdcDetector
 from babysit.policies.loader import load_policy
-from babysit.policies.replay import Pipeline
+from babysit.policies.pipeline import Pipeline
 from babysit.policies.types import Finding, Incident, Severity
 
 P = "9f" * 32  # a 64-hex-digit parameter digest

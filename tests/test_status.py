@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from babysit.supervisor.commands.status import snapshot, status_main
+from babysit.supervisor.commands.history import snapshot
+from babysit.supervisor.commands.status import status_main
 from tests.conftest import ROOT, journal, read_jsonl, run_babysit
 
 pytestmark = pytest.mark.e2e

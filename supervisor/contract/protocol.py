@@ -38,12 +38,16 @@ MAX_DATAGRAM = 8192
 
 HEADER = struct.Struct("<2sBB16s")
 
-# rank, flags, step, cursor, time, loss, grad_norm, lr, tokens, samples, step_time, data_wait
-STEP = struct.Struct("<2sBB16siHqqdddddddd")
-
-# Presence bits for the optional fields of a STEP, in struct order after ``time``.
-_OPTIONAL = ("loss", "grad_norm", "lr", "tokens", "samples", "step_time", "data_wait")
+OPTIONAL_FIELDS = ("loss", "grad_norm", "lr", "tokens", "samples", "step_time", "data_wait")
+"""A step report's optional ``RankStep`` fields, in the order they are packed after ``time``.
+This is the one declaration: the worker, the decoder and the incident ring all follow it."""
+PRESENT = {name: 1 << bit for bit, name in enumerate(OPTIONAL_FIELDS)}
+"""The flag bit that says an optional field was reported (absent fields are packed as 0.0)."""
 FLAG_SKIPPED = 1 << 15
+
+# A step report's body: rank, flags, step, cursor, time, then the optional fields.
+STEP_BODY = struct.Struct("<iHqqd" + "d" * len(OPTIONAL_FIELDS))
+STEP = struct.Struct(HEADER.format + STEP_BODY.format[1:])
 
 
 class ProtocolError(ValueError):
@@ -68,23 +72,33 @@ class WorkerEvent:
     data: dict[str, Any]
 
 
-def encode_step(token: bytes, sample: RankStep) -> bytes:
-    """Pack one step report. The worker's hot path inlines this; it is here for tests and tools."""
-    flags = 0
+def step_body(sample: RankStep) -> tuple[Any, ...]:
+    """``sample`` as the values of a ``STEP_BODY``: rank, flags, step, cursor, time, then
+    ``OPTIONAL_FIELDS`` (0.0 where absent, with its ``PRESENT`` bit clear)."""
+    flags = FLAG_SKIPPED if sample.skipped else 0
     values: list[float] = []
-    for bit, name in enumerate(_OPTIONAL):
+    for name in OPTIONAL_FIELDS:
         value = getattr(sample, name)
         if value is None:
             values.append(0.0)
         else:
-            flags |= 1 << bit
+            flags |= PRESENT[name]
             values.append(float(value))
-    if sample.skipped:
-        flags |= FLAG_SKIPPED
-    return STEP.pack(
-        MAGIC, VERSION, KIND_STEP, token, sample.rank, flags, sample.step, sample.cursor,
-        sample.time, *values,
-    )
+    return (sample.rank, flags, sample.step, sample.cursor, sample.time, *values)
+
+
+def rank_step(body: tuple[Any, ...]) -> RankStep:
+    """The ``RankStep`` of a ``STEP_BODY``'s unpacked values (``step_body``'s inverse)."""
+    rank, flags, step, cursor, time = body[:5]
+    optional = {name: (body[5 + i] if flags & PRESENT[name] else None)
+                for i, name in enumerate(OPTIONAL_FIELDS)}
+    return RankStep(rank=rank, step=step, cursor=cursor, time=time,
+                    skipped=bool(flags & FLAG_SKIPPED), **optional)
+
+
+def encode_step(token: bytes, sample: RankStep) -> bytes:
+    """Pack one step report. The worker's hot path inlines this; it is here for tests and tools."""
+    return STEP.pack(MAGIC, VERSION, KIND_STEP, token, *step_body(sample))
 
 
 def encode_event(token: bytes, rank: int, type_: str, time: float, **data: Any) -> bytes:
@@ -123,18 +137,11 @@ def decode(token: bytes, datagram: bytes) -> RankStep | WorkerEvent:
 def _decode_step(datagram: bytes) -> RankStep:
     if len(datagram) != STEP.size:
         raise ProtocolError("size", f"step message of {len(datagram)} bytes, expected {STEP.size}")
-    fields = STEP.unpack(datagram)
-    rank, flags, step, cursor, time = fields[4:9]
+    body = STEP.unpack(datagram)[4:]
+    rank, _, step, cursor, time = body[:5]
     if rank < 0 or step < 0 or cursor < 0 or not math.isfinite(time):
         raise ProtocolError("fields", f"step message with rank={rank} step={step} cursor={cursor}")
-    optional = {
-        name: (fields[9 + bit] if flags & (1 << bit) else None)
-        for bit, name in enumerate(_OPTIONAL)
-    }
-    return RankStep(
-        rank=rank, step=step, cursor=cursor, time=time, skipped=bool(flags & FLAG_SKIPPED),
-        **optional,
-    )
+    return rank_step(body)
 
 
 def _decode_event(body: bytes) -> WorkerEvent:

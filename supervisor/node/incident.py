@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from babysit.supervisor.node.stacks import StackDump, Verdict
+from babysit.supervisor.node.stacks import StackDump, StackVerdict
 
 __all__ = ["incident_name", "next_number", "render_summary", "summary_record", "write_incident"]
 
@@ -42,7 +42,7 @@ def next_number(existing: Iterable[str]) -> int:
 
 def summary_record(name: str, kind: str, step: int | None, summary: Mapping[str, Any],
                    stacks: Mapping[int, StackDump] | None, log_tails: Mapping[int, str],
-                   verdict: Verdict | None, now: datetime) -> dict[str, Any]:
+                   verdict: StackVerdict | None, now: datetime) -> dict[str, Any]:
     """The content of ``summary.json``. ``summary`` is the caller's own account, kept as is."""
     return {
         "incident": name,
@@ -58,7 +58,7 @@ def summary_record(name: str, kind: str, step: int | None, summary: Mapping[str,
 
 def render_summary(name: str, kind: str, step: int | None, summary: Mapping[str, Any],
                    stacks: Mapping[int, StackDump] | None, log_tails: Mapping[int, str],
-                   verdict: Verdict | None) -> str:
+                   verdict: StackVerdict | None) -> str:
     """The short human ``summary.txt``. Uses ``summary["what"]`` (what happened) and
     ``summary["action"]`` (what babysit did) when present; other keys are listed as they are."""
     at = "" if step is None else f" at step {step}"
@@ -89,7 +89,7 @@ def render_summary(name: str, kind: str, step: int | None, summary: Mapping[str,
 
 def write_incident(run_dir: Path, kind: str, step: int | None, summary: Mapping[str, Any],
                    stacks: Mapping[int, StackDump] | None, log_tails: Mapping[int, str],
-                   verdict: Verdict | None) -> Path:
+                   verdict: StackVerdict | None) -> Path:
     """Write one incident folder under ``run_dir/incidents`` and return its path.
 
     ``kind``: the incident kind ("hang", "crash", ...); ``step``: the last step reached, or None;

@@ -44,12 +44,12 @@ the last K steps.
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Iterable
 from typing import Any
 
 from babysit.policies import types
 from babysit.policies.types import RankStep
+from babysit.supervisor.contract import protocol
 from babysit.supervisor.node.aggregate import Completion
 
 DEFAULT_ALPHA = 0.005
@@ -566,12 +566,6 @@ class StepSummary:
         return row
 
 
-_RAW = struct.Struct("<iHqqdddddddd")
-_OPTIONAL = (  # the order of the values in RawRing.add
-    "loss", "grad_norm", "lr", "tokens", "samples", "step_time", "data_wait")
-_SKIPPED = 1 << 15
-
-
 class RawRing:
     """The raw reports of the last ``steps`` steps, packed (86 bytes a report, a third of a
     ``RankStep`` object), for an incident to write out. Memory: ``steps`` x ranks x 86 bytes,
@@ -591,24 +585,14 @@ class RawRing:
             buf = self._data[r.step] = bytearray()
             if len(self._data) > self.steps:
                 del self._data[min(self._data)]
-        values = (r.loss, r.grad_norm, r.lr, r.tokens, r.samples, r.step_time, r.data_wait)
-        flags = _SKIPPED if r.skipped else 0
-        for bit, value in enumerate(values):
-            if value is not None:
-                flags |= 1 << bit
-        buf += _RAW.pack(r.rank, flags, r.step, r.cursor, r.time,
-                         *[0.0 if v is None else v for v in values])
+        buf += protocol.STEP_BODY.pack(*protocol.step_body(r))
 
     def records(self) -> list[RankStep]:
         """Every kept report, by step, then arrival order."""
         out: list[RankStep] = []
         for step in sorted(self._data):
-            for fields in _RAW.iter_unpack(self._data[step]):
-                rank, flags, step_, cursor, time = fields[:5]
-                optional = {name: (fields[5 + bit] if flags & (1 << bit) else None)
-                            for bit, name in enumerate(_OPTIONAL)}
-                out.append(RankStep(rank=rank, step=step_, cursor=cursor, time=time,
-                                    skipped=bool(flags & _SKIPPED), **optional))
+            out.extend(protocol.rank_step(body)
+                       for body in protocol.STEP_BODY.iter_unpack(self._data[step]))
         return out
 
     @property

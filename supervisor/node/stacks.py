@@ -71,8 +71,8 @@ from typing import IO, Any, Literal
 __all__ = [
     "Frame",
     "StackDump",
+    "StackVerdict",
     "ThreadStack",
-    "Verdict",
     "collective_frame",
     "diagnose",
     "dump_stacks",
@@ -177,7 +177,7 @@ Rule = Literal["collective", "majority", "same", "none"]
 
 
 @dataclass(frozen=True)
-class Verdict:
+class StackVerdict:
     """Which ranks to blame for a hang, and why.
 
     ``suspects``: ranks named as the cause (empty when no rank stands out). ``waiting``: ranks
@@ -373,7 +373,7 @@ def _ranks(ranks: Iterable[int]) -> str:
     return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
 
 
-def odd_one_out(dumps: Mapping[int, StackDump]) -> Verdict:
+def odd_one_out(dumps: Mapping[int, StackDump]) -> StackVerdict:
     """Name the rank(s) a hang is waiting for, from every rank's main-thread stack (pure).
 
     Ranks inside a collective wait; ranks outside one are the suspects. When that does not
@@ -388,7 +388,7 @@ def odd_one_out(dumps: Mapping[int, StackDump]) -> Verdict:
         evidence[rank] = [f"no stack: {dump.error or 'no threads in the dump'}"]
     note = f" ({_ranks(missing)}: no stack, left out)" if missing else ""
     if not stacks:
-        return Verdict((), f"no rank's stack could be read{note}", evidence)
+        return StackVerdict((), f"no rank's stack could be read{note}", evidence)
 
     colls = {r: f for r, frames in stacks.items() if (f := collective_frame(frames)) is not None}
     waiting = tuple(sorted(colls))
@@ -400,7 +400,7 @@ def odd_one_out(dumps: Mapping[int, StackDump]) -> Verdict:
             where = f"{_ranks(outside)} are outside any collective (" + \
                 "; ".join(f"rank {r} at {_place(stacks[r])}" for r in outside) + ")"
         in_ = "; ".join(sorted({_describe_wait(f) for f in colls.values()}))
-        return Verdict(tuple(outside),
+        return StackVerdict(tuple(outside),
                        f"{where}, while {_ranks(waiting)} wait{'s' if len(waiting) == 1 else ''}"
                        f" for {'it' if len(outside) == 1 else 'them'} in {in_}{note}",
                        evidence, waiting, "collective")
@@ -410,7 +410,7 @@ def odd_one_out(dumps: Mapping[int, StackDump]) -> Verdict:
     if len(counts) == 1:
         inside = " (inside a collective)" if colls else ""
         first = min(stacks)
-        return Verdict((), f"all ranks are in the same place{inside}: "
+        return StackVerdict((), f"all ranks are in the same place{inside}: "
                            f"{_place(stacks[first])}; no rank stands out{note}",
                        evidence, waiting, "same")
     common, count = counts.most_common(1)[0]
@@ -418,19 +418,19 @@ def odd_one_out(dumps: Mapping[int, StackDump]) -> Verdict:
         odd = sorted(r for r, s in signatures.items() if s != common)
         others = [r for r in stacks if signatures[r] == common]
         where = "; ".join(f"rank {r} at {_place(stacks[r])}" for r in odd)
-        return Verdict(tuple(odd),
+        return StackVerdict(tuple(odd),
                        f"{_ranks(odd)} {'differs' if len(odd) == 1 else 'differ'} from the "
                        f"other {count} ({where}; they are at {_place(stacks[others[0]])}){note}",
                        evidence, waiting, "majority")
     groups = "; ".join(f"{_ranks(r for r, s in signatures.items() if s == sig)} at "
                        f"{_place(stacks[next(r for r, s in signatures.items() if s == sig)])}"
                        for sig, _ in counts.most_common())
-    return Verdict((), f"no rank stands out: no collective tells who waits for whom and no "
+    return StackVerdict((), f"no rank stands out: no collective tells who waits for whom and no "
                        f"majority agrees ({groups}){note}", evidence, waiting, "none")
 
 
 def diagnose(pids: Mapping[int, int], timeout_s: float = 10.0, *,
-             py_spy: str | Path | None = None) -> tuple[dict[int, StackDump], Verdict]:
+             py_spy: str | Path | None = None) -> tuple[dict[int, StackDump], StackVerdict]:
     """Dump every rank (``pids``: rank -> pid) and judge. When the Python frames show no rank
     in a collective and the ranks differ (DDP's backward, ``work.wait()``), dump again with
     native frames and judge those; ranks whose native dump fails keep their Python dump.

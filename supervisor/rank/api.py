@@ -50,6 +50,10 @@ T = TypeVar("T")
 
 _perf = time.perf_counter
 _wall = time.time
+# The presence bit of each optional field, bound once: step() is the training loop's hot path.
+_HAS_LOSS, _HAS_GRAD_NORM, _HAS_LR, _HAS_TOKENS, _HAS_SAMPLES, _HAS_STEP_TIME, _HAS_DATA_WAIT = (
+    protocol.PRESENT[name] for name in ("loss", "grad_norm", "lr", "tokens", "samples",
+                                        "step_time", "data_wait"))
 
 
 class Run:
@@ -206,39 +210,39 @@ class Run:
             loss = 0.0
         else:
             loss = float(loss)
-            flags |= 1
+            flags |= _HAS_LOSS
         if grad_norm is None:
             grad_norm = 0.0
         else:
             grad_norm = float(grad_norm)
-            flags |= 2
+            flags |= _HAS_GRAD_NORM
         if lr is None and self._optimizer is not None:
             lr = self._optimizer.param_groups[0]["lr"]
         if lr is None:
             lr = 0.0
         else:
             lr = float(lr) * self.directive.lr_scale
-            flags |= 4
+            flags |= _HAS_LR
         if tokens is None:
             tokens = 0.0
         else:
             tokens = float(tokens)
-            flags |= 8
+            flags |= _HAS_TOKENS
         if samples is None:
             samples = 0.0
         else:
             samples = float(samples)
-            flags |= 16
+            flags |= _HAS_SAMPLES
         if last is None:
             step_time = 0.0
         else:
             step_time = now - last - self._phase_time
-            flags |= 32
+            flags |= _HAS_STEP_TIME
         data_wait = self._data_wait
-        flags |= 64
+        flags |= _HAS_DATA_WAIT
         self._data_wait = 0.0
         self._phase_time = 0.0
-        message = protocol.STEP.pack(
+        message = protocol.STEP.pack(  # values in protocol.OPTIONAL_FIELDS order
             protocol.MAGIC, protocol.VERSION, protocol.KIND_STEP, self._token, self.rank, flags,
             self.step_count, self.cursor, _wall(), loss, grad_norm, lr, tokens, samples,
             step_time, data_wait,

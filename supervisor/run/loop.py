@@ -46,7 +46,7 @@ from babysit.supervisor.run.cadence import (
     replay_journal,
 )
 from babysit.supervisor.run.console import Console
-from babysit.supervisor.run.progress import Progress
+from babysit.supervisor.run.progress import RunProgress
 from babysit.supervisor.run.recovery import Recovery
 from babysit.supervisor.run.watch import Watch
 from babysit.supervisor.services.alerts import Alert, AlertDispatcher
@@ -74,7 +74,7 @@ class Supervisor:
         self._aggregator = StepAggregator(plan.world_size or 1)
         self._wake_at: float | None = None
         self._metrics: IO[str] | None = None
-        self.progress = Progress()
+        self.progress = RunProgress()
         self._newest_step = 0
         """The newest step any rank reported this attempt, read before the loop's own count."""
         self._tick_at: float | None = None

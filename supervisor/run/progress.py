@@ -1,6 +1,6 @@
 """What the run looks like from the outside, kept up to date from merged steps and findings.
 
-The control loop feeds ``Progress`` every ``StepRecord`` and every acted-on finding; it answers
+The control loop feeds ``RunProgress`` every ``StepRecord`` and every acted-on finding; it answers
 with the live status line, the snapshot the digest and the Prometheus exporter read, and the
 summary printed at the end. Pure bookkeeping: no I/O, times come from the records.
 
@@ -21,7 +21,7 @@ RATE_WINDOW = 32
 """Steps in the medians of tokens/s and MFU."""
 
 
-class Progress:
+class RunProgress:
     def __init__(self) -> None:
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, step)
         self._tokens: deque[float] = deque(maxlen=RATE_WINDOW)

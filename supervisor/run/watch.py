@@ -15,7 +15,7 @@ from babysit.policies.detectors import HangDetector, classify
 from babysit.policies.detectors.crash import CrashClass, CrashSignature
 from babysit.policies.detectors.sdc import SdcDetector
 from babysit.policies.loader import load_policy
-from babysit.policies.replay import Pipeline
+from babysit.policies.pipeline import Pipeline
 from babysit.policies.schema import Policy
 from babysit.policies.types import Action, Finding, Incident, JobStep, RankStep, Remedy
 from babysit.supervisor.config.plan import RunPlan
@@ -52,7 +52,7 @@ class Watch:
     def __init__(self, policy: Policy, checkpoint_every: int = 0,
                  checkpoint_dir: str | None = None, checkpoint_async: bool = False,
                  sdc_every: int = 0, scope: str = "all") -> None:
-        """``scope`` picks the step detectors (``policies.replay.SCOPES``): a multi-node leader
+        """``scope`` picks the step detectors (``policies.pipeline.SCOPES``): a multi-node leader
         watches the job's global signals, each node its own ranks. ``checkpoint_dir`` is always
         passed to the workers: scripts that save their own checkpoints register them there even
         when babysit does not save (every = 0). ``checkpoint_every`` may change during the run

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from babysit.supervisor.commands.status import NotARunDir, snapshot
+from babysit.supervisor.commands.history import NotARunDir, snapshot
 
 __all__ = ["report_main", "write_report"]
 

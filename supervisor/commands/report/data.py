@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from babysit.supervisor.commands.status import METRICS, History, parse_metrics_line, to_float
+from babysit.supervisor.commands.history import History
+from babysit.supervisor.commands.metrics_file import METRICS, parse_metrics_line, to_float
 
 SAMPLE_ROWS = 60_000
 """Files with more rows are thinned while reading: every k-th row, plus every row with a

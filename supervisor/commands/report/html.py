@@ -18,13 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from babysit.supervisor.commands.history import sdc_disagreement
+from babysit.supervisor.commands.metrics_file import to_float
 from babysit.supervisor.commands.report.data import RunData
-from babysit.supervisor.commands.status import (
-    describe_attempt,
-    duration,
-    sdc_disagreement,
-    to_float,
-)
+from babysit.supervisor.commands.status import describe_attempt, duration
 
 # The journal events the report already shows in its own sections; others are listed raw.
 KNOWN_EVENTS = {"run_started", "launch", "worker_hello", "worker_close", "worker_skip", "state",

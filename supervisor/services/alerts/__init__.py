@@ -30,7 +30,7 @@ from babysit.supervisor.services.alerts.config import (
     resolve_sinks,
 )
 from babysit.supervisor.services.alerts.dispatcher import AlertDispatcher, OnResult
-from babysit.supervisor.services.alerts.gate import Decision, SinkGate, Verdict
+from babysit.supervisor.services.alerts.gate import GateDecision, GateVerdict, SinkGate
 from babysit.supervisor.services.alerts.payloads import (
     PAYLOAD_VERSION,
     Alert,
@@ -44,13 +44,13 @@ __all__ = [
     "AlertConfigError",
     "AlertDispatcher",
     "AlertsConfig",
-    "Decision",
+    "GateDecision",
+    "GateVerdict",
     "OnResult",
     "RateLimitConfig",
     "ResolvedSink",
     "SinkConfig",
     "SinkGate",
-    "Verdict",
     "resolve_sinks",
     "slack_payload",
     "webhook_payload",

@@ -33,7 +33,7 @@ import requests
 from babysit.policies.types import Severity
 from babysit.supervisor.services.alerts import transport
 from babysit.supervisor.services.alerts.config import AlertsConfig, ResolvedSink, resolve_sinks
-from babysit.supervisor.services.alerts.gate import SinkGate, Verdict
+from babysit.supervisor.services.alerts.gate import GateVerdict, SinkGate
 from babysit.supervisor.services.alerts.payloads import (
     Alert,
     jsonable,
@@ -275,10 +275,10 @@ class _SinkWorker:
 
     def _handle(self, session: requests.Session, alert: Alert, at: float) -> None:
         decision = self._gate.admit(alert.key, at)
-        if decision.verdict is Verdict.DUPLICATE:
+        if decision.verdict is GateVerdict.DUPLICATE:
             self._record(alert, "suppressed", count=decision.duplicates)
             return
-        if decision.verdict is Verdict.RATE_LIMITED:
+        if decision.verdict is GateVerdict.RATE_LIMITED:
             self._record(alert, "rate_limited", count=decision.rate_limited)
             return
         limited = decision.rate_limited if self.sink.config.rate_limit.summary else 0

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 
 
-class Verdict(str, enum.Enum):
+class GateVerdict(str, enum.Enum):
     """What the gate decided for one alert."""
 
     SEND = "send"
@@ -31,7 +31,7 @@ class Verdict(str, enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class GateDecision:
     """The gate's answer for one alert.
 
     For ``SEND``: ``duplicates`` is how many alerts with this key were suppressed since this key's
@@ -40,7 +40,7 @@ class Decision:
     ``RATE_LIMITED``: ``rate_limited`` counts this one too.
     """
 
-    verdict: Verdict
+    verdict: GateVerdict
     duplicates: int = 0
     rate_limited: int = 0
 
@@ -69,17 +69,17 @@ class SinkGate:
         self._recent: deque[float] = deque()  # send times within the rate window
         self._rate_limited = 0  # dropped since the last send
 
-    def admit(self, key: str, now: float) -> Decision:
+    def admit(self, key: str, now: float) -> GateDecision:
         """Decide one alert with dedup key ``key`` arriving at ``now``; updates the state."""
         while self._recent and self._recent[0] <= now - self._window_s:
             self._recent.popleft()
         entry = self._keys.get(key)
         if entry is not None and now - entry.sent_at < self._dedup_window_s:
             entry.suppressed += 1
-            return Decision(Verdict.DUPLICATE, duplicates=entry.suppressed)
+            return GateDecision(GateVerdict.DUPLICATE, duplicates=entry.suppressed)
         if len(self._recent) >= self._max_alerts:
             self._rate_limited += 1
-            return Decision(Verdict.RATE_LIMITED, rate_limited=self._rate_limited)
+            return GateDecision(GateVerdict.RATE_LIMITED, rate_limited=self._rate_limited)
         duplicates = entry.suppressed if entry is not None else 0
         rate_limited, self._rate_limited = self._rate_limited, 0
         self._recent.append(now)
@@ -88,7 +88,7 @@ class SinkGate:
             self._keys[key] = _Seen(sent_at=now)
             if len(self._keys) > self._MAX_KEYS:
                 self._forget_expired(now)
-        return Decision(Verdict.SEND, duplicates=duplicates, rate_limited=rate_limited)
+        return GateDecision(GateVerdict.SEND, duplicates=duplicates, rate_limited=rate_limited)
 
     def _forget_expired(self, now: float) -> None:
         window = self._dedup_window_s
