@@ -160,6 +160,7 @@ def tiny(extra_layer: bool = False) -> tuple[Any, Any, Any]:
     return model, opt, sched
 
 
+@pytest.mark.e2e
 def test_load_refuses_another_world_size(runs: Runs) -> None:
     from babysit.checkpoints import load
 

@@ -20,7 +20,7 @@ import pytest
 
 from babysit.policies.loader import load_policy
 from babysit.policies.types import Finding, Incident, RankStep, Severity
-from babysit.supervisor.cluster.membership import LEADER, Cluster, JobExit
+from babysit.supervisor.cluster.membership import LEADER, STACK_READING_S, Cluster, JobExit
 from babysit.supervisor.cluster.node_view import NodeView, located
 from babysit.supervisor.cluster.wire import AuthError, Peer, connect, parse_address
 from babysit.supervisor.config.plan import SECRET_ENV, RunPlan, from_mapping
@@ -519,6 +519,33 @@ def test_the_hang_prefers_a_finding_that_names_ranks(
     chosen = cluster.settled_hang()
 
     assert chosen is not None and chosen.ranks == (3,)
+
+
+def test_a_node_still_reading_stacks_is_waited_for_past_settle_s(
+        cluster: Cluster, clock: Clock, launched: dict[int, Peer]) -> None:
+    """The race behind a flaky multi-node hang test: the leader's own view (ranks waiting in
+    the collective, nobody named) came in first, and the node with the stuck rank was still
+    dumping stacks when settle_s ran out, so the leader named nobody."""
+    cluster.hang_suspected(1)  # node 1 stalled too and reads its ranks' stacks
+    cluster.hang(0, hang_finding(0, ()))
+    clock.advance(SETTLE_S * 3)
+    assert cluster.settled_hang() is None
+
+    named = hang_finding(1, (3,), stacks="rank 3 sleeps outside the all_reduce")
+    cluster.hang(1, named)
+
+    assert cluster.settled_hang() == named
+
+
+def test_a_node_that_never_finishes_reading_stacks_is_not_waited_for_forever(
+        cluster: Cluster, clock: Clock, launched: dict[int, Peer]) -> None:
+    cluster.hang_suspected(1)
+    cluster.hang(0, hang_finding(0, (1,)))
+    clock.advance(STACK_READING_S)
+
+    chosen = cluster.settled_hang()
+
+    assert chosen is not None and chosen.ranks == (1,)
 
 
 def test_lost_finding_names_the_nodes_ranks_and_host(

@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
 from babysit.supervisor.node.launcher import free_port
 from tests.conftest import FAST_POLICY, ROOT, WORKERS, babysit_env, read_jsonl, run_babysit
+
+pytestmark = pytest.mark.e2e  # every test here runs several babysitters and torchruns
 
 SECRET = "correct horse battery staple"
 

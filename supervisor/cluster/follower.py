@@ -261,6 +261,9 @@ class Follower:
 
     def _report_hang(self, finding: Finding) -> None:
         if self.workers.rank_pids:
+            # Reading stacks takes seconds: the leader waits for this view rather than settle
+            # on another node's, whose ranks only wait in the collective.
+            self._send({"type": "hang_suspected"})
             finding, diagnosis, fields = forensics.diagnose_hang(finding, self.workers.rank_pids)
             finding = self.view.name(finding)
             self._journal("hang_diagnosis", **fields)

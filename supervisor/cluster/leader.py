@@ -165,13 +165,15 @@ class Leader(Supervisor):
 
     def _node_message(self, node: int, message: dict[str, Any], pending: Pending) -> None:
         kind = message.get("type")
-        if kind in ("summary", "finding", "event", "exited", "stopped") \
+        if kind in ("summary", "finding", "hang_suspected", "event", "exited", "stopped") \
                 and message.get("attempt") != self.machine.attempt:
             return  # about an attempt already replaced: it judges nothing now
         try:
             if kind == "summary":
                 self._node_report(node, [StepSummary.from_dict(message["summary"])], [],
                                   pending)
+            elif kind == "hang_suspected":
+                self.cluster.hang_suspected(node)
             elif kind == "finding":
                 self._node_report(node, [], [Finding.from_json(message["finding"])], pending)
             elif kind == "event":

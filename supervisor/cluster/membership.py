@@ -9,17 +9,20 @@ messages into things it can decide on, and its decisions into messages::
     follower -> leader                      leader -> follower
     summary   one node's StepSummary        launch   attempt, directive, rendezvous, nnodes
     finding   per-rank detector, hang       stop     stop the attempt's workers, say stopped
+    hang_suspected  reading stacks now
     event     checkpoint, fingerprint, ...  control  checkpoint cadence / final checkpoint
     exited    torchrun's code, log tails    finish   the run is over
     stopped   the stop asked for is done    beat     heartbeat (both ways)
     beat      heartbeat
 
-Two things need every node's view before the leader acts, so they *settle* for
-``nodes.settle_s``: a crash (the node whose rank failed has the telling log; the others see only a
-peer that closed its connection) and a hang (the node with the stuck rank names it from its
-stacks; the others see ranks waiting in a collective). A node that vanishes (its connection
-closes, or it is silent for ``nodes.lost_after_s``) is reported at once: the crashes of its
-peers that follow are its consequence.
+Two things need every node's view before the leader acts, so they *settle* for ``nodes.settle_s``: a
+crash (the node whose rank failed has the telling log; the others see only a peer that closed its
+connection) and a hang (the node with the stuck rank names it from its stacks; the others see ranks
+waiting in a collective). A node reads its ranks' stacks before it reports a hang, which takes
+seconds under load, so it says ``hang_suspected`` first and the leader waits for its view (up to
+``STACK_READING_S``) however long the settle time. A node that vanishes (its connection closes, or
+it is silent for ``nodes.lost_after_s``) is reported at once: the crashes of its peers that follow
+are its consequence.
 
 The leader's own node takes part like any other (node 0); its messages come from the loop, not
 the wire.
@@ -56,6 +59,10 @@ class JobExit:
     nodes: dict[int, int] = field(default_factory=dict)
     """Each node's exit code."""
 
+STACK_READING_S = 25.0
+"""How long the leader waits for a node that is reading its ranks' stacks (two rounds of
+``stacks.dump_stacks``' 10 s deadline, and some room)."""
+
 
 @dataclass
 class _Attempt:
@@ -66,6 +73,8 @@ class _Attempt:
     failed_at: float | None = None
     hangs: dict[int, Finding] = field(default_factory=dict)
     hang_at: float | None = None
+    reading_stacks: dict[int, float] = field(default_factory=dict)
+    """Nodes that said they are reading their ranks' stacks for a hang, and since when."""
     stopped: set[int] = field(default_factory=set)
     done: bool = False
     peers: dict[int, Peer] = field(default_factory=dict)
@@ -206,10 +215,19 @@ class Cluster:
         if code != 0 and a.failed_at is None:
             a.failed_at = self.clock()
 
+    def hang_suspected(self, node: int) -> None:
+        """``node`` saw its ranks stall and is reading their stacks: its view is on the way."""
+        a = self.attempt
+        if node in a.nodes and node not in a.hangs:
+            a.reading_stacks.setdefault(node, self.clock())
+            if a.hang_at is None:
+                a.hang_at = self.clock()
+
     def hang(self, node: int, finding: Finding) -> None:
         a = self.attempt
         if node in a.nodes:
             a.hangs.setdefault(node, finding)
+            a.reading_stacks.pop(node, None)
             if a.hang_at is None:
                 a.hang_at = self.clock()
 
@@ -246,10 +264,13 @@ class Cluster:
         a = self.attempt
         if a.hang_at is None or not a.hangs:
             return None
-        if len(a.hangs) < len(a.nodes) and self.clock() - a.hang_at < self.config.settle_s:
+        now = self.clock()
+        if any(now - since < STACK_READING_S for since in a.reading_stacks.values()):
+            return None  # the node with the stuck rank is often the slowest to answer
+        if len(a.hangs) < len(a.nodes) and now - a.hang_at < self.config.settle_s:
             return None
         found = list(a.hangs.values())
-        a.hangs, a.hang_at = {}, None
+        a.hangs, a.hang_at, a.reading_stacks = {}, None, {}
         return max(found, key=lambda f: ("stacks" in f.evidence, bool(f.ranks)))
 
     def lost_finding(self, node: int, why: str, step: int) -> Finding:
