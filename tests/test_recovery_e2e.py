@@ -41,8 +41,32 @@ def test_relaunch_after_a_crash_resumes_bit_exact(tmp_path: Path) -> None:
     assert {s: reference[s] for s in after} == after
 
 
+def user_folder(at: Path) -> Path:
+    """A training folder with its own ``checkpoints.py`` and ``policies/`` package (common names:
+    babysit once installed top-level packages called that), each a trap if babysit uses it.
+    Returns its ``train.py``: the test worker, after checking it imports the user's own."""
+    at.mkdir()
+    (at / "checkpoints.py").write_text(
+        "OWNER = 'user'\n\n\ndef save(*args, **kwargs):\n"
+        "    raise RuntimeError(\"babysit called the user's checkpoints.save\")\n\n\n"
+        "def load(*args, **kwargs):\n"
+        "    raise RuntimeError(\"babysit called the user's checkpoints.load\")\n")
+    (at / "policies").mkdir()
+    (at / "policies" / "__init__.py").write_text(
+        "OWNER = 'user'\n\n\ndef __getattr__(name):\n"
+        "    raise AttributeError(f\"the user's policies package has no {name}\")\n")
+    train = at / "train.py"
+    train.write_text("import checkpoints\nimport policies\n\n"
+                     "assert checkpoints.OWNER == policies.OWNER == 'user'\n"
+                     + (WORKERS / "tiny_train.py").read_text())
+    return train
+
+
 def test_loss_spike_rolls_back_skips_the_bad_batches_and_lowers_the_lr(tmp_path: Path) -> None:
-    result, run_dir = babysat(tmp_path, "spike", "--steps", "60", "--spike", "25:40")
+    # From a folder whose own checkpoints.py and policies/ must not meet babysit's.
+    script = user_folder(tmp_path / "project")
+    result, run_dir = babysat(tmp_path, "spike", "--steps", "60", "--spike", "25:40",
+                              script=script)
     assert result.returncode == 0, result.stdout + result.stderr
     rollback = next(e for e in journal(run_dir, "finding")
                     if e["remedy"]["action"] == "rollback")
