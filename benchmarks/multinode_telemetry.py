@@ -76,7 +76,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from babysit.policies.types import RankStep
 from babysit.supervisor.cluster import wire
-from babysit.supervisor.node.sketch import NodeMerger, StepSummary, SummaryAggregator
+from babysit.supervisor.cluster.merge import NodeMerger
+from babysit.supervisor.node.sketch import StepSummary, SummaryAggregator
 from babysit.supervisor.run.journal import json_safe
 from babysit.supervisor.run.loop import TICK_S
 

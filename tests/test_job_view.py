@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from babysit.policies.loader import load_policy
 from babysit.policies.pipeline import SCOPES, Pipeline
 from babysit.policies.types import Finding, JobStep, RankStep, StepRecord
-from babysit.supervisor.node.sketch import NodeMerger, StepSummary, SummaryRecord
+from babysit.supervisor.cluster.merge import NodeMerger
+from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
 
 # -- helpers ----------------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from babysit.policies.types import RankStep
 from babysit.supervisor.node.aggregate import StepAggregator, metrics_row
+from babysit.supervisor.node.quantiles import QuantileSketch
 from babysit.supervisor.node.sketch import (
-    QuantileSketch,
     RawRing,
     StepStats,
     StepSummary,

@@ -26,16 +26,16 @@ import time
 from types import FrameType
 from typing import Any
 
-from babysit.policies.types import Finding, RankStep
+from babysit.policies.types import Finding
 from babysit.supervisor.cluster.node_view import NodeView
 from babysit.supervisor.cluster.wire import AuthError, Peer, connect
 from babysit.supervisor.config.plan import RunPlan
-from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node import forensics, launcher
 from babysit.supervisor.node.sketch import StepSummary
 from babysit.supervisor.node.workers import NodeWorkers
 from babysit.supervisor.run import journal as journal_mod
 from babysit.supervisor.run.console import Console
+from babysit.supervisor.run.own_node import Hang, OwnNode
 
 TICK_S = 0.1
 FORWARDED = ("hello", "close", "skip", "checkpoint", "checkpoint_failed", "cadence",
@@ -54,11 +54,15 @@ class Follower:
         self.host = self.view.host
         self.secret = secret
         self.workers = NodeWorkers(plan, plan.run_dir)
+        # Reading stacks takes seconds: the leader waits for this view rather than settle on
+        # another node's, whose ranks only wait in the collective.
+        self.own: OwnNode[tuple[list[StepSummary], list[Finding]]] = OwnNode(
+            self.workers, self.view, flush_on_exit=True,
+            on_suspect=lambda _: self._send({"type": "hang_suspected"}))
         self.journal = journal_mod.Journal(plan.run_dir / "events.jsonl")
         self.peer: Peer | None = None
         self.attempt = -1
         self._step = 0
-        self._exited = True
         self._signal: int | None = None
         self._term_at: float | None = None
         self._join_deadline: float | None = None
@@ -146,14 +150,9 @@ class Follower:
                 code = self._command(message)
                 if code is not None:
                     return code
-            self._telemetry()
+            self._tick()
             for line in self.workers.output():
                 self.console.log(line)
-            self._check_exit()
-            if not self._exited and self.workers.group is not None and \
-                    forensics.ranks_all_alive(self.workers.rank_pids.values()):
-                for finding in self.view.check(time.monotonic()):
-                    self._report_hang(finding)
             silent = time.monotonic() - self.peer.last_heard
             if gone or silent > lost_after:
                 why = (f"silent for {silent:.0f} s" if not gone
@@ -218,39 +217,45 @@ class Follower:
         self._stop_workers("a new attempt starts")
         attempt = int(message["attempt"])
         directive = Directive.from_json(message["directive"])
-        self.view.new_attempt(time.monotonic(), directive)
-        self.attempt, self._step, self._exited = attempt, 0, False
-        command = self.workers.launch(
+        self.attempt, self._step = attempt, 0
+        command = self.own.launch(attempt, directive, time.monotonic(), lambda: self.workers.launch(
             attempt, directive, rdzv_endpoint=str(message["rdzv_endpoint"]),
             rdzv_id=str(message["rdzv_id"]), nnodes=str(message["nnodes"]),
-            node_rank=int(message["node_rank"]))
+            node_rank=int(message["node_rank"])))
         self._journal("launch", command=command, rdzv_endpoint=message["rdzv_endpoint"],
                       directive=directive.to_json())
 
     def _stop_workers(self, reason: str) -> None:
         if self.workers.group is not None and self.workers.group.processes():
             self._journal("stop_workers", reason=reason, pids=self.workers.pids())
-            code = self.workers.stop()
+            code = self.own.stop()
             self._journal("workers_stopped", exit_code=code)
-        self._exited = True
+        self.own.running = False
 
     # -- reports --------------------------------------------------------------------------------
 
-    def _telemetry(self) -> None:
-        now = time.monotonic()
-        for message in self.workers.intake.drain():
-            if isinstance(message, RankStep):
-                self._step = max(self._step, message.step)
-                self._report(*self.view.observe_rank(message, now))
-            else:
-                self._event(message, now)
-
-    def _event(self, event: WorkerEvent, now: float) -> None:
-        self.workers.note(event)
-        self.view.observe_event(event, now)
-        if event.type in FORWARDED:
-            self._send({"type": "event", "rank": event.rank, "event": event.type,
-                        "time": event.time, "data": event.data})
+    def _tick(self) -> None:
+        """This node's tick (``run.own_node``): summaries and findings for the leader, the
+        rare events it needs, a hang named from the stacks, torchrun's exit."""
+        tick = self.own.tick(time.monotonic())
+        if tick.newest is not None:
+            self._step = max(self._step, tick.newest)
+        for event in tick.events:
+            if event.type in FORWARDED:
+                self._send({"type": "event", "rank": event.rank, "event": event.type,
+                            "time": event.time, "data": event.data})
+        for summaries, findings in tick.outputs:
+            self._report(summaries, findings)
+        for hang in tick.hangs:
+            self._report_hang(hang)
+        if tick.exit is not None:
+            end = tick.exit
+            if end.teardown_code is not None:
+                self._journal("teardown_crash", exit_code=end.teardown_code)
+            self._journal("workers_exited", exit_code=end.code)
+            self._send({"type": "exited", "attempt": self.attempt, "code": end.code,
+                        "tails": {str(r): t for r, t in end.tails.items()}, "root": end.root,
+                        "step": self._step})
 
     def _report(self, summaries: list[StepSummary], findings: list[Finding]) -> None:
         for summary in summaries:
@@ -259,42 +264,16 @@ class Follower:
             self._journal("finding", step=finding.step, finding=finding.to_json())
             self._send({"type": "finding", "finding": finding.to_json()})
 
-    def _report_hang(self, finding: Finding) -> None:
-        if self.workers.rank_pids:
-            # Reading stacks takes seconds: the leader waits for this view rather than settle
-            # on another node's, whose ranks only wait in the collective.
-            self._send({"type": "hang_suspected"})
-            finding, diagnosis, fields = forensics.diagnose_hang(finding, self.workers.rank_pids)
-            finding = self.view.name(finding)
-            self._journal("hang_diagnosis", **fields)
+    def _report_hang(self, hang: Hang) -> None:
+        finding = hang.finding
+        if hang.fields:
+            self._journal("hang_diagnosis", **hang.fields)
             folder = forensics.write_incident(
-                self.plan.run_dir, self.attempt, finding, "reported to the leader", diagnosis,
-                self.workers.tails(self.attempt, 8192))
+                self.plan.run_dir, self.attempt, finding, "reported to the leader",
+                hang.diagnosis, self.workers.tails(self.attempt, 8192))
             finding = dataclasses.replace(
                 finding, evidence={**finding.evidence, "incident_dir": str(folder)})
         self._report([], [finding])
-
-    def _check_exit(self) -> None:
-        if self._exited:
-            return
-        code = self.workers.poll()
-        if code is None:
-            return
-        self._exited = True
-        self._telemetry()
-        self._report(*self.view.flush())
-        tails: dict[int, str] = {}
-        root = None
-        if code != 0:
-            if self.workers.teardown_only(code, self.attempt):
-                self._journal("teardown_crash", exit_code=code)
-                code = 0
-            else:
-                tails, root = self.workers.crash_evidence(self.attempt)
-        self._journal("workers_exited", exit_code=code)
-        self._send({"type": "exited", "attempt": self.attempt, "code": code,
-                    "tails": {str(r): t for r, t in tails.items()}, "root": root,
-                    "step": self._step})
 
     def _send(self, message: dict[str, Any]) -> None:
         """Send to the leader, saying which attempt it is about: the leader drops what an

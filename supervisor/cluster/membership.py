@@ -36,12 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from babysit.policies.types import Finding, Incident, Severity
+from babysit.supervisor.cluster.merge import NodeMerger
 from babysit.supervisor.cluster.node_view import node_name
 from babysit.supervisor.cluster.wire import Listener, Peer
 from babysit.supervisor.config.address import format_address, parse_address
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.node.launcher import free_port
-from babysit.supervisor.node.sketch import NodeMerger, StepSummary
+from babysit.supervisor.node.sketch import StepSummary
 
 LEADER = 0
 

@@ -201,10 +201,10 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     if not plan.config.launch.multinode:
         return Supervisor(plan, console).run()
-    if plan.node_rank == 0:
-        from babysit.supervisor.cluster.leader import Leader
+    if plan.node_rank == 0:  # the leader: the same loop, over every node's workers
+        from babysit.supervisor.cluster.leader import ClusterMembers
 
-        return Leader(plan, console, plan.secret()).run()
+        return Supervisor(plan, console, members=ClusterMembers(plan, plan.secret())).run()
     from babysit.supervisor.cluster.follower import Follower
 
     return Follower(plan, console, plan.secret()).run()

@@ -5,6 +5,7 @@ should keep a summary whose size does not depend on the number of ranks, and onl
 of raw reports for incidents. The pieces, smallest first::
 
     QuantileSketch   values -> log buckets; any quantile within a relative error alpha
+                     (``node.quantiles``)
     StepStats        one signal of one step over ranks: count, sum, min/max + their ranks,
                      non-finite count + ranks, and a QuantileSketch of the finite values
     StepSummary      one step: StepStats for loss, step_time, data_wait, compute, grad_norm,
@@ -12,7 +13,6 @@ of raw reports for incidents. The pieces, smallest first::
                      to_dict / from_dict: the JSON a node sends the leader
     SummaryAggregator  RankSteps in, StepSummaries out (same emission rule as StepAggregator),
                      plus RawRing, the raw reports of the last few steps, packed
-    NodeMerger       the leader's side: the nodes' StepSummaries of a step in, the job's out
     SummaryRecord    a job's StepSummary read as a ``JobStep``, for the job-level detectors
 
 Everything is mergeable: a node's supervisor can summarise its ranks and a leader merges the
@@ -28,7 +28,8 @@ Where it is used:
 - ``SummaryAggregator`` shares ``StepAggregator``'s emission rule (``aggregate.Completion``)
   and holds a step in constant memory: the shape a node's supervisor can send a leader.
 - A multi-node run: each node sends its steps' ``to_dict()``; the leader's ``NodeMerger``
-  merges them, and ``Pipeline(policy, scope="job")`` observes ``SummaryRecord(summary)``.
+  merges them (``cluster.merge.NodeMerger``), and ``Pipeline(policy, scope="job")`` observes
+  ``SummaryRecord(summary)``.
 
 Detectors of job-wide signals read a ``JobStep`` (``policies.types``): ``StepRecord`` or
 ``SummaryRecord``, where ``loss`` is ``summary.mean_loss``, ``grad_norm`` is ``max_grad_norm``,
@@ -51,173 +52,7 @@ from babysit.policies import types
 from babysit.policies.types import RankStep
 from babysit.supervisor.contract import protocol
 from babysit.supervisor.node.aggregate import Completion
-
-DEFAULT_ALPHA = 0.005
-DEFAULT_MAX_BUCKETS = 2048
-DEFAULT_MIN_VALUE = 1e-9
-MAX_RANKS = 1 << 20
-"""Largest rank a summary read from the network may name (a summary holds a byte per rank)."""
-
-
-class QuantileSketch:
-    """A relative-error quantile sketch (DDSketch: Masson, Rim and Lee, VLDB 2019).
-
-    **Guarantee.** Let ``x_q`` be the exact q-quantile of the values added, defined as the
-    element of rank ``floor(q * (n - 1))`` (0-based) in sorted order. Then
-    ``|quantile(q) - x_q| <= alpha * |x_q|``, for every q, whatever the distribution, as long as
-    (a) ``|x_q| >= min_value`` (smaller magnitudes share the zero bucket: absolute error below
-    ``min_value``) and (b) ``x_q`` lies above the collapsed low tail (see memory below).
-    Exact quantiles that interpolate between neighbours (numpy's default) can differ from
-    ``x_q`` by the gap between two neighbouring values; on a few hundred values or more of a
-    continuous signal that gap is far below alpha.
-
-    **How.** A positive value ``x`` goes to bucket ``i = ceil(log(x) / log(gamma))`` with
-    ``gamma = (1 + alpha) / (1 - alpha)``; the bucket covers ``(gamma**(i-1), gamma**i]`` and
-    answers ``2 * gamma**i / (gamma + 1)``, within ``alpha`` of anything in it. Negative values
-    mirror the positive ones; near-zero values have one bucket. Buckets hold counts only.
-
-    **Memory.** At most ``max_buckets`` buckets: with alpha = 0.005 that covers values spread
-    over a factor ``gamma ** 2048`` (about 8e8) before anything is lost, where step times spread
-    over a factor of a few and use a few hundred. Past the cap the lowest buckets (in value
-    order) are folded into the lowest bucket kept, so the high quantiles, the ones an operator
-    asks about (p99 step time), keep the guarantee and the folded low tail reads high.
-    ``collapsed`` says whether that ever happened. Folding keeps the sketch mergeable:
-    the kept buckets are always the ``max_buckets`` highest ever seen, whatever the order.
-
-    Calling rules: ``add`` finite values only (``ValueError`` otherwise; ``StepStats`` counts
-    non-finite values for you). ``merge`` needs the same ``alpha``, ``max_buckets`` and
-    ``min_value``.
-    """
-
-    __slots__ = ("_buckets", "_floor", "_gamma", "_inv_log_gamma", "_offset", "alpha",
-                 "collapsed", "count", "max_buckets", "min_value")
-
-    def __init__(self, alpha: float = DEFAULT_ALPHA, max_buckets: int = DEFAULT_MAX_BUCKETS,
-                 min_value: float = DEFAULT_MIN_VALUE) -> None:
-        if not 0.0 < alpha < 1.0:
-            raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-        if max_buckets < 2:
-            raise ValueError(f"max_buckets must be at least 2, got {max_buckets}")
-        if not min_value > 0.0:
-            raise ValueError(f"min_value must be positive, got {min_value}")
-        self.alpha = alpha
-        self.max_buckets = max_buckets
-        self.min_value = min_value
-        self._gamma = (1.0 + alpha) / (1.0 - alpha)
-        self._inv_log_gamma = 1.0 / math.log(self._gamma)
-        # Keys are ordered like values: 0 is the zero bucket, k > 0 positive buckets, -k their
-        # mirror. ``_offset`` makes the smallest positive bucket key 1.
-        self._offset = 1 - math.ceil(math.log(min_value) * self._inv_log_gamma)
-        self._buckets: dict[int, int] = {}
-        self._floor: int | None = None  # set once folded: keys below go to this bucket
-        self.count = 0
-        self.collapsed = False
-
-    def _key(self, value: float) -> int:
-        if value > self.min_value:
-            return math.ceil(math.log(value) * self._inv_log_gamma) + self._offset
-        if value < -self.min_value:
-            return -(math.ceil(math.log(-value) * self._inv_log_gamma) + self._offset)
-        return 0
-
-    def _value(self, key: int) -> float:
-        if key == 0:
-            return 0.0
-        index = abs(key) - self._offset
-        magnitude = 2.0 * self._gamma ** index / (self._gamma + 1.0)
-        return magnitude if key > 0 else -magnitude
-
-    def add(self, value: float, count: int = 1) -> None:
-        """Count ``value`` (``count`` times). Raises ``ValueError`` if it is NaN or infinite."""
-        # The positive branch of ``_key`` inlined: step times are positive, and this runs once
-        # per rank, signal and step.
-        if value > self.min_value and value != math.inf:
-            key = math.ceil(math.log(value) * self._inv_log_gamma) + self._offset
-        elif math.isfinite(value):
-            key = self._key(value)
-        else:
-            raise ValueError(f"QuantileSketch.add takes finite values, got {value}")
-        if self._floor is not None and key < self._floor:
-            key = self._floor
-        buckets = self._buckets
-        buckets[key] = buckets.get(key, 0) + count
-        self.count += count
-        if len(buckets) > self.max_buckets:
-            self._fold()
-
-    def _fold(self) -> None:
-        keys = sorted(self._buckets)
-        excess = len(keys) - self.max_buckets
-        floor = keys[excess]
-        for key in keys[:excess]:
-            self._buckets[floor] += self._buckets.pop(key)
-        self._floor = floor
-        self.collapsed = True
-
-    def merge(self, other: QuantileSketch) -> None:
-        """Add everything ``other`` counted. Equal to having added its values here."""
-        if (other.alpha, other.max_buckets, other.min_value) != (
-                self.alpha, self.max_buckets, self.min_value):
-            raise ValueError("cannot merge sketches with different alpha, max_buckets or "
-                             "min_value")
-        floors = [f for f in (self._floor, other._floor) if f is not None]
-        floor = max(floors) if floors else None
-        merged = dict(self._buckets)
-        for key, n in other._buckets.items():
-            merged[key] = merged.get(key, 0) + n
-        if floor is not None:
-            for key in [k for k in merged if k < floor]:
-                merged[floor] = merged.get(floor, 0) + merged.pop(key)
-        self._buckets = merged
-        self._floor = floor
-        self.count += other.count
-        self.collapsed = self.collapsed or other.collapsed
-        if len(merged) > self.max_buckets:
-            self._fold()
-
-    def quantile(self, q: float) -> float | None:
-        """The q-quantile (0 <= q <= 1) within the guarantee above; ``None`` when empty."""
-        if not 0.0 <= q <= 1.0:
-            raise ValueError(f"q must be in [0, 1], got {q}")
-        if self.count == 0:
-            return None
-        rank = math.floor(q * (self.count - 1))
-        seen = 0
-        for key in sorted(self._buckets):
-            seen += self._buckets[key]
-            if seen > rank:
-                return self._value(key)
-        raise AssertionError("unreachable: bucket counts add up to count")
-
-    @property
-    def buckets(self) -> int:
-        """Number of buckets in use (never more than ``max_buckets``)."""
-        return len(self._buckets)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready state; ``from_dict`` restores an equal sketch."""
-        return {
-            "alpha": self.alpha, "max_buckets": self.max_buckets, "min_value": self.min_value,
-            "count": self.count, "collapsed": self.collapsed, "floor": self._floor,
-            "buckets": [[k, n] for k, n in sorted(self._buckets.items())],
-        }
-
-    @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> QuantileSketch:
-        sketch = cls(state["alpha"], state["max_buckets"], state["min_value"])
-        sketch._buckets = {int(k): int(n) for k, n in state["buckets"]}
-        sketch._floor = state["floor"]
-        sketch.count = int(state["count"])
-        sketch.collapsed = bool(state["collapsed"])
-        return sketch
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, QuantileSketch):
-            return NotImplemented
-        return self.to_dict() == other.to_dict()
-
-    __hash__ = None  # type: ignore[assignment]
-
+from babysit.supervisor.node.quantiles import DEFAULT_ALPHA, MAX_RANKS, QuantileSketch
 
 _MAX_NONFINITE_RANKS = 64
 
@@ -703,104 +538,3 @@ class SummaryRecord:
     def __repr__(self) -> str:
         return (f"SummaryRecord(step={self.step}, n_ranks={self.summary.n_ranks}, "
                 f"loss={self.loss}, step_time={self.step_time})")
-
-
-class NodeMerger:
-    """The leader's merge of the nodes' summaries of each step into the job's, in step order.
-
-    **Emission rule** (``aggregate.Completion``'s, with nodes in place of ranks). Each node
-    sends its summaries in step order on its own connection, so once every expected node has
-    sent step *s* or a later one, nothing more of *s*, nor of any step before it, is coming:
-
-    - an open step is emitted as soon as every node in ``expected`` has sent it or a later
-      step. That covers the complete step (every node sent it) and the step some node never
-      sends (it dropped reports, or none of its ranks reported that step): it goes out with
-      what arrived, once that node has moved past it;
-    - when more than ``max_pending`` steps are open (a node stopped sending but is still
-      expected), the oldest is emitted, one per ``add``;
-    - ``flush()`` emits everything open (the attempt ended).
-
-    Steps come out in increasing step order, each at most once. A summary of a step at or
-    below the newest emitted is dropped and counted in ``late``; one sharing a rank with what
-    its step already holds (a node sent it twice) is dropped and counted in ``duplicates``.
-    A node outside ``expected`` is merged like the others but holds nothing back. With no
-    expected node at all, every step is emitted as it arrives.
-
-    Calling rules: ``add`` each node's summaries in the order the node sent them; ``add``
-    takes ownership of the summary (it may be merged into and emitted). ``reset(nodes)``
-    between attempts (a rollback reuses step numbers). Setting ``expected`` mid-attempt (a node
-    left) takes effect at the next ``add``, or at once with ``release()``.
-    Memory: at most ``max_pending`` open steps, one ``StepSummary`` each.
-    """
-
-    def __init__(self, nodes: Iterable[int], max_pending: int = 64) -> None:
-        if max_pending < 1:
-            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
-        self.max_pending = max_pending
-        self.late = 0
-        """Summaries dropped because their step was already emitted (since construction)."""
-        self.duplicates = 0
-        """Summaries dropped because a rank of theirs was already merged into their step."""
-        self._expected = frozenset(nodes)
-        self._newest: dict[int, int] = {}  # node -> the newest step it sent this attempt
-        self._open: dict[int, StepSummary] = {}
-        self._emitted: int | None = None  # the newest step emitted this attempt
-
-    @property
-    def expected(self) -> frozenset[int]:
-        """The nodes taking part in this attempt: a step waits for each of them."""
-        return self._expected
-
-    @expected.setter
-    def expected(self, nodes: Iterable[int]) -> None:
-        self._expected = frozenset(nodes)
-
-    @property
-    def n_open(self) -> int:
-        """Steps received but not yet emitted."""
-        return len(self._open)
-
-    def add(self, node: int, summary: StepSummary) -> list[StepSummary]:
-        """One node's summary of one step; returns the merged steps emitted now, in order."""
-        step = summary.step
-        if step > self._newest.get(node, step - 1):
-            self._newest[node] = step
-        if self._emitted is not None and step <= self._emitted:
-            self.late += 1
-            return []
-        held = self._open.get(step)
-        if held is None:
-            self._open[step] = summary
-        elif held.shared_rank(summary) is not None:
-            self.duplicates += 1
-        else:
-            held.merge(summary)
-        return self.release()
-
-    def release(self) -> list[StepSummary]:
-        """The open steps the rule lets go now: after ``expected`` shrank, for instance."""
-        out: list[StepSummary] = []
-        if self._expected and all(n in self._newest for n in self._expected):
-            frontier = min(self._newest[n] for n in self._expected)
-            out = [self._emit(s) for s in sorted(self._open) if s <= frontier]
-        elif not self._expected:
-            out = self.flush()
-        while len(self._open) > self.max_pending:
-            out.append(self._emit(min(self._open)))
-        return out
-
-    def flush(self) -> list[StepSummary]:
-        """Emit every open step, in order (the attempt ended)."""
-        return [self._emit(s) for s in sorted(self._open)]
-
-    def reset(self, nodes: Iterable[int]) -> None:
-        """A new attempt with ``nodes`` taking part: forget open steps and what was emitted.
-        ``late`` and ``duplicates`` keep counting."""
-        self._expected = frozenset(nodes)
-        self._newest.clear()
-        self._open.clear()
-        self._emitted = None
-
-    def _emit(self, step: int) -> StepSummary:
-        self._emitted = step
-        return self._open.pop(step)

@@ -3,14 +3,16 @@
 One thread does all of it, a tick at a time::
 
     sleep one tick (0.1 s)                the ranks' reports queue in their sockets
-    telemetry -> steps -> metrics.jsonl   aggregate, and let the watch judge each step
+    members.gather()                      the job's steps, rank events, findings only a node
+                                          can make (a hang named from its stacks), the end
+    steps -> metrics.jsonl                and the watch judges each step
     worker output -> console              tee'd rank lines
-    has torchrun exited?                  Exited(code, remedy for a crash)
-    periodic checks                       hang, backoff timers
+    timers                                backoff
     every event -> decide() -> actions    journaled as "old -> new (reason)"
 
-The side effects live here and in the modules it calls (launcher, intake, journal, console); the
-judgement lives in ``policies`` and is pure.
+Who trains is the ``members`` (``run.members``): this node's workers, or on a multi-node leader
+every node's (``cluster.leader.ClusterMembers``); the loop is the same. The side effects live
+here and in the members; the judgement lives in ``Watch`` and ``policies``, and is pure.
 """
 
 from __future__ import annotations
@@ -30,13 +32,11 @@ import yaml
 
 from babysit.checkpoints import Catalog
 from babysit.policies import decide as sm
-from babysit.policies.types import Action, Finding, Incident, JobStep, RankStep, Remedy, Severity
+from babysit.policies.types import Action, Finding, Incident, JobStep, Remedy, Severity
 from babysit.supervisor.config.plan import RunPlan
-from babysit.supervisor.contract import protocol
-from babysit.supervisor.contract.directive import Directive, SkipRange
+from babysit.supervisor.contract.directive import SkipRange
+from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node import forensics, launcher
-from babysit.supervisor.node.aggregate import StepAggregator, metrics_row
-from babysit.supervisor.node.workers import NodeWorkers
 from babysit.supervisor.run import journal as journal_mod
 from babysit.supervisor.run.background import Services
 from babysit.supervisor.run.cadence import (
@@ -46,6 +46,14 @@ from babysit.supervisor.run.cadence import (
     replay_journal,
 )
 from babysit.supervisor.run.console import Console
+from babysit.supervisor.run.members import (
+    Gathered,
+    JobEnd,
+    LocalMembers,
+    Members,
+    MembersMissing,
+    Voice,
+)
 from babysit.supervisor.run.progress import RunProgress
 from babysit.supervisor.run.recovery import Recovery
 from babysit.supervisor.run.watch import Watch
@@ -64,14 +72,24 @@ class Supervisor:
     """
 
     def __init__(self, plan: RunPlan, console: Console,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 members: Members | None = None) -> None:
+        """``members``: who trains; this node's workers (``LocalMembers``) when None."""
         self.plan = plan
         self.console = console
         self.clock = clock
         self.machine = sm.Machine()
-        self.watch = Watch.from_plan(plan)
+        if members is None:
+            self.watch = Watch.from_plan(plan)
+            members = LocalMembers(plan, self.watch)
+        else:
+            self.watch = Watch.from_plan(plan, scope=members.scope)
+        self.members = members
         self._signal: int | None = None
-        self._aggregator = StepAggregator(plan.world_size or 1)
+        self._world = plan.world_size or 1
+        """The job's ranks, from the hellos (an SDC check waits for every rank's digests)."""
+        self._launched = False
+        self._exit_code: int | None = None
         self._wake_at: float | None = None
         self._metrics: IO[str] | None = None
         self.progress = RunProgress()
@@ -83,8 +101,6 @@ class Supervisor:
         self._takeover: journal_mod.PriorRun | None = None
         self._inherited: Remedy | None = None
         self._last_checkpoint = -1
-        self.crash_tails: dict[int, str] = {}
-        """Log tails of failed ranks on other nodes, for the next incident folder."""
         self._incident_dir: Path | None = None
         c = plan.config.checkpoints
         self.recovery = Recovery(Catalog(plan.checkpoint_dir), c.probation_steps, c.keep,
@@ -95,14 +111,17 @@ class Supervisor:
         self.alerts = AlertDispatcher.from_config(plan.config.alerts,
                                                   on_result=self._alert_result)
         self.services = Services(plan, self.alerts)
-        self.workers = NodeWorkers(plan, plan.run_dir)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def run(self) -> int:
         self._setup()
         try:
-            return self._loop()
+            self._exit_code = self._loop()
+            return self._exit_code
+        except MembersMissing as exc:
+            self._exit_code = self._members_missing(exc)
+            return self._exit_code
         except BaseException as exc:
             # A bug in babysit itself: leave a trace in the journal; teardown stops the workers.
             self._journal("supervisor_error", error=f"{type(exc).__name__}: {exc}")
@@ -125,7 +144,7 @@ class Supervisor:
         self._takeover = prior if prior is not None and prior.unfinished else None
         self.machine = sm.Machine(attempt=self._first_attempt)
         self.journal.open()
-        self.workers.open()
+        self.members.open()
         self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.alerts.start()
         launcher.become_subreaper()
@@ -191,7 +210,7 @@ class Supervisor:
         checkpoint a few steps ahead (all ranks must save at the same step), and wait for it
         within ``checkpoints.final_grace_s`` while still reading telemetry."""
         grace = self.plan.config.checkpoints.final_grace_s
-        if not (self.plan.config.checkpoints.every_steps and grace > 0 and self.workers.group):
+        if not (self.plan.config.checkpoints.every_steps and grace > 0 and self._launched):
             return
         # Ranks of a synchronous job are within a step of each other: 3 ahead of the newest
         # step any rank reported is ahead of all (the loop's own count lags a tick, and on a
@@ -205,16 +224,17 @@ class Supervisor:
         deadline = self.clock() + grace
         while self.clock() < deadline and self._last_checkpoint < target:
             time.sleep(TICK_S)
-            self._take_telemetry(deque())  # findings are moot now: the run is stopping
+            # Findings and exits are moot now: the run is stopping.
+            self._take(self.members.gather(self.clock(), watching=False), deque())
             self._print_output()
-            if self.workers.poll() is not None:
+            if not self.members.running():
                 break
         saved = self._last_checkpoint >= target
         self._journal("final_checkpoint", saved=saved,
                       checkpoint_step=self._last_checkpoint if saved else None)
 
     def _teardown(self) -> None:
-        self.workers.close()
+        self.members.close(self._exit_code)
         self.services.stop()
         self.alerts.close()
         if self._metrics is not None:
@@ -228,6 +248,9 @@ class Supervisor:
     # -- the loop -------------------------------------------------------------------------------
 
     def _loop(self) -> int:
+        self.members.ready(Voice(journal=self._journal, log=self.console.log,
+                                 status=self.console.status, alert=self._alert,
+                                 stopping=lambda: self._signal is not None))
         pending: deque[sm.Event | Finding] = deque()
         # A remedy the previous supervisor decided but died before launching is applied now.
         exit_code = self._perform(sm.Launch(self.machine.attempt, self._inherited), pending)
@@ -258,37 +281,21 @@ class Supervisor:
                 self._final_checkpoint()
             pending.append(sm.StopRequested(self._signal))
             self._signal = None
-        self._take_telemetry(pending)
-        self._print_output()
         now = self.clock()
+        watching = self.machine.state in (sm.State.STARTING, sm.State.RUNNING)
+        self._take(self.members.gather(now, watching), pending)
+        self._print_output()
         if self.machine.state is sm.State.RUNNING and self._tick_at is not None:
             self.cadence.advisor.on_run_time(now - self._tick_at)
         self._tick_at = now
-        if self.machine.state in (sm.State.STARTING, sm.State.RUNNING):
-            self._check_workers(now, pending)
         if self._wake_at is not None and now >= self._wake_at:
             self._wake_at = None
             pending.append(sm.BackoffElapsed())
-        self.services.publish(self.progress.snapshot(self.machine),
-                              tuple(self.workers.rank_pids.values()))
+        self.services.publish(self.progress.snapshot(self.machine), self.members.rank_pids())
         for (event, fields), line in self.services.drain():
             self._journal(event, **fields)
             if line:
                 self.console.log(line)
-
-    def _check_workers(self, now: float, pending: deque[sm.Event | Finding]) -> None:
-        """Has torchrun exited? If not, is anything hung?"""
-        code = self.workers.poll()
-        if code is not None:
-            self._take_telemetry(pending)
-            if code and self._teardown_crash(code):
-                code = 0
-            pending.append(sm.Exited(code, self._crash_remedy(code) if code else None))
-        elif self.workers.group is not None and \
-                forensics.ranks_all_alive(self.workers.rank_pids.values()):
-            # A rank whose process died is a crash in progress (torchrun reports it in a
-            # moment), not a hang: its peers wait on a connection that is already gone.
-            pending.extend(self.watch.check(now))
 
     def _apply(self, event: sm.Event, pending: deque[sm.Event | Finding]) -> int | None:
         old = self.machine
@@ -322,36 +329,31 @@ class Supervisor:
                               **advice.to_json())
             self._journal("run_finished", state=self.machine.state.value, exit_code=action.code,
                           reason=self.machine.reason)
+            self._exit_code = action.code
             return action.code
         return None
 
     # -- telemetry ------------------------------------------------------------------------------
 
-    def _take_telemetry(self, pending: deque[sm.Event | Finding]) -> None:
-        newest = None
-        for message in self.workers.intake.drain():
-            if isinstance(message, RankStep):
-                self._newest_step = max(self._newest_step, message.step)
-                self._rank_step(message, pending)
-                newest = max(newest or 0, message.step)
-            else:
-                self.workers.note(message)
-                self._local_event(message, pending)
-        if newest is not None:
+    def _take(self, got: Gathered, pending: deque[sm.Event | Finding]) -> None:
+        """What the members saw this tick, in a fixed order: their own journal entries, the
+        job's steps (each judged), the ranks' events, progress, node findings, the end."""
+        self._journal_all(got.entries)
+        for title in got.warnings:
+            self._notify(sm.Notify(Severity.WARNING, title))
+        if got.newest is not None:
+            self._newest_step = max(self._newest_step, got.newest)
+        for record, row in got.steps:
+            self._record(record, row, pending)
+        for event in got.events:
+            self._worker_event(event, pending)
+        if got.steps:
+            newest = got.steps[-1][0].step
             pending.append(sm.Progress(newest))
             self._journal_all(self.recovery.on_progress(newest))
-
-    def _rank_step(self, sample: RankStep, pending: deque[sm.Event | Finding]) -> None:
-        """One of this node's ranks reported a step."""
-        self.watch.observe_rank(sample, self.clock())
-        for record in self._aggregator.add(sample):
-            self._record(record, metrics_row(record, self.machine.attempt), pending)
-
-    def _local_event(self, event: protocol.WorkerEvent,
-                     pending: deque[sm.Event | Finding]) -> None:
-        """A rare message from one of this node's ranks."""
-        self.watch.observe_event(event, self.clock())
-        self._worker_event(event, pending)
+        pending.extend(got.findings)
+        if got.end is not None:
+            pending.append(self._ended(got.end))
 
     def _record(self, record: JobStep, row: dict[str, Any],
                 pending: deque[sm.Event | Finding]) -> None:
@@ -370,16 +372,12 @@ class Supervisor:
             # So a supervisor taking over inherits the baselines, not only the last finding's.
             self._journal("watch_state", state=self.watch.state_dict())
 
-    def _worker_event(self, event: protocol.WorkerEvent,
-                      pending: deque[sm.Event | Finding]) -> None:
+    def _worker_event(self, event: WorkerEvent, pending: deque[sm.Event | Finding]) -> None:
         """What a rank's event means for the run (any node's rank, in a multi-node run)."""
         if event.type == "hello":
             world = event.data.get("world_size")
             if isinstance(world, int) and world > 0:
-                self._aggregator.world_size = world
-            if event.rank == 0:  # MFU's inputs: the script's own numbers, or none at all
-                self._aggregator.flops_per_token = _positive(event.data.get("flops_per_token"))
-                self._aggregator.peak_flops = _positive(event.data.get("peak_flops"))
+                self._world = world
         if event.type in ("hello", "close", "skip"):
             self._journal(f"worker_{event.type}", rank=event.rank, data=event.data)
         elif event.type == "checkpoint":
@@ -391,7 +389,7 @@ class Supervisor:
         elif event.type == "cadence":
             self._journal("cadence_applied", rank=event.rank, data=event.data)
         elif event.type == "fingerprint":
-            check = self.watch.observe_fingerprint(event, self._aggregator.world_size)
+            check = self.watch.observe_fingerprint(event, self._world)
             if check is not None:
                 self.recovery.vouch(check.last_agreeing_step)
                 self._journal("sdc_check", step=check.step, agree=check.agree, ranks=check.ranks,
@@ -431,28 +429,20 @@ class Supervisor:
                              f"steps from step {adoption.from_step} (was {old})")
 
     def _request(self, **fields: Any) -> None:
-        """Ask the running ranks for something through the attempt's control file."""
-        self.workers.control.request(**fields)
-
-    def _diagnose(self, finding: Finding) -> tuple[Finding, forensics.Diagnosis | None]:
-        """Dump this node's stacks for a hang, naming the rank stuck outside the collective."""
-        if finding.incident is not Incident.HANG or not self.workers.rank_pids:
-            return finding, None
-        finding, diagnosis, fields = forensics.diagnose_hang(finding, self.workers.rank_pids)
-        self._journal("hang_diagnosis", **fields)
-        return finding, diagnosis
+        """Ask the running ranks for something through the attempt's control file(s)."""
+        self.members.request(**fields)
 
     def _judge(self, finding: Finding) -> Remedy:
-        finding, diagnosis = self._diagnose(finding)
-        crash_tails, self.crash_tails = self.crash_tails, {}
+        diagnosis = self.members.diagnosis(finding) if finding.incident is Incident.HANG \
+            else None
         # Wall-clock time: the rules' cooldowns and budget windows span hours and must survive
         # a supervisor restart, even across a reboot (the monotonic clock restarts at boot).
-        remedy = self.watch.rules.on_finding(finding, time.time())
+        remedy = self.watch.remedy(finding, time.time())
         self._incident_dir = None
         if remedy.action in (Action.ROLLBACK, Action.RELAUNCH, Action.STOP):
             # The alert's title says what babysit does; this line says what it saw.
             self.console.log(f"babysit: {finding.message}")
-            tails = {**self.workers.tails(self.machine.attempt, 8192), **crash_tails}
+            tails = self.members.tails(self.machine.attempt)
             self._incident_dir = forensics.write_incident(
                 self.plan.run_dir, self.machine.attempt, finding, remedy, diagnosis, tails)
             self._journal("incident", step=finding.step, dir=str(self._incident_dir),
@@ -468,26 +458,15 @@ class Supervisor:
         self._journal_all(self.recovery.on_finding(finding))
         return remedy
 
-    def _teardown_crash(self, code: int) -> bool:
-        """Only the process teardown crashed after every rank finished (``forensics.
-        teardown_only``): relaunching would redo nothing; say so and succeed."""
-        if not self.workers.teardown_only(code, self.machine.attempt):
-            return False
-        self._journal("teardown_crash", exit_code=code,
-                      closed_ranks=sorted(self.workers.closed_ranks))
-        self._notify(sm.Notify(Severity.WARNING, f"every rank finished and closed, then the "
-                               f"process teardown crashed (torchrun exit {code}); counted as "
-                               f"finished"))
-        return True
-
-    def _crash_remedy(self, code: int) -> Remedy:
-        tails, root = self.workers.crash_evidence(self.machine.attempt)
-        return self._judge(self.watch.classify_crash(code, tails, self.machine.step, root))
+    def _ended(self, end: JobEnd) -> sm.Exited:
+        """The attempt's workers ended: a crash is classified (most specific verdict first),
+        located and judged."""
+        if end.code == 0:
+            return sm.Exited(0)
+        finding = self.watch.classify_crash(end.code, end.tails, self.machine.step, end.root)
+        return sm.Exited(end.code, self._judge(self.members.locate(finding)))
 
     # -- actions --------------------------------------------------------------------------------
-
-    def _attempt_dir(self, attempt: int) -> Path:
-        return self.workers.attempt_dir(attempt)
 
     def _launch(self, attempt: int, remedy: Remedy | None) -> None:
         if self._takeover is not None and attempt == self._first_attempt and remedy is None:
@@ -496,27 +475,17 @@ class Supervisor:
             resume, entries = self.recovery.resume_for(remedy)
         self._journal_all(entries)
         directive = self.watch.directive_for(attempt, remedy, resume)
-        self._aggregator.reset()
         self._newest_step = 0
         self.watch.new_attempt(self.clock(), directive)
-        fields = self._start_workers(attempt, directive)
-        assert self.workers.group is not None
-        self._journal("launch", pid=self.workers.group.pid, directive=directive.to_json(),
-                      **fields)
-
-    def _start_workers(self, attempt: int, directive: Directive) -> dict[str, Any]:
-        """Start this attempt's torchrun; returns the launch entry's fields."""
-        launch = self.plan.config.launch
-        endpoint = launch.rdzv_endpoint or f"127.0.0.1:{launcher.free_port()}"
-        command = self.workers.launch(attempt, directive, rdzv_endpoint=endpoint,
-                                      rdzv_id=launch.rdzv_id or f"{self.plan.name}-{attempt}")
-        return {"command": command, "rdzv_endpoint": endpoint}
+        fields = self.members.launch(attempt, directive, self.clock())
+        self._launched = True
+        self._journal("launch", directive=directive.to_json(), **fields)
 
     def _stop_workers(self, reason: str) -> None:
-        if self.workers.group is None:
+        if not self._launched:
             return
-        self._journal("stop_workers", reason=reason, pids=self.workers.pids())
-        code = self.workers.stop()
+        self._journal("stop_workers", reason=reason, pids=self.members.pids())
+        code = self.members.stop(reason)
         self._print_output()
         self._journal("workers_stopped", exit_code=code)
 
@@ -539,6 +508,20 @@ class Supervisor:
                           attempt=m.attempt, step=m.step or None)
         self.alerts.submit(alert)
 
+    def _alert(self, severity: Severity, title: str) -> None:
+        self._notify(sm.Notify(severity, title))
+
+    def _members_missing(self, exc: MembersMissing) -> int:
+        """Too few members for the run to go on (nodes that never joined or did not come
+        back): it ends here, stopped if a signal asked for that, else failed."""
+        if self._signal is not None:  # asked to stop while waiting for them
+            code, state, reason = 128 + self._signal, "stopped", f"signal {self._signal}"
+        else:
+            code, state, reason = 1, "failed", str(exc)
+            self._notify(sm.Notify(Severity.CRITICAL, f"run failed: {exc}"))
+        self._journal("run_finished", state=state, exit_code=code, reason=reason)
+        return code
+
     def _alert_result(self, record: dict[str, Any]) -> None:
         # Runs on an alert sender thread; the journal is thread-safe and records carry no URL.
         self._journal("alert_delivery", result=record)
@@ -546,7 +529,7 @@ class Supervisor:
     # -- console --------------------------------------------------------------------------------
 
     def _print_output(self) -> None:
-        for line in self.workers.output():
+        for line in self.members.output():
             self.console.log(line)
 
     def _show_status(self) -> None:
@@ -568,8 +551,3 @@ class Supervisor:
         self.journal.write(event, time.time(), self.machine.attempt,
                            step if step is not None else (self.machine.step or None), **evidence)
 
-
-def _positive(value: Any) -> float | None:
-    """A positive finite number from a rank's event, else None (never a guess, never a crash)."""
-    number = journal_mod.finite(value)
-    return number if number is not None and number > 0 else None

@@ -136,6 +136,12 @@ class Watch:
             self._cursor_at.popitem(last=False)
         return self.pipeline.findings(record)
 
+    def remedy(self, finding: Finding, now: float) -> Remedy:
+        """The policy's answer to ``finding`` (ladders, cooldowns, escalation, budget). ``now``
+        is wall-clock seconds: cooldowns and budget windows span hours and supervisor
+        restarts."""
+        return self.rules.on_finding(finding, now)
+
     def check(self, now: float) -> list[Finding]:
         """Periodic judgements that need no new telemetry (hangs)."""
         if not self._alive:

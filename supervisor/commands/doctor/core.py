@@ -14,11 +14,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import babysit
 from babysit.supervisor.commands.doctor import _probe
 from babysit.supervisor.config.plan import RunPlan
 
-# Where the ``checkpoints`` and ``supervisor`` packages of this babysit live, for the probes.
-BABYSIT_ROOT = Path(__file__).resolve().parents[2]
+# The folder that holds this babysit's ``babysit`` package: a probe running in the run's own
+# interpreter (which may not have babysit installed) imports it from there.
+BABYSIT_ROOT = Path(babysit.__file__).resolve().parent.parent
 
 
 class Status(str, enum.Enum):

@@ -1,0 +1,221 @@
+"""Who runs an attempt's ranks, as the control loop sees them: ``Members``.
+
+The loop (``run.loop.Supervisor``) decides; its members launch, stop, steer and report. A
+single-node run's members are this node's workers (``LocalMembers``); a multi-node leader's are
+every node's (``cluster.leader.ClusterMembers``). Both hand the loop the same things each tick
+(``Gathered``): the job's completed steps with their metrics rows, the ranks' events, findings
+that need a node's view (per-rank detectors, a hang named from the stacks, a lost node), and
+the attempt's end. So one loop serves both, and a test can drive it with members of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from babysit.policies.types import Finding, JobStep, Severity, StepRecord
+from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.contract.directive import Directive
+from babysit.supervisor.contract.protocol import WorkerEvent
+from babysit.supervisor.node import forensics, launcher
+from babysit.supervisor.node.aggregate import metrics_row
+from babysit.supervisor.node.workers import NodeWorkers
+from babysit.supervisor.run.own_node import LocalJudge, OwnNode
+from babysit.supervisor.run.watch import Watch
+
+Entry = tuple[str, dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnd:
+    """Every member's workers of the attempt ended (or the first failure has settled)."""
+
+    code: int
+    """0, or the first failure's exit code."""
+    tails: dict[int, str] = field(default_factory=dict)
+    """Failed ranks' log tails by global rank, for the crash classifier."""
+    root: int | None = None
+    """The rank torchrun named as the first observed failure."""
+
+
+@dataclass
+class Gathered:
+    """What the members saw since the last tick, for the loop to record and judge."""
+
+    steps: list[tuple[JobStep, dict[str, Any]]] = field(default_factory=list)
+    """The job's completed steps, in order, each with its ``metrics.jsonl`` row."""
+    events: list[WorkerEvent] = field(default_factory=list)
+    """Rare events from every rank (hello, checkpoint, fingerprint, ...)."""
+    findings: list[Finding] = field(default_factory=list)
+    """What only a node could see: per-rank detectors on a multi-node run, a hang named from
+    the stacks, a lost node. The loop judges them like its own."""
+    entries: list[Entry] = field(default_factory=list)
+    """Journal entries of the members' own (a hang's diagnosis, nodes joining, ...)."""
+    warnings: list[str] = field(default_factory=list)
+    """Alerts to send at warning severity."""
+    newest: int | None = None
+    """The newest step any rank reported (ahead of the merged steps by up to a tick)."""
+    end: JobEnd | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Voice:
+    """How members speak through the loop while they wait (for nodes to join, say)."""
+
+    journal: Callable[..., None]
+    """``journal(event, **fields)``"""
+    log: Callable[[str], None]
+    status: Callable[[str], None]
+    alert: Callable[[Severity, str], None]
+    stopping: Callable[[], bool]
+    """A signal asked the run to stop: stop waiting."""
+
+
+class MembersMissing(Exception):
+    """Too few members joined, or came back, for the run to go on; the message says why."""
+
+
+class Members(Protocol):
+    """The loop's view of the processes that train. Calls come from the loop's one thread."""
+
+    scope: str
+    """Which step detectors the loop's own ``Watch`` runs (``policies.pipeline.SCOPES``): the
+    rest run where the ranks' reports are."""
+
+    def open(self) -> None:
+        """Bind what the ranks report to. Called once, before anything else."""
+
+    def ready(self, voice: Voice) -> None:
+        """Wait until the run can launch; raises ``MembersMissing``."""
+
+    def launch(self, attempt: int, directive: Directive, now: float) -> dict[str, Any]:
+        """Start ``attempt``; returns the ``launch`` journal entry's fields. May raise
+        ``MembersMissing`` (a lost node that does not come back)."""
+
+    def stop(self, reason: str) -> int | None:
+        """Stop every worker of the attempt; this node's torchrun exit code, or None."""
+
+    def request(self, **fields: Any) -> None:
+        """Ask the running ranks for something through the attempt's control file(s)."""
+
+    def gather(self, now: float, watching: bool) -> Gathered:
+        """Everything since the last tick. ``watching``: the loop is ready to act on exits and
+        hangs (not while it replaces the workers)."""
+
+    def diagnosis(self, finding: Finding) -> forensics.Diagnosis | None:
+        """The stacks behind a hang finding gathered here, for its incident folder."""
+
+    def tails(self, attempt: int) -> dict[int, str]:
+        """Every rank's log tail of ``attempt`` that this machine has, by global rank."""
+
+    def locate(self, finding: Finding) -> Finding:
+        """``finding``, saying which node and host its rank is on where that matters."""
+
+    def pids(self) -> list[int]:
+        """This node's processes of the attempt (torchrun and its ranks)."""
+
+    def rank_pids(self) -> tuple[int, ...]:
+        """This node's ranks' pids (for health sampling)."""
+
+    def running(self) -> bool:
+        """This node's workers of the current attempt are still up."""
+
+    def output(self) -> Iterator[str]:
+        """Rank output printed since the last call, prefixed with its rank."""
+
+    def close(self, code: int | None) -> None:
+        """The run is over (``code``: its exit code, None if it failed before one)."""
+
+
+class LocalMembers:
+    """A single-node run: this node's workers are the whole job."""
+
+    scope = "all"
+
+    def __init__(self, plan: RunPlan, watch: Watch) -> None:
+        self.plan = plan
+        self.workers = NodeWorkers(plan, plan.run_dir)
+        self.judge = LocalJudge(watch, plan.world_size or 1)
+        self.node: OwnNode[list[StepRecord]] = OwnNode(self.workers, self.judge,
+                                                        flush_on_exit=False)
+
+    def open(self) -> None:
+        self.workers.open()
+
+    def ready(self, voice: Voice) -> None:
+        return None
+
+    def launch(self, attempt: int, directive: Directive, now: float) -> dict[str, Any]:
+        launch = self.plan.config.launch
+        endpoint = launch.rdzv_endpoint or f"127.0.0.1:{launcher.free_port()}"
+        command = self.node.launch(attempt, directive, now, lambda: self.workers.launch(
+            attempt, directive, rdzv_endpoint=endpoint,
+            rdzv_id=launch.rdzv_id or f"{self.plan.name}-{attempt}"))
+        assert self.workers.group is not None
+        return {"pid": self.workers.group.pid, "command": command, "rdzv_endpoint": endpoint}
+
+    def stop(self, reason: str) -> int | None:
+        return self.node.stop()
+
+    def request(self, **fields: Any) -> None:
+        self.workers.control.request(**fields)
+
+    def gather(self, now: float, watching: bool) -> Gathered:
+        tick = self.node.tick(now, watching)
+        out = Gathered(events=tick.events, newest=tick.newest)
+        attempt = self.node.attempt
+        out.steps = [(record, metrics_row(record, attempt))
+                     for records in tick.outputs for record in records]
+        for hang in tick.hangs:
+            if hang.fields:
+                out.entries.append(("hang_diagnosis", hang.fields))
+            out.findings.append(hang.finding)
+        if tick.exit is not None:
+            if tick.exit.teardown_code is not None:
+                out.entries.append(("teardown_crash", {
+                    "exit_code": tick.exit.teardown_code,
+                    "closed_ranks": sorted(self.workers.closed_ranks)}))
+                out.warnings.append(
+                    f"every rank finished and closed, then the process teardown crashed "
+                    f"(torchrun exit {tick.exit.teardown_code}); counted as finished")
+            out.end = JobEnd(tick.exit.code, tick.exit.tails, tick.exit.root)
+        return out
+
+    def diagnosis(self, finding: Finding) -> forensics.Diagnosis | None:
+        hang = self.node.hang
+        return hang.diagnosis if hang is not None and hang.finding == finding else None
+
+    def tails(self, attempt: int) -> dict[int, str]:
+        return self.workers.tails(attempt, 8192)
+
+    def locate(self, finding: Finding) -> Finding:
+        return finding
+
+    def pids(self) -> list[int]:
+        return self.workers.pids()
+
+    def rank_pids(self) -> tuple[int, ...]:
+        return tuple(self.workers.rank_pids.values())
+
+    def running(self) -> bool:
+        return self.workers.running
+
+    def output(self) -> Iterator[str]:
+        return self.workers.output()
+
+    def close(self, code: int | None) -> None:
+        self.workers.close()
+
+
+def wait_until(done: Callable[[], bool], timeout: float, voice: Voice, tick: float,
+               step: Callable[[], None]) -> bool:
+    """Call ``step`` every ``tick`` s until ``done()``; False at ``timeout`` or a stop signal."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() >= deadline or voice.stopping():
+            return False
+        time.sleep(tick)
+        step()
+    return True

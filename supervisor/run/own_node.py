@@ -1,0 +1,206 @@
+"""This node's workers, one tick at a time: the tick every babysitter runs over its own ranks.
+
+The single-node supervisor, a multi-node leader (for its own node) and every follower do the same
+things with the ranks on their machine each tick, and this is the one place that does them::
+
+    drain the telemetry socket    each report to the node's judge, each event noted
+    has torchrun exited?          the exit code; 0 if only the teardown crashed after every
+                                  rank closed; else every rank's log tail and torchrun's root
+    is anything hung?             the judge's hang timers, confirmed and named from the stacks
+
+What a report *means* is the judge's business: ``LocalJudge`` turns this node's reports into
+the job's steps (a single-node run: this node is the job), ``cluster.node_view.NodeView`` into
+per-node findings and the summaries a leader merges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+from babysit.policies.types import Finding, RankStep, StepRecord
+from babysit.supervisor.contract.directive import Directive
+from babysit.supervisor.contract.protocol import WorkerEvent
+from babysit.supervisor.node import forensics
+from babysit.supervisor.node.aggregate import StepAggregator
+from babysit.supervisor.node.workers import NodeWorkers
+from babysit.supervisor.run.journal import finite
+from babysit.supervisor.run.watch import Watch
+
+Out = TypeVar("Out")
+Out_co = TypeVar("Out_co", covariant=True)
+
+
+class NodeJudge(Protocol[Out_co]):
+    """What a node's tick asks about its ranks. ``Out`` is what completed steps become."""
+
+    def new_attempt(self, now: float, directive: Directive) -> None: ...
+    def observe_event(self, event: WorkerEvent, now: float) -> None: ...
+    def observe_rank(self, sample: RankStep, now: float) -> Out_co: ...
+    def flush(self) -> Out_co: ...
+    def check(self, now: float) -> list[Finding]: ...
+    def name(self, finding: Finding) -> Finding: ...
+
+
+@dataclass(frozen=True, slots=True)
+class NodeExit:
+    """torchrun ended on this node."""
+
+    code: int
+    """Its exit code, or 0 when only the teardown crashed after every rank closed its run."""
+    tails: dict[int, str]
+    """A failed attempt's log tails by global rank (empty for code 0)."""
+    root: int | None
+    """The rank torchrun names as its first observed failure, if any."""
+    teardown_code: int | None = None
+    """torchrun's own code when only its teardown crashed (``code`` is then 0)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hang:
+    """A hang this node's timers found, after its ranks' stacks were read."""
+
+    finding: Finding
+    diagnosis: forensics.Diagnosis | None
+    fields: dict[str, Any]
+    """The ``hang_diagnosis`` journal entry's fields (empty when no rank had said hello)."""
+
+
+@dataclass
+class NodeTick(Generic[Out]):
+    """What one tick saw on this node, in the order it happened."""
+
+    outputs: list[Out] = field(default_factory=list)
+    """The judge's answer to each report (and its flush at the attempt's end)."""
+    events: list[WorkerEvent] = field(default_factory=list)
+    newest: int | None = None
+    """The newest step any of this node's ranks reported in this tick."""
+    hangs: list[Hang] = field(default_factory=list)
+    exit: NodeExit | None = None
+
+
+class OwnNode(Generic[Out]):
+    """One node's workers and its judge; ``tick()`` once per loop tick."""
+
+    def __init__(self, workers: NodeWorkers, judge: NodeJudge[Out], *, flush_on_exit: bool,
+                 on_suspect: Callable[[Finding], None] | None = None) -> None:
+        """``flush_on_exit``: at torchrun's exit, the steps some rank never finished still go
+        out (a node of a cluster: the leader merges what each node has); a single-node run
+        drops them instead. ``on_suspect`` hears of a hang before the stacks are read, which
+        takes seconds (a follower tells the leader to wait for its view)."""
+        self.workers = workers
+        self.judge = judge
+        self.flush_on_exit = flush_on_exit
+        self.on_suspect = on_suspect
+        self.attempt = -1
+        self.running = False
+        """An attempt was launched here and neither exited nor was stopped."""
+        self.hang: Hang | None = None
+        """The newest hang found here (its stacks go into the incident folder)."""
+
+    def launch(self, attempt: int, directive: Directive, now: float,
+               start: Callable[[], list[str]]) -> list[str]:
+        """A new attempt: reset the judge, then ``start`` the workers (``NodeWorkers.launch``
+        with this attempt's rendezvous); returns the torchrun command."""
+        self.judge.new_attempt(now, directive)
+        self.attempt, self.running, self.hang = attempt, True, None
+        return start()
+
+    def stop(self) -> int | None:
+        """Stop the attempt's processes; torchrun's exit code (None if none was started)."""
+        self.running = False
+        return self.workers.stop()
+
+    def tick(self, now: float, watching: bool = True) -> NodeTick[Out]:
+        """Everything since the last tick. ``watching``: also notice torchrun's exit and hangs
+        (off while the caller is replacing the workers: what they do then judges nothing)."""
+        out: NodeTick[Out] = NodeTick()
+        self._drain(now, out)
+        if not (watching and self.running):
+            return out
+        code = self.workers.poll()
+        if code is not None:
+            self.running = False
+            self._drain(now, out)  # the last reports before the exit
+            if self.flush_on_exit:
+                out.outputs.append(self.judge.flush())
+            out.exit = self._exit(code)
+        elif self.workers.group is not None and \
+                forensics.ranks_all_alive(self.workers.rank_pids.values()):
+            # A rank whose process died is a crash in progress (torchrun reports it in a
+            # moment), not a hang: its peers wait on a connection that is already gone.
+            out.hangs.extend(self._diagnose(f) for f in self.judge.check(now))
+        return out
+
+    def _drain(self, now: float, out: NodeTick[Out]) -> None:
+        for message in self.workers.intake.drain():
+            if isinstance(message, RankStep):
+                out.newest = max(out.newest or 0, message.step)
+                out.outputs.append(self.judge.observe_rank(message, now))
+            else:
+                self.workers.note(message)
+                self.judge.observe_event(message, now)
+                out.events.append(message)
+
+    def _exit(self, code: int) -> NodeExit:
+        if code and self.workers.teardown_only(code, self.attempt):
+            return NodeExit(0, {}, None, teardown_code=code)
+        if not code:
+            return NodeExit(0, {}, None)
+        tails, root = self.workers.crash_evidence(self.attempt)
+        return NodeExit(code, tails, root)
+
+    def _diagnose(self, finding: Finding) -> Hang:
+        """Read every rank's stacks and name the rank stuck outside the collective."""
+        if not self.workers.rank_pids:
+            self.hang = Hang(finding, None, {})
+            return self.hang
+        if self.on_suspect is not None:
+            self.on_suspect(finding)
+        named, diagnosis, fields = forensics.diagnose_hang(finding, self.workers.rank_pids)
+        self.hang = Hang(self.judge.name(named), diagnosis, fields)
+        return self.hang
+
+
+class LocalJudge:
+    """A single-node run's judge: this node's reports merged into the job's steps (every rank is
+    here), and the watch's hang timers. The steps are judged by the run's own ``Watch``."""
+
+    def __init__(self, watch: Watch, world_size: int) -> None:
+        self.watch = watch
+        self.aggregator = StepAggregator(world_size)
+
+    def new_attempt(self, now: float, directive: Directive) -> None:
+        # The watch is the run's own: the loop starts its attempt (hang timers included).
+        self.aggregator.reset()
+
+    def observe_event(self, event: WorkerEvent, now: float) -> None:
+        self.watch.observe_event(event, now)
+        if event.type != "hello":
+            return
+        world = event.data.get("world_size")
+        if isinstance(world, int) and world > 0:
+            self.aggregator.world_size = world
+        if event.rank == 0:  # MFU's inputs: the script's own numbers, or none at all
+            self.aggregator.flops_per_token = positive(event.data.get("flops_per_token"))
+            self.aggregator.peak_flops = positive(event.data.get("peak_flops"))
+
+    def observe_rank(self, sample: RankStep, now: float) -> list[StepRecord]:
+        self.watch.observe_rank(sample, now)
+        return self.aggregator.add(sample)
+
+    def flush(self) -> list[StepRecord]:
+        return self.aggregator.flush()
+
+    def check(self, now: float) -> list[Finding]:
+        return self.watch.check(now)
+
+    def name(self, finding: Finding) -> Finding:
+        return finding
+
+
+def positive(value: Any) -> float | None:
+    """A positive finite number from a rank's event, else None (never a guess, never a crash)."""
+    number = finite(value)
+    return number if number is not None and number > 0 else None

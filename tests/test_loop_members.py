@@ -1,0 +1,163 @@
+"""The control loop on its own: ``Supervisor`` driven by members a test scripts, no processes.
+
+The loop decides; its members (``run.members``) launch, stop and report. Here the members are a
+script of what each tick gathers, so the loop's decisions (what it launches, stops, journals and
+returns) are checked in milliseconds.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from babysit.policies.types import Finding, Incident, RankStep, Severity, StepRecord
+from babysit.supervisor.config import plan as plan_mod
+from babysit.supervisor.contract.directive import Directive
+from babysit.supervisor.contract.protocol import WorkerEvent
+from babysit.supervisor.node import forensics
+from babysit.supervisor.node.aggregate import metrics_row
+from babysit.supervisor.run.console import Console
+from babysit.supervisor.run.loop import Supervisor
+from babysit.supervisor.run.members import Gathered, JobEnd, Voice
+
+
+class ScriptedMembers:
+    """Members whose every tick gathers the next item of ``script`` (then nothing)."""
+
+    scope = "all"
+
+    def __init__(self, script: list[Gathered]) -> None:
+        self.script = script
+        self.launches: list[tuple[int, Directive]] = []
+        self.stops: list[str] = []
+        self.closed: int | None = None
+        self.up = False
+
+    def open(self) -> None:
+        pass
+
+    def ready(self, voice: Voice) -> None:
+        pass
+
+    def launch(self, attempt: int, directive: Directive, now: float) -> dict[str, Any]:
+        self.launches.append((attempt, directive))
+        self.up = True
+        return {"pid": 4242, "command": ["torchrun", "train.py"]}
+
+    def stop(self, reason: str) -> int | None:
+        self.stops.append(reason)
+        self.up = False
+        return -15
+
+    def request(self, **fields: Any) -> None:
+        pass
+
+    def gather(self, now: float, watching: bool) -> Gathered:
+        return self.script.pop(0) if self.script and watching else Gathered()
+
+    def diagnosis(self, finding: Finding) -> forensics.Diagnosis | None:
+        return None
+
+    def tails(self, attempt: int) -> dict[int, str]:
+        return {}
+
+    def locate(self, finding: Finding) -> Finding:
+        return finding
+
+    def pids(self) -> list[int]:
+        return [4242] if self.up else []
+
+    def rank_pids(self) -> tuple[int, ...]:
+        return ()
+
+    def running(self) -> bool:
+        return self.up
+
+    def output(self) -> Iterator[str]:
+        return iter(())
+
+    def close(self, code: int | None) -> None:
+        self.closed = code
+
+
+def steps(attempt: int, first: int, last: int, loss: float = 2.0) -> Gathered:
+    """Healthy steps ``first..last`` of a 2-rank job, one report per rank."""
+    out = Gathered(newest=last)
+    for step in range(first, last + 1):
+        ranks = tuple(RankStep(rank=r, step=step, time=float(step), cursor=step, loss=loss,
+                               step_time=0.1) for r in (0, 1))
+        record = StepRecord(step=step, time=float(step), ranks=ranks, world_size=2)
+        out.steps.append((record, metrics_row(record, attempt)))
+    return out
+
+
+def hello(rank: int) -> WorkerEvent:
+    return WorkerEvent(rank=rank, type="hello", time=0.0, data={"world_size": 2, "pid": 1})
+
+
+@pytest.fixture
+def plan(tmp_path: Path) -> plan_mod.RunPlan:
+    config = tmp_path / "run.yaml"
+    (tmp_path / "train.py").write_text("")  # never run: the members are scripted
+    config.write_text(f"launch: {{script: train.py, nproc-per-node: 2}}\n"
+                      f"run_dir: {tmp_path / 'run'}\n")
+    return plan_mod.from_file(config)
+
+
+def run(plan: plan_mod.RunPlan, members: ScriptedMembers) -> tuple[int, list[dict[str, Any]]]:
+    code = Supervisor(plan, Console(io.StringIO(), tty=False), members=members).run()
+    lines = (plan.run_dir / "events.jsonl").read_text().splitlines()
+    return code, [json.loads(line) for line in lines]
+
+
+def test_a_clean_end_finishes_the_run_and_closes_the_members(plan: plan_mod.RunPlan) -> None:
+    first = steps(0, 1, 5)
+    first.events = [hello(0), hello(1)]
+    members = ScriptedMembers([first, steps(0, 6, 10), Gathered(end=JobEnd(0))])
+
+    code, journal = run(plan, members)
+
+    assert code == 0 and members.closed == 0
+    assert [a for a, _ in members.launches] == [0]
+    assert journal[-1]["event"] == "run_finished" and journal[-1]["state"] == "succeeded"
+    rows = (plan.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == list(range(1, 11))
+
+
+def test_a_hang_a_member_names_is_relaunched_from_the_directive(
+        plan: plan_mod.RunPlan) -> None:
+    hang = Finding(incident=Incident.HANG, detector="hang", severity=Severity.CRITICAL,
+                   step=5, onset_step=5, ranks=(1,), message="hang at step 5: rank 1 is stuck")
+    stuck = steps(0, 1, 5)
+    stuck.findings = [hang]
+    members = ScriptedMembers([stuck, steps(1, 1, 3), Gathered(end=JobEnd(0))])
+
+    code, journal = run(plan, members)
+
+    assert code == 0
+    assert [a for a, _ in members.launches] == [0, 1]  # relaunched, once
+    assert len(members.stops) == 1
+    (finding,) = [e for e in journal if e["event"] == "finding"]
+    assert finding["finding"]["ranks"] == [1] and finding["remedy"]["action"] == "relaunch"
+    assert [e["attempt"] for e in journal if e["event"] == "launch"] == [0, 1]
+
+
+def test_a_user_code_crash_stops_the_run_with_its_exit_code(plan: plan_mod.RunPlan) -> None:
+    tails = {0: "RuntimeError: Connection reset by peer",
+             1: 'Traceback (most recent call last):\n  File "train.py", line 3\n'
+                "ZeroDivisionError: division by zero"}
+    members = ScriptedMembers([steps(0, 1, 3), Gathered(end=JobEnd(1, tails, root=0))])
+
+    code, journal = run(plan, members)
+
+    assert code == 1 and members.closed == 1
+    (finding,) = [e for e in journal if e["event"] == "finding"]
+    # The most specific verdict names the rank, not torchrun's first noticed exit.
+    assert finding["finding"]["ranks"] == [1]
+    assert finding["finding"]["evidence"]["class"] == "user_code"
+    assert journal[-1]["state"] == "failed"
