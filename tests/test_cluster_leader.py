@@ -20,7 +20,13 @@ import pytest
 
 from babysit.policies.loader import load_policy
 from babysit.policies.types import Finding, Incident, RankStep, Severity
-from babysit.supervisor.cluster.membership import LEADER, STACK_READING_S, Cluster, JobExit
+from babysit.supervisor.cluster.membership import (
+    LEADER,
+    RANK_DEATH_EXIT_S,
+    STACK_READING_S,
+    Cluster,
+    JobExit,
+)
 from babysit.supervisor.cluster.node_view import NodeView, located
 from babysit.supervisor.cluster.wire import AuthError, Peer, connect, parse_address
 from babysit.supervisor.config.plan import SECRET_ENV, RunPlan, from_mapping
@@ -546,6 +552,35 @@ def test_a_node_that_never_finishes_reading_stacks_is_not_waited_for_forever(
     chosen = cluster.settled_hang()
 
     assert chosen is not None and chosen.ranks == (1,)
+
+
+def test_a_stall_behind_a_crash_on_another_node_is_not_a_hang(
+        cluster: Cluster, clock: Clock, launched: dict[int, Peer]) -> None:
+    """Rank 3 on node 1 crashed; node 0's ranks wait in the collective for it and its timers
+    fire before node 1's torchrun has torn down. The crash is judged, not the stall."""
+    cluster.rank_died(1)
+    cluster.hang(0, hang_finding(0, (0, 1)))
+    clock.advance(SETTLE_S * 3)
+    assert cluster.settled_hang() is None  # node 1's exit is on its way
+
+    cluster.exited(1, 1, {3: "RuntimeError: injected crash"}, 3)
+    clock.advance(SETTLE_S)
+    assert cluster.settled_hang() is None
+    end = cluster.settled_exit()
+
+    assert end is not None and end.code == 1
+    assert cluster.settled_hang() is None  # and the stall is forgotten, not judged later
+
+
+def test_a_node_whose_rank_died_but_never_exits_does_not_hold_a_hang_forever(
+        cluster: Cluster, clock: Clock, launched: dict[int, Peer]) -> None:
+    cluster.rank_died(1)
+    cluster.hang(0, hang_finding(0, (0,)))
+    clock.advance(RANK_DEATH_EXIT_S)
+
+    chosen = cluster.settled_hang()
+
+    assert chosen is not None and chosen.ranks == (0,)
 
 
 def test_lost_finding_names_the_nodes_ranks_and_host(

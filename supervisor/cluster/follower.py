@@ -248,6 +248,8 @@ class Follower:
             self._report(summaries, findings)
         for hang in tick.hangs:
             self._report_hang(hang)
+        if tick.rank_died:  # the leader holds any hang elsewhere until our exit explains it
+            self._send({"type": "rank_died"})
         if tick.exit is not None:
             end = tick.exit
             if end.teardown_code is not None:

@@ -19,7 +19,6 @@ loop's call::
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from babysit.policies.types import Finding, Incident, Severity
@@ -28,11 +27,10 @@ from babysit.supervisor.cluster.node_view import NodeView, located
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
-from babysit.supervisor.node import forensics
 from babysit.supervisor.node.aggregate import with_rates
 from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
 from babysit.supervisor.node.workers import NodeWorkers
-from babysit.supervisor.run.members import Gathered, JobEnd, MembersMissing, Voice
+from babysit.supervisor.run.members import Gathered, JobEnd, MembersMissing, OnThisNode, Voice
 from babysit.supervisor.run.own_node import OwnNode, positive
 
 TICK_S = 0.1
@@ -40,7 +38,7 @@ LOST_EXIT_CODE = 137
 """The exit a lost node's torchrun is counted with: killed, as far as anyone can tell."""
 
 
-class ClusterMembers:
+class ClusterMembers(OnThisNode):
     """Every node of a multi-node run, led from node rank 0 (this process)."""
 
     scope = "job"
@@ -68,9 +66,6 @@ class ClusterMembers:
         return self._voice
 
     # -- the members interface ------------------------------------------------------------------
-
-    def open(self) -> None:
-        self.workers.open()
 
     def ready(self, voice: Voice) -> None:
         """Listen, then wait for every node ``launch.nnodes`` allows, or the fewest it allows."""
@@ -153,12 +148,6 @@ class ClusterMembers:
             self._node_message(node, message, out, watching)
         return out
 
-    def diagnosis(self, finding: Finding) -> forensics.Diagnosis | None:
-        # Every node diagnosed its own hang before reporting it; this node's stacks go into
-        # the incident folder when its view was chosen (the others' are in their own folders).
-        hang = self.node.hang
-        return hang.diagnosis if hang is not None and hang.finding == finding else None
-
     def tails(self, attempt: int) -> dict[int, str]:
         tails = {**self.workers.tails(attempt, 8192), **self._crash_tails}
         self._crash_tails = {}
@@ -169,18 +158,6 @@ class ClusterMembers:
             return finding
         node = self.cluster.rank_node.get(finding.ranks[0], LEADER)
         return located(finding, node, self.cluster.hosts.get(node, self.view.host))
-
-    def pids(self) -> list[int]:
-        return self.workers.pids()
-
-    def rank_pids(self) -> tuple[int, ...]:
-        return tuple(self.workers.rank_pids.values())
-
-    def running(self) -> bool:
-        return self.workers.running
-
-    def output(self) -> Iterator[str]:
-        return self.workers.output()
 
     def close(self, code: int | None) -> None:
         self.cluster.close(code if code is not None else 1)
@@ -198,15 +175,12 @@ class ClusterMembers:
             if hang.fields:
                 out.entries.append(("hang_diagnosis", hang.fields))
             self.cluster.hang(LEADER, hang.finding)
+        if tick.rank_died:
+            self.cluster.rank_died(LEADER)
         end = tick.exit
         if end is not None:
             if end.teardown_code is not None:
-                out.entries.append(("teardown_crash", {
-                    "exit_code": end.teardown_code,
-                    "closed_ranks": sorted(self.workers.closed_ranks)}))
-                out.warnings.append(
-                    f"every rank finished and closed, then the process teardown crashed "
-                    f"(torchrun exit {end.teardown_code}); counted as finished")
+                self.teardown_crash(end.teardown_code, out)
             self.cluster.exited(LEADER, end.code, end.tails, end.root)
 
     # -- the other nodes ------------------------------------------------------------------------
@@ -214,7 +188,8 @@ class ClusterMembers:
     def _node_message(self, node: int, message: dict[str, Any], out: Gathered,
                       watching: bool) -> None:
         kind = message.get("type")
-        if kind in ("summary", "finding", "hang_suspected", "event", "exited", "stopped") \
+        if kind in ("summary", "finding", "hang_suspected", "rank_died", "event", "exited",
+                    "stopped") \
                 and message.get("attempt") != self._attempt:
             return  # about an attempt already replaced: it judges nothing now
         try:
@@ -222,6 +197,8 @@ class ClusterMembers:
                 self._node_report(node, [StepSummary.from_dict(message["summary"])], [], out)
             elif kind == "hang_suspected":
                 self.cluster.hang_suspected(node)
+            elif kind == "rank_died":
+                self.cluster.rank_died(node)
             elif kind == "finding":
                 self._node_report(node, [], [Finding.from_json(message["finding"])], out)
             elif kind == "event":

@@ -10,6 +10,7 @@ messages into things it can decide on, and its decisions into messages::
     summary   one node's StepSummary        launch   attempt, directive, rendezvous, nnodes
     finding   per-rank detector, hang       stop     stop the attempt's workers, say stopped
     hang_suspected  reading stacks now
+    rank_died a rank's process died (its exit follows)
     event     checkpoint, fingerprint, ...  control  checkpoint cadence / final checkpoint
     exited    torchrun's code, log tails    finish   the run is over
     stopped   the stop asked for is done    beat     heartbeat (both ways)
@@ -64,6 +65,10 @@ STACK_READING_S = 25.0
 """How long the leader waits for a node that is reading its ranks' stacks (two rounds of
 ``stacks.dump_stacks``' 10 s deadline, and some room)."""
 
+RANK_DEATH_EXIT_S = 40.0
+"""How long the leader holds a hang after a node saw a rank die, for that node's torchrun to
+tear down and exit (its shutdown waits up to 30 s for the other ranks)."""
+
 
 @dataclass
 class _Attempt:
@@ -75,6 +80,8 @@ class _Attempt:
     hangs: dict[int, Finding] = field(default_factory=dict)
     hang_at: float | None = None
     reading_stacks: dict[int, float] = field(default_factory=dict)
+    dying: dict[int, float] = field(default_factory=dict)
+    """Nodes that saw one of their ranks' processes die, and since when: their exit is coming."""
     """Nodes that said they are reading their ranks' stacks for a hang, and since when."""
     stopped: set[int] = field(default_factory=set)
     done: bool = False
@@ -216,6 +223,13 @@ class Cluster:
         if code != 0 and a.failed_at is None:
             a.failed_at = self.clock()
 
+    def rank_died(self, node: int) -> None:
+        """A rank's process on ``node`` died: a crash whose exit is on its way. Until it settles,
+        a stall elsewhere (ranks waiting in a collective for the dead one) is its consequence."""
+        a = self.attempt
+        if node in a.nodes:
+            a.dying.setdefault(node, self.clock())
+
     def hang_suspected(self, node: int) -> None:
         """``node`` saw its ranks stall and is reading their stacks: its view is on the way."""
         a = self.attempt
@@ -266,6 +280,12 @@ class Cluster:
         if a.hang_at is None or not a.hangs:
             return None
         now = self.clock()
+        if a.done:  # the attempt's end settled (a crash): the stall was its consequence
+            a.hangs, a.hang_at, a.reading_stacks = {}, None, {}
+            return None
+        if a.failed_at is not None or \
+                any(now - since < RANK_DEATH_EXIT_S for since in a.dying.values()):
+            return None  # a crash is settling: it explains the stall, and is judged instead
         if any(now - since < STACK_READING_S for since in a.reading_stacks.values()):
             return None  # the node with the stuck rank is often the slowest to answer
         if len(a.hangs) < len(a.nodes) and now - a.hang_at < self.config.settle_s:

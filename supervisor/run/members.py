@@ -10,7 +10,6 @@ the attempt's end. So one loop serves both, and a test can drive it with members
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -129,7 +128,45 @@ class Members(Protocol):
         """The run is over (``code``: its exit code, None if it failed before one)."""
 
 
-class LocalMembers:
+class OnThisNode:
+    """What every member set does with the workers on this machine (``self.workers``, and their
+    tick ``self.node``): the part of ``Members`` a single node and a leader share."""
+
+    workers: NodeWorkers
+    node: OwnNode[Any]
+
+    def open(self) -> None:
+        self.workers.open()
+
+    def diagnosis(self, finding: Finding) -> forensics.Diagnosis | None:
+        # Each node reads its own ranks' stacks when its timers fire; this node's go into the
+        # incident folder when its view was chosen (other nodes' are in their own folders).
+        hang = self.node.hang
+        return hang.diagnosis if hang is not None and hang.finding == finding else None
+
+    def pids(self) -> list[int]:
+        return self.workers.pids()
+
+    def rank_pids(self) -> tuple[int, ...]:
+        return tuple(self.workers.rank_pids.values())
+
+    def running(self) -> bool:
+        return self.workers.running
+
+    def output(self) -> Iterator[str]:
+        return self.workers.output()
+
+    def teardown_crash(self, code: int, out: Gathered) -> None:
+        """torchrun exited ``code`` only because its teardown crashed after every rank closed
+        its run: journal it, warn, and count the attempt as finished (a relaunch would redo
+        nothing)."""
+        out.entries.append(("teardown_crash", {"exit_code": code,
+                                               "closed_ranks": sorted(self.workers.closed_ranks)}))
+        out.warnings.append(f"every rank finished and closed, then the process teardown crashed "
+                            f"(torchrun exit {code}); counted as finished")
+
+
+class LocalMembers(OnThisNode):
     """A single-node run: this node's workers are the whole job."""
 
     scope = "all"
@@ -140,9 +177,6 @@ class LocalMembers:
         self.judge = LocalJudge(watch, plan.world_size or 1)
         self.node: OwnNode[list[StepRecord]] = OwnNode(self.workers, self.judge,
                                                         flush_on_exit=False)
-
-    def open(self) -> None:
-        self.workers.open()
 
     def ready(self, voice: Voice) -> None:
         return None
@@ -174,18 +208,9 @@ class LocalMembers:
             out.findings.append(hang.finding)
         if tick.exit is not None:
             if tick.exit.teardown_code is not None:
-                out.entries.append(("teardown_crash", {
-                    "exit_code": tick.exit.teardown_code,
-                    "closed_ranks": sorted(self.workers.closed_ranks)}))
-                out.warnings.append(
-                    f"every rank finished and closed, then the process teardown crashed "
-                    f"(torchrun exit {tick.exit.teardown_code}); counted as finished")
+                self.teardown_crash(tick.exit.teardown_code, out)
             out.end = JobEnd(tick.exit.code, tick.exit.tails, tick.exit.root)
         return out
-
-    def diagnosis(self, finding: Finding) -> forensics.Diagnosis | None:
-        hang = self.node.hang
-        return hang.diagnosis if hang is not None and hang.finding == finding else None
 
     def tails(self, attempt: int) -> dict[int, str]:
         return self.workers.tails(attempt, 8192)
@@ -193,29 +218,6 @@ class LocalMembers:
     def locate(self, finding: Finding) -> Finding:
         return finding
 
-    def pids(self) -> list[int]:
-        return self.workers.pids()
-
-    def rank_pids(self) -> tuple[int, ...]:
-        return tuple(self.workers.rank_pids.values())
-
-    def running(self) -> bool:
-        return self.workers.running
-
-    def output(self) -> Iterator[str]:
-        return self.workers.output()
-
     def close(self, code: int | None) -> None:
         self.workers.close()
 
-
-def wait_until(done: Callable[[], bool], timeout: float, voice: Voice, tick: float,
-               step: Callable[[], None]) -> bool:
-    """Call ``step`` every ``tick`` s until ``done()``; False at ``timeout`` or a stop signal."""
-    deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() >= deadline or voice.stopping():
-            return False
-        time.sleep(tick)
-        step()
-    return True

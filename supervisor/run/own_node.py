@@ -77,6 +77,9 @@ class NodeTick(Generic[Out]):
     newest: int | None = None
     """The newest step any of this node's ranks reported in this tick."""
     hangs: list[Hang] = field(default_factory=list)
+    rank_died: bool = False
+    """A rank's process of this node is gone while torchrun still runs: a crash in progress
+    (said once per attempt; torchrun's exit follows when it has torn the rest down)."""
     exit: NodeExit | None = None
 
 
@@ -98,13 +101,14 @@ class OwnNode(Generic[Out]):
         """An attempt was launched here and neither exited nor was stopped."""
         self.hang: Hang | None = None
         """The newest hang found here (its stacks go into the incident folder)."""
+        self._death_told = False
 
     def launch(self, attempt: int, directive: Directive, now: float,
                start: Callable[[], list[str]]) -> list[str]:
         """A new attempt: reset the judge, then ``start`` the workers (``NodeWorkers.launch``
         with this attempt's rendezvous); returns the torchrun command."""
         self.judge.new_attempt(now, directive)
-        self.attempt, self.running, self.hang = attempt, True, None
+        self.attempt, self.running, self.hang, self._death_told = attempt, True, None, False
         return start()
 
     def stop(self) -> int | None:
@@ -126,11 +130,13 @@ class OwnNode(Generic[Out]):
             if self.flush_on_exit:
                 out.outputs.append(self.judge.flush())
             out.exit = self._exit(code)
-        elif self.workers.group is not None and \
-                forensics.ranks_all_alive(self.workers.rank_pids.values()):
-            # A rank whose process died is a crash in progress (torchrun reports it in a
-            # moment), not a hang: its peers wait on a connection that is already gone.
-            out.hangs.extend(self._diagnose(f) for f in self.judge.check(now))
+        elif self.workers.group is not None:
+            if forensics.ranks_all_alive(self.workers.rank_pids.values()):
+                out.hangs.extend(self._diagnose(f) for f in self.judge.check(now))
+            elif not self._death_told:
+                # A rank whose process died is a crash in progress (torchrun reports it in a
+                # moment), not a hang: its peers wait on a connection that is already gone.
+                out.rank_died = self._death_told = True
         return out
 
     def _drain(self, now: float, out: NodeTick[Out]) -> None:
