@@ -17,7 +17,7 @@ import psutil
 
 from babysit.policies.detectors import CrashClass, classify
 from babysit.policies.types import Finding, Remedy
-from babysit.supervisor.node import incident, launcher, stacks
+from babysit.supervisor.node import flight_recorder, incident, launcher, stacks
 
 Diagnosis = tuple[Any, Any]
 """``(dumps, verdict)`` from ``stacks.diagnose``."""
@@ -71,8 +71,9 @@ def diagnose_hang(finding: Finding, rank_pids: Mapping[int, int]
 def write_incident(run_dir: Path, attempt: int, finding: Finding, remedy: Remedy | str,
                    diagnosis: Diagnosis | None, tails: Mapping[int, str]) -> Path:
     """The incident folder: what was seen and done, the ranks' log tails (by global rank),
-    and the stacks. ``remedy`` is the policy's answer, or in words what was done instead (a
-    follower node reports its finding to the leader, which decides)."""
+    the stacks, and (NCCL only) the ranks' flight recorder dumps, asked for while the ranks are
+    still alive: call this before stopping them. ``remedy`` is the policy's answer, or in words
+    what was done instead (a follower node reports its finding to the leader, which decides)."""
     dumps, verdict = diagnosis if diagnosis else (None, None)
     summary: dict[str, Any] = {"what": finding.message, "attempt": attempt,
                                "finding": finding.to_json()}
@@ -81,5 +82,12 @@ def write_incident(run_dir: Path, attempt: int, finding: Finding, remedy: Remedy
     else:
         summary.update(action=f"{remedy.action.value}: {remedy.reason}",
                        remedy=remedy.to_json())
-    return incident.write_incident(run_dir, finding.incident.value, finding.step, summary,
-                                   dumps, tails, verdict)
+    folder = incident.write_incident(run_dir, finding.incident.value, finding.step, summary,
+                                     dumps, tails, verdict)
+    if flight_recorder.collect(run_dir / "attempts" / str(attempt), folder):
+        summary_txt = folder / "summary.txt"
+        text = summary_txt.read_text()
+        summary_txt.write_text(text + ("" if "files here:" in text else "files here:\n")
+                               + "  flight_recorder/rank_<r>: torch's NCCL flight recorder per "
+                                 "rank (read it with torchfrtrace)\n")
+    return folder

@@ -20,7 +20,7 @@ from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract import protocol
 from babysit.supervisor.contract.control import ControlFile
 from babysit.supervisor.contract.directive import Directive
-from babysit.supervisor.node import forensics, launcher
+from babysit.supervisor.node import flight_recorder, forensics, launcher
 from babysit.supervisor.node.intake import Intake
 
 
@@ -85,6 +85,9 @@ class NodeWorkers:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")  # so rank output reaches the console live
         env.update(self.plan.config.launch.env)
+        # NCCL's flight recorder dumps into the attempt's folder (unless the user chose).
+        env.update(flight_recorder.environment(attempt_dir, env))
+        flight_recorder.prepare(attempt_dir)
         env.update({
             protocol.ENV_SOCKET: str(self.intake.path),
             protocol.ENV_TOKEN: self.token.hex(),

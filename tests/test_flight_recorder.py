@@ -1,0 +1,99 @@
+"""torch's NCCL flight recorder: babysit points it at the attempt's folder, asks for a dump on a
+hang, and copies it into the incident folder.
+
+The rank side here is a thread that does what torch's NCCL monitor thread does with its dump
+pipe (a real FIFO, read non-blocking; any byte means "dump now"), because NCCL needs a GPU. The
+GPU suite (``tests/gpu/test_nccl.py``) checks the real thing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+from babysit.policies.types import Finding, Incident, Severity
+from babysit.supervisor.config.plan import from_mapping
+from babysit.supervisor.node import flight_recorder, forensics
+from babysit.supervisor.node.workers import NodeWorkers
+
+NAMES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
+         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",
+         "TORCH_NCCL_DUMP_ON_TIMEOUT")
+
+
+def test_the_ranks_environment_points_the_recorder_at_the_attempt(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("")
+    launch = {"script": "train.py", "env": {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}}
+    plan = from_mapping({"launch": launch}, "test", tmp_path, "t", run_dir=str(tmp_path / "run"))
+    workers = NodeWorkers(plan, plan.run_dir)
+    attempt_dir = workers.attempt_dir(2)
+    env = workers._env(attempt_dir, 2)
+    prefix = str(attempt_dir / "flight_recorder" / "rank_")
+    assert env["TORCH_FR_BUFFER_SIZE"] == env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == prefix
+    assert env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == prefix
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"  # the user's launch.env wins
+    assert (attempt_dir / "flight_recorder").is_dir()  # torch does not create it
+
+
+def test_a_setting_the_user_made_under_any_of_its_names_is_left_alone(tmp_path: Path) -> None:
+    assert set(flight_recorder.environment(tmp_path, {})) == set(NAMES)
+    mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_FR_DUMP_TEMP_FILE": "/scratch/fr_"}
+    added = flight_recorder.environment(tmp_path, mine)
+    assert set(added) == {"TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT"}
+
+
+def fake_rank(pipe: Path, dump: Path, stop: threading.Event) -> None:
+    """torch's side of the dump pipe: open it for reading, and on any byte write the dump."""
+    os.mkfifo(pipe)
+    fd = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        while not stop.is_set():
+            try:
+                if os.read(fd, 64):
+                    dump.write_bytes(b"\x80\x04fake pickle of the ring buffer")
+                    return
+            except BlockingIOError:
+                pass
+            time.sleep(0.01)
+    finally:
+        os.close(fd)
+
+
+def test_a_hang_incident_asks_the_ranks_to_dump_and_keeps_the_dumps(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    attempt_dir = run_dir / "attempts" / "0"
+    flight_recorder.prepare(attempt_dir)
+    folder = attempt_dir / "flight_recorder"
+    stop = threading.Event()
+    ranks = [threading.Thread(target=fake_rank, args=(folder / f"rank_{r}.pipe",
+                                                       folder / f"rank_{r}", stop))
+             for r in (0, 1)]
+    for thread in ranks:
+        thread.start()
+    try:
+        while len(list(folder.glob("*.pipe"))) < 2:
+            time.sleep(0.01)
+        finding = Finding(incident=Incident.HANG, detector="hang", severity=Severity.CRITICAL,
+                          step=7, onset_step=7, ranks=(1,), message="hang at step 7")
+        incident = forensics.write_incident(run_dir, 0, finding, "relaunch", None, {})
+    finally:
+        stop.set()
+        for thread in ranks:
+            thread.join()
+    copies = sorted(p.name for p in (incident / "flight_recorder").iterdir())
+    assert copies == ["rank_0", "rank_1"]
+    assert (incident / "flight_recorder" / "rank_1").read_bytes().startswith(b"\x80\x04fake")
+    assert "flight_recorder/" in (incident / "summary.txt").read_text()
+
+
+def test_without_nccl_there_is_nothing_to_collect_and_no_wait(tmp_path: Path) -> None:
+    flight_recorder.prepare(tmp_path)
+    # A pipe nobody reads (its rank died): skipped at once, not waited for.
+    os.mkfifo(tmp_path / "flight_recorder" / "rank_0.pipe")
+    started = time.monotonic()
+    assert flight_recorder.collect(tmp_path, tmp_path / "incident", wait_s=30) == []
+    assert time.monotonic() - started < 10  # it did not wait for a dump that cannot come
+    assert not (tmp_path / "incident").exists()
