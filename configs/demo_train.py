@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 configs/demo_train.py             # about a minute on 2 CPU cores
     babysit  --nproc-per-node 2 configs/demo_train.py --corrupt 300:320
+    babysit  --nproc-per-node 1 configs/demo_train.py --device cuda   # one GPU per rank, NCCL
 
 The text ships with every Python; the vocabulary is the 256 byte values, so the loss starts near
 ln 256 = 5.5. Global batch ``i`` is a pure function of ``(seed, i)`` and each rank takes its slice,
@@ -66,7 +67,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (nats per byte) of predicting ``targets`` from ``idx``."""
-        x = self.tok(idx) + self.pos(torch.arange(idx.size(1)))
+        x = self.tok(idx) + self.pos(torch.arange(idx.size(1), device=idx.device))
         logits = self.head(self.ln_f(self.blocks(x)))
         return F.cross_entropy(logits.view(-1, 256), targets.reshape(-1))
 
@@ -188,6 +189,8 @@ def parse_args() -> argparse.Namespace:
                    help="from global batch CURSOR on, RANK's shard has random targets")
     p.add_argument("--peak-flops", type=float, metavar="FLOP/S",
                    help="one device's peak FLOP/s, for babysit's MFU (none: no MFU)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: one GPU per rank (LOCAL_RANK's) and NCCL; cpu: gloo")
     return p.parse_args()
 
 
@@ -195,8 +198,12 @@ def main() -> None:
     args = parse_args()
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device(args.device)
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if world_size > 1:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
 
     data = stdlib_bytes()
     split = int(0.9 * len(data))
@@ -208,8 +215,9 @@ def main() -> None:
     val = Batches(data[split:], args.batch_size, args.block_size, args.seed + 1, **shard)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    raw = GPT(args.block_size, args.n_layer, args.n_embd, args.n_head)
-    model = DDP(raw) if world_size > 1 else raw
+    raw = GPT(args.block_size, args.n_layer, args.n_embd, args.n_head).to(device)
+    model = DDP(raw, device_ids=[device.index] if device.type == "cuda" else None) \
+        if world_size > 1 else raw
     opt = torch.optim.AdamW(raw.parameters(), lr=args.lr, weight_decay=0.1)
     warmup = max(1, args.steps // 20)
 
@@ -224,7 +232,8 @@ def main() -> None:
     @torch.no_grad()
     def evaluate() -> float:
         raw.eval()
-        loss = torch.stack([raw(*val[i]) for i in range(args.eval_batches)]).mean()
+        loss = torch.stack([raw(*(t.to(device) for t in val[i]))
+                            for i in range(args.eval_batches)]).mean()
         raw.train()
         if world_size > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
@@ -246,6 +255,7 @@ def main() -> None:
     eval_loss = float("nan")
     for x, y in run.batches(train):
         t0 = time.perf_counter()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         loss = model(x, y)
         loss = faults.before_backward(loss, run.step_count, run.cursor - 1)
         loss.backward()

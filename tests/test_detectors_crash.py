@@ -67,3 +67,33 @@ def test_verdict_becomes_a_crash_finding() -> None:
     f = v.to_finding(ranks=(3,))
     assert f.incident is Incident.CRASH and f.step == 7 and f.ranks == (3,)
     assert f.evidence["class"] == "oom" and f.evidence["deterministic"] is False
+
+
+# torch 2.x's CUDA caching allocator message, whole, as torchrun's per-rank log shows it (the
+# "[rank0]:" prefix is torchrun's); the numbers vary, the wording does not. The second is an OOM
+# that surfaces inside NCCL, which must stay an OOM and not become a network error.
+CUDA_OOM = (
+    "[rank0]: Traceback (most recent call last):\n"
+    '[rank0]:   File "/work/train.py", line 88, in <module>\n'
+    "[rank0]:     logits = model(x)\n"
+    "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 19.68 GiB. GPU 0 has "
+    "a total capacity of 139.72 GiB of which 11.88 GiB is free. Including non-PyTorch memory, this "
+    "process has 127.79 GiB memory in use. Of the allocated memory 126.44 GiB is allocated by "
+    "PyTorch, and 43.59 MiB is reserved by PyTorch but unallocated. If reserved but unallocated "
+    "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+    "fragmentation.  See documentation for Memory Management  "
+    "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)\n")
+NCCL_OOM = (
+    TB + "torch.distributed.DistBackendError: NCCL error in: "
+    "/pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, unhandled cuda error (run with "
+    "NCCL_DEBUG=INFO for details), NCCL version 2.27.5\nncclUnhandledCudaError: Call to CUDA "
+    "function failed.\nLast error:\nCuda failure 'out of memory'\n")
+
+
+@pytest.mark.parametrize("log", [CUDA_OOM, NCCL_OOM])
+def test_torch_cuda_out_of_memory_is_an_oom(log: str) -> None:
+    verdict = classify(1, None, log, step=10)
+    assert verdict.crash_class is CrashClass.OOM
+    # Two OOMs that differ only in their figures are the same crash: the second is deterministic.
+    again = log.replace("19.68", "20.01").replace("11.88", "0.5")
+    assert classify(1, None, again, 10, previous=[verdict.key()]).deterministic

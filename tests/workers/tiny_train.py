@@ -27,6 +27,11 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
     --flood LINES          rank 0 prints LINES lines of junk every step
     --after-close KIND     rank 0 then aborts (``abort``, as gloo's teardown sometimes does) or
                            raises (``raise``) after the run closed cleanly
+
+On a GPU (the GPU suite): ``--device cuda`` puts the model, optimizer state and batches on
+``cuda:LOCAL_RANK`` (modulo the GPUs present, so several ranks may share one GPU), and
+``--backend nccl`` uses NCCL (one GPU per rank); the default stays gloo, which also reduces CUDA
+tensors.
 """
 
 import argparse
@@ -99,14 +104,22 @@ def main() -> None:
     p.add_argument("--exit-code", type=int, default=0)
     p.add_argument("--flood", type=int, default=0)
     p.add_argument("--after-close", choices=["abort", "raise"])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     args = p.parse_args()
 
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend)
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                torch.nn.Linear(32, 1))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+                                torch.nn.Linear(32, 1)).to(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     run = attach(model=model, optimizer=opt, scheduler=sched,
@@ -126,6 +139,7 @@ def main() -> None:
         if args.flood and rank == 0:
             sys.stdout.write(f"flood step {upcoming} " + "x" * 100 + "\n" * 1)
             sys.stdout.write(("y" * 120 + "\n") * (args.flood - 1))
+        x, y = x.to(device), y.to(device)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad()
         loss.backward()
