@@ -10,6 +10,7 @@ is a pure function of ``i`` (the loader can ``seek``), so skipping batches is ex
 Faults, at a rank and step (``run.step_count``, the steps completed) or at a data cursor:
     --crash RANK:STEP      raise just before that step's backward
     --hang RANK:STEP       sleep forever there, outside the all-reduce the other rank waits in
+    --oom RANK:STEP        ask the device for 1 PiB there: a real out-of-memory error
     --corrupt RANK:STEP    silent data corruption: right after that step's optimizer update, flip
                            one mantissa bit of the first layer's first weight on that rank only,
                            as a cosmic ray in HBM would. Nothing fails or is logged; that rank's
@@ -92,6 +93,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.02)
     p.add_argument("--crash", type=pair)
     p.add_argument("--hang", type=pair)
+    p.add_argument("--oom", type=pair)
     p.add_argument("--corrupt", type=pair)
     p.add_argument("--bad-shard", type=pair)
     p.add_argument("--flops-per-token", type=float, help="passed to attach() for MFU")
@@ -115,6 +117,9 @@ def main() -> None:
         torch.cuda.set_device(device)
     dist.init_process_group(args.backend)
     rank = dist.get_rank()
+    if device.type == "cuda":
+        print(f"rank {rank} on {device} ({torch.cuda.get_device_name(device)}), "
+              f"{dist.get_backend()}", flush=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(32, 1)).to(device)
@@ -132,6 +137,8 @@ def main() -> None:
         upcoming = run.step_count + 1
         if faults_on and args.crash and args.crash == (rank, upcoming):
             raise RuntimeError(f"injected crash at step {upcoming}")
+        if faults_on and args.oom and args.oom == (rank, upcoming):
+            torch.empty(1 << 50, dtype=torch.uint8, device=device)
         if faults_on and args.hang and args.hang == (rank, upcoming):
             print(f"rank {rank}: injected hang at step {upcoming}", flush=True)
             time.sleep(3600)
