@@ -89,6 +89,24 @@ def test_a_hang_incident_asks_the_ranks_to_dump_and_keeps_the_dumps(tmp_path: Pa
     assert "flight_recorder/" in (incident / "summary.txt").read_text()
 
 
+def test_other_incidents_copy_the_watchdogs_dumps_and_ask_for_none(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    attempt_dir = run_dir / "attempts" / "1"
+    flight_recorder.prepare(attempt_dir)
+    folder = attempt_dir / "flight_recorder"
+    (folder / "rank_3").write_bytes(b"written by NCCL's watchdog on its timeout")
+    os.mkfifo(folder / "rank_3.pipe")
+    reader = os.open(folder / "rank_3.pipe", os.O_RDONLY | os.O_NONBLOCK)  # a live rank
+    try:
+        finding = Finding(incident=Incident.CRASH, detector="crash", severity=Severity.CRITICAL,
+                          step=9, onset_step=9, ranks=(3,), message="network crash")
+        incident = forensics.write_incident(run_dir, 1, finding, "relaunch", None, {})
+        assert os.read(reader, 64) == b""  # nothing was written to the pipe: no dump asked for
+    finally:
+        os.close(reader)
+    assert [p.name for p in (incident / "flight_recorder").iterdir()] == ["rank_3"]
+
+
 def test_without_nccl_there_is_nothing_to_collect_and_no_wait(tmp_path: Path) -> None:
     flight_recorder.prepare(tmp_path)
     # A pipe nobody reads (its rank died): skipped at once, not waited for.

@@ -18,7 +18,8 @@ reads one):
 
 On a hang babysit acts before NCCL's own timeout (docs/gpu.md says how to keep it so), so it
 asks for the dump itself: ``collect`` writes to every rank's pipe, waits a moment for the
-files, and copies them into the incident folder. With gloo (no NCCL) there are no pipes and
+files, and copies them into the incident folder. Other incidents (a crash after NCCL's
+watchdog fired, a rollback) only copy the dumps already written: nothing is waited for. With gloo (no NCCL) there are no pipes and
 ``collect`` costs one directory listing.
 """
 
@@ -112,13 +113,14 @@ def _settled(paths: list[Path], quiet_s: float = 0.2, max_s: float = 2.0) -> lis
     return [p for p in paths if p.exists()]
 
 
-def collect(attempt_dir: Path, into: Path, wait_s: float = 5.0) -> list[Path]:
+def collect(attempt_dir: Path, into: Path, ask: bool = True, wait_s: float = 5.0) -> list[Path]:
     """Copy the attempt's flight recorder dumps into ``into/flight_recorder``; returns the copies.
 
-    When ranks hold dump pipes, ask them to dump first and wait up to ``wait_s`` seconds for one
-    file per pipe that was answered (torch's monitor thread polls its pipe about once a second).
-    Dumps already there (written by NCCL's own watchdog timeout) are copied as they are."""
-    asked = request_dumps(attempt_dir)
+    With ``ask`` (a hang: the ranks are alive and stuck), ranks holding dump pipes are asked to
+    dump first, and this waits up to ``wait_s`` seconds for one file per rank asked (torch's
+    monitor thread polls its pipe about once a second). Dumps already there (written by NCCL's
+    own watchdog timeout) are copied as they are."""
+    asked = request_dumps(attempt_dir) if ask else 0
     deadline = time.monotonic() + wait_s
     while asked and len(dumps(attempt_dir)) < asked and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 
 from babysit.policies.detectors import CrashClass, classify
-from babysit.policies.types import Finding, Remedy
+from babysit.policies.types import Finding, Incident, Remedy
 from babysit.supervisor.node import flight_recorder, incident, launcher, stacks
 
 Diagnosis = tuple[Any, Any]
@@ -84,7 +84,8 @@ def write_incident(run_dir: Path, attempt: int, finding: Finding, remedy: Remedy
                        remedy=remedy.to_json())
     folder = incident.write_incident(run_dir, finding.incident.value, finding.step, summary,
                                      dumps, tails, verdict)
-    if flight_recorder.collect(run_dir / "attempts" / str(attempt), folder):
+    if flight_recorder.collect(run_dir / "attempts" / str(attempt), folder,
+                               ask=finding.incident is Incident.HANG):
         summary_txt = folder / "summary.txt"
         text = summary_txt.read_text()
         summary_txt.write_text(text + ("" if "files here:" in text else "files here:\n")
