@@ -19,8 +19,8 @@ reads one):
 On a hang babysit acts before NCCL's own timeout (docs/gpu.md says how to keep it so), so it
 asks for the dump itself: ``collect`` writes to every rank's pipe, waits a moment for the
 files, and copies them into the incident folder. Other incidents (a crash after NCCL's
-watchdog fired, a rollback) only copy the dumps already written: nothing is waited for. With gloo (no NCCL) there are no pipes and
-``collect`` costs one directory listing.
+watchdog fired, a rollback) only copy the dumps already written: nothing is waited for. With
+gloo (no NCCL) there are no pipes and ``collect`` costs one directory listing.
 """
 
 from __future__ import annotations
