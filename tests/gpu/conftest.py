@@ -18,7 +18,7 @@ import torch
 def cuda_missing() -> str | None:
     """Why this machine cannot run the GPU suite, or None when it can."""
     if torch.version.cuda is None:
-        return f"CUDA not available: torch {torch.__version__} is a CPU-only build"
+        return f"CUDA not available: torch {torch.__version__} is not a CUDA build"
     if not torch.cuda.is_available():
         return (f"CUDA not available: torch {torch.__version__} (CUDA {torch.version.cuda}) "
                 "sees no GPU (no driver, or CUDA_VISIBLE_DEVICES hides them)")

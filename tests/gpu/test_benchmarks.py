@@ -27,7 +27,6 @@ def test_step_cost_compares_a_cuda_loss_tensor_with_item() -> None:
     out = run("step_cost_gpu.py", "--steps", "50", "--rounds", "2")
     for row in ("no report", "step(loss=t), t on the device", "step(loss=t.item())"):
         assert row in out
-    assert "dropped: 0" in out
 
 
 @pytest.mark.e2e
