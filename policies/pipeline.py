@@ -74,16 +74,20 @@ class DetectorEntry:
     where the ranks report. ``job``: it reads job-wide signals only (any ``JobStep``), so a
     multi-node leader runs it on the nodes' merged summaries."""
     forget_on_relaunch: bool
-    """Its state spans the relaunch gap and would misjudge the new attempt (a spike pending in
-    the old attempt; a rate measured across the gap); others keep their baselines."""
+    """Its state spans the relaunch gap and would misjudge the new attempt: a baseline of the
+    model (loss, grad norm, a rank's loss level) learnt on the abandoned stretch, while the new
+    attempt trains an older checkpoint's model or a fresh one (whose grad norm at step 1 is
+    many times a trained model's); a spike pending in the old attempt; a rate measured across
+    the gap. Such a detector re-learns over its own warm-up. Others (stragglers: the hardware's
+    pace) keep their baselines."""
 
 
 REGISTRY: tuple[DetectorEntry, ...] = (
     DetectorEntry("nonfinite", NonFiniteDetector, "node", False),
     DetectorEntry("loss_spike", LossSpikeDetector, "job", True),
-    DetectorEntry("grad_norm", GradNormDetector, "job", False),
+    DetectorEntry("grad_norm", GradNormDetector, "job", True),
     DetectorEntry("straggler", StragglerDetector, "node", False),
-    DetectorEntry("rank_departure", RankDepartureDetector, "node", False),
+    DetectorEntry("rank_departure", RankDepartureDetector, "node", True),
     DetectorEntry("throughput", ThroughputDetector, "job", True),
 )
 """Every step detector, in the order they run on a step."""
@@ -136,9 +140,9 @@ class Pipeline:
 
     def new_attempt(self) -> None:
         """The workers were relaunched: detectors whose state spans the gap start over
-        (``DetectorEntry.forget_on_relaunch``). Other baselines (grad norm, stragglers, each
-        rank's loss level) stay valid: the model did not change character, and a rank that
-        departed still sits where it did."""
+        (``DetectorEntry.forget_on_relaunch``): no detector judges the resumed or restarted
+        model against statistics learnt after its resume point. Stragglers' baselines (the
+        hardware's pace) stay valid."""
         self.detectors = [self._make(det.name) if _ENTRIES[det.name].forget_on_relaunch
                           else det for det in self.detectors]
 

@@ -9,9 +9,10 @@
    ladder resets after ``reset_after_steps`` / ``reset_after_s`` of quiet;
    crashes follow the ``crash`` section instead: per-class relaunch limits, exponential backoff,
    stop on a deterministic repeat, numerical crashes rolled back;
-4. escalation (rollbacks): an onset within ``escalation_window`` batches of a previous
-   rollback's skip range is the same region again: the skip range grows by
-   ``escalation_skip_factor`` per repeat and ``lr_factor`` is applied once more. SDC rollbacks
+4. escalation (rollbacks): a rollback cuts the LR by ``lr_factor`` for a while (it wears off
+   over ``lr_rewarm_steps`` past the skipped batches); an onset within ``escalation_window``
+   batches of a previous rollback's skip range is the same region again: the skip range grows
+   by ``escalation_skip_factor`` per repeat and the cut stays (``lr_rewarm`` None). SDC rollbacks
    are the exception: they skip nothing and keep the LR (the data is fine, the hardware is
    not), and leave no skip range behind;
 5. budget: a disruptive remedy (rollback, relaunch) that would exceed ``max_interventions`` in
@@ -101,9 +102,9 @@ class Rules:
         self._rollbacks.append({"lo": onset - before, "hi": onset + after, "gen": gen})
         if gen:
             why += (f"; onset {onset} is inside the region of {len(same)} earlier rollback(s), "
-                    f"so skip x{widen:g} and LR x{rb.lr_factor:g} again")
+                    f"so skip x{widen:g} and LR x{rb.lr_factor:g} for the rest of the run")
         return Remedy(Action.ROLLBACK, finding, why, skip_before=before, skip_after=after,
-                      lr_scale=rb.lr_factor)
+                      lr_scale=rb.lr_factor, lr_rewarm=None if gen else rb.lr_rewarm_steps)
 
     # -- crashes ----------------------------------------------------------------------------
 
@@ -128,7 +129,7 @@ class Rules:
         if cls == "numerical" and cp.rollback_numerical:
             r = self._rollback(finding, why + ": numerical, so roll back past it")
             return Remedy(r.action, finding, r.reason, r.skip_before, r.skip_after, r.lr_scale,
-                          backoff)
+                          backoff, r.lr_rewarm)
         return Remedy(Action.RELAUNCH, finding, f"{why}: relaunch after {backoff:g}s",
                       backoff_s=backoff)
 

@@ -147,10 +147,15 @@ class Rollback(_Model):
     """Batches from the onset on to skip. 50 suits small runs; large pretraining runs whose
     spikes last tens of steps usually want a few hundred."""
     lr_factor: float = Field(default=0.5, gt=0.0, le=1.0)
-    """Each rollback multiplies the run's LR scale by this (1.0: keep the LR)."""
+    """A rollback cuts the LR scale by this factor (1.0: keep the LR). The cut is temporary
+    (see lr_rewarm_steps) unless the same region spikes again."""
+    lr_rewarm_steps: int = Field(default=50, ge=0)
+    """After the skipped batches, the LR scale returns linearly to its earlier value over this
+    many steps (batches). 0 restores it at once, right after the skipped batches."""
     escalation_window: int = Field(default=200, ge=0)
     """A new onset within this many batches of a previous rollback's skip range is the same
-    region spiking again: the skip range widens and lr_factor is applied once more."""
+    region spiking again: the skip range widens, and the LR scale is cut by lr_factor once
+    more and stays cut for the rest of the run."""
     escalation_skip_factor: float = Field(default=2.0, ge=1.0)
     """Skip ranges grow by this factor each time the same region spikes again."""
 

@@ -266,8 +266,10 @@ class Remedy:
     """The policy's answer to one finding: an action and its parameters.
 
     ``skip_before``/``skip_after`` are in data-cursor batches around the onset (rollback only);
-    ``lr_scale`` multiplies the run's current LR scale; ``backoff_s`` is how long to wait before a
-    relaunch. ``reason`` says in words why this rung of the ladder was chosen.
+    ``lr_scale`` multiplies the run's LR scale; ``lr_rewarm`` is the steps (batches) past the
+    skipped ones over which that cut wears off again, None when it stays (the same region
+    spiked again); ``backoff_s`` is how long to wait before a relaunch. ``reason`` says in words why
+    this rung of the ladder was chosen.
     """
 
     action: Action
@@ -277,6 +279,7 @@ class Remedy:
     skip_after: int = 0
     lr_scale: float = 1.0
     backoff_s: float = 0.0
+    lr_rewarm: int | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any], finding: Finding) -> Remedy:
@@ -285,6 +288,7 @@ class Remedy:
             action=Action(d["action"]), finding=finding, reason=str(d["reason"]),
             skip_before=int(d.get("skip_before", 0)), skip_after=int(d.get("skip_after", 0)),
             lr_scale=float(d.get("lr_scale", 1.0)), backoff_s=float(d.get("backoff_s", 0.0)),
+            lr_rewarm=None if d.get("lr_rewarm") is None else int(d["lr_rewarm"]),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -294,5 +298,6 @@ class Remedy:
             "skip_before": self.skip_before,
             "skip_after": self.skip_after,
             "lr_scale": self.lr_scale,
+            "lr_rewarm": self.lr_rewarm,
             "backoff_s": self.backoff_s,
         }

@@ -86,7 +86,7 @@ def test_slow_creep_then_breakout_is_critical_at_breakout_with_the_creeps_onset(
     for s in range(150, 158):
         losses[s] *= 1.03
     losses[158] *= 1.10
-    got = feed(LossSpikeDetector(LossSpikeConfig(patience=5)), losses)
+    got = feed(LossSpikeDetector(LossSpikeConfig(patience=5, hold_ratio=1.05)), losses)
     assert got[0] == (158, Severity.CRITICAL, 150)
 
 

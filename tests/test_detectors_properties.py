@@ -110,7 +110,7 @@ def test_throughput_jitter_never_fires(seed: int) -> None:
 
 @given(level=levels, noise=st.lists(st.floats(min_value=-0.01, max_value=0.01), min_size=8,
                                     max_size=200),
-       jump=st.floats(min_value=1.2, max_value=100.0), extra=st.integers(0, 20))
+       jump=st.floats(min_value=1.25, max_value=2.9), extra=st.integers(0, 20))
 def test_loss_large_sustained_spike_always_rolls_back(level: float, noise: list[float],
                                                       jump: float, extra: int) -> None:
     det = LossSpikeDetector()
@@ -124,10 +124,21 @@ def test_loss_large_sustained_spike_always_rolls_back(level: float, noise: list[
 
 @given(level=levels, noise=st.lists(st.floats(min_value=-0.01, max_value=0.01), min_size=8,
                                     max_size=200),
-       jump=st.floats(min_value=1.2, max_value=100.0))
-def test_loss_large_one_step_spike_always_warns(level: float, noise: list[float],
-                                                jump: float) -> None:
+       jump=st.floats(min_value=3.01, max_value=1e6))
+def test_loss_catastrophic_jump_is_critical_at_once(level: float, noise: list[float],
+                                                    jump: float) -> None:
+    onset = len(noise) + 1
     losses = [level * math.exp(u) for u in noise] + [level * jump] + [level] * 10
+    got = verdicts(LossSpikeDetector(), [rec(i + 1, v) for i, v in enumerate(losses)])
+    assert got == [(onset, "CRITICAL", onset, ())]
+
+
+@given(level=levels, noise=st.lists(st.floats(min_value=-0.01, max_value=0.01), min_size=8,
+                                    max_size=200),
+       jump=st.floats(min_value=1.2, max_value=2.9), length=st.integers(1, 79))
+def test_loss_spike_that_heals_within_patience_only_warns(level: float, noise: list[float],
+                                                          jump: float, length: int) -> None:
+    losses = [level * math.exp(u) for u in noise] + [level * jump] * length + [level] * 10
     got = verdicts(LossSpikeDetector(), [rec(i + 1, v) for i, v in enumerate(losses)])
     assert got == [(len(noise) + 1, "WARNING", len(noise) + 1, ())]
 

@@ -18,10 +18,23 @@ changes no verdict):
   broken out are held back from the baseline; if the rise subsides they join it after all.
 - episode: the onset is the first step of the elevated run that ended in the breakout (the
   breakout itself when it came out of the blue), reported at once as a WARNING. The episode
-  lasts while the loss stays elevated. If it is still elevated ``patience`` steps after the
-  onset, a CRITICAL finding follows (the policy rolls back); if it recovers first, the WARNING
-  was all. A spike that crept up for more than ``patience`` elevated steps before breaking out
-  is CRITICAL at the breakout: it has already shown it is not a one-step outlier.
+  lasts while the loss stays elevated; a spike that falls back below the elevated level has
+  healed, and the WARNING was all. A CRITICAL finding (the policy rolls back) follows when the
+  spike hurts:
+
+  * catastrophic: a step at ``catastrophic_ratio`` x the baseline or more, at once (a NaN is
+    the non-finite detector's, also at once);
+  * diverging: the loss has kept rising for ``diverge_steps`` steps: the median log-excess of
+    each quarter of them is above the quarter before by ``log(min_ratio)`` or more (the worst
+    healthy spike of the Pythia runs climbed for about 25 steps, then fell);
+  * not healed: still elevated ``patience`` steps after the onset, and the median of the last
+    ``patience // 4`` steps is still ``hold_ratio`` x the baseline or more. One that settled
+    lower is a level shift, not a spike: the run's new normal, so the baseline is re-learnt
+    and nothing is rolled back.
+
+  Waiting costs little: the rollback goes to the newest good checkpoint before the onset, not
+  before the detection. The defaults come from real Pythia curves (docs/detection.md): their
+  spikes heal within ~50 steps and peak below 1.7x.
 - after a CRITICAL finding the baseline is dropped and re-learnt from the next ``min_history``
   points: either the run is rolled back (the supervisor calls ``reset()`` anyway) or the new
   level is the run's new normal and further rises must be measured against it.
@@ -59,9 +72,21 @@ class LossSpikeConfig(DetectorConfig):
     """A breakout needs loss >= min_ratio x baseline (1.05 = 5 % above the local level)."""
     z_threshold: float = Field(default=6.0, gt=0.0)
     """...and a robust z-score (in units of the step-to-step log-loss noise) at least this."""
-    patience: int = Field(default=5, ge=1)
-    """Steps a spike may stay elevated and still count as self-recovering (WARNING only);
-    elevated at onset + patience -> CRITICAL."""
+    patience: int = Field(default=80, ge=1)
+    """Steps a spike may stay elevated and still count as healing (WARNING only); elevated at
+    onset + patience, and still at least hold_ratio x the baseline -> CRITICAL. Real spikes of
+    healthy runs heal within about 50 steps."""
+    hold_ratio: float = Field(default=1.2, gt=1.0, le=100.0)
+    """A spike not healed after patience is rolled back only if the median loss of its last
+    patience // 4 steps is at least this x the baseline; lower, it is a level shift that the
+    baseline adopts (healthy runs shift by a few percent)."""
+    catastrophic_ratio: float = Field(default=3.0, gt=1.0)
+    """A loss at this x the baseline or more is CRITICAL at once, patience or not (healthy
+    spikes of the Pythia runs peak below 1.7x)."""
+    diverge_steps: int = Field(default=40, ge=8)
+    """A spike whose loss has kept rising for this many steps (each quarter's median
+    log-excess above the previous quarter's by log(min_ratio)) is diverging: CRITICAL before
+    patience runs out."""
     recover_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
     """Hysteresis: the episode ends when the loss falls below
     1 + recover_fraction x (min_ratio - 1) times the baseline."""
@@ -75,6 +100,9 @@ class LossSpikeConfig(DetectorConfig):
             raise ValueError(
                 f"min_history ({self.min_history}) must not exceed window ({self.window})"
             )
+        if self.catastrophic_ratio < self.min_ratio:
+            raise ValueError(f"catastrophic_ratio ({self.catastrophic_ratio}) must be at least "
+                             f"min_ratio ({self.min_ratio})")
         return self
 
 
@@ -92,6 +120,8 @@ class LossSpikeDetector:
         cfg = self.config
         self._log_min_ratio = math.log(cfg.min_ratio)
         self._log_elevated = math.log(1.0 + cfg.recover_fraction * (cfg.min_ratio - 1.0))
+        self._log_hold = math.log(cfg.hold_ratio)
+        self._log_catastrophic = math.log(cfg.catastrophic_ratio)
 
     def reset(self) -> None:
         """Forget the baseline (after a relaunch from a checkpoint, for instance)."""
@@ -122,7 +152,9 @@ class LossSpikeDetector:
         sigma = self._sigma()
         z = resid / sigma
         ratio = math.exp(resid)
-        elevated = z >= cfg.recover_fraction * cfg.z_threshold
+        # A catastrophic ratio needs no z: no amount of noise makes a tripled loss ordinary.
+        catastrophic = resid >= self._log_catastrophic
+        elevated = z >= cfg.recover_fraction * cfg.z_threshold or catastrophic
         ep = self._episode
         if ep is not None:
             if not elevated:
@@ -131,26 +163,21 @@ class LossSpikeDetector:
                 return None
             ep["n"] += 1
             ep["peak_ratio"] = max(ep["peak_ratio"], ratio)
-            if ep["n"] > cfg.patience:
-                finding = self._finding(ep, Severity.CRITICAL, step, loss, ratio, z)
-                self.reset()
-                return finding
-            return None
+            ep["ys"].append(resid)
+            return self._judge(ep, step, loss, ratio, z, catastrophic)
         rise = self._rise
-        if resid >= self._log_min_ratio and z >= cfg.z_threshold:
+        if (resid >= self._log_min_ratio and z >= cfg.z_threshold) or catastrophic:
             # Patience counts from the start of the rise that led here, not from the breakout:
             # a spike that crept up for several elevated steps has already shown persistence.
             onset: dict[str, Any] = rise or {"step": step, "cursor": cursor, "ys": []}
             ep = self._episode = {
                 "onset_step": onset["step"], "onset_cursor": onset["cursor"],
                 "n": len(onset["ys"]) + 1, "peak_ratio": ratio, "baseline": math.exp(level),
+                "ys": [y0 - level for y0 in onset["ys"]] + [resid],
             }
             self._rise = None
-            if ep["n"] > cfg.patience:
-                finding = self._finding(ep, Severity.CRITICAL, step, loss, ratio, z)
-                self.reset()
-                return finding
-            return self._finding(ep, Severity.WARNING, step, loss, ratio, z)
+            critical = self._judge(ep, step, loss, ratio, z, catastrophic)
+            return critical or self._finding(ep, Severity.WARNING, step, loss, ratio, z)
         if not elevated:
             self._settle()
             self._accept(y)
@@ -164,6 +191,39 @@ class LossSpikeDetector:
             # Elevated for half a window without breaking out: a small level shift, not a spike.
             self._settle()
         return None
+
+    def _judge(self, ep: dict[str, Any], step: int, loss: float, ratio: float, z: float,
+               catastrophic: bool) -> Finding | None:
+        """The episode's CRITICAL finding when the spike hurts (see the module docstring), else
+        None; a spike that outlasted patience at a low level becomes the new baseline."""
+        cfg = self.config
+        why = None
+        if catastrophic:
+            why = "catastrophic"
+        elif self._diverging(ep["ys"]):
+            why = "diverging"
+        elif ep["n"] > cfg.patience:
+            tail = sorted(ep["ys"][-max(1, cfg.patience // 4):])
+            if tail[len(tail) // 2] >= self._log_hold:
+                why = "not healed"
+            else:
+                # Settled a few percent up: the run's new normal, to be learnt afresh.
+                self.reset()
+                return None
+        if why is None:
+            return None
+        ep["why"] = why
+        finding = self._finding(ep, Severity.CRITICAL, step, loss, ratio, z)
+        self.reset()
+        return finding
+
+    def _diverging(self, ys: list[float]) -> bool:
+        k = self.config.diverge_steps // 4
+        if len(ys) < 4 * k:
+            return False
+        medians = [sorted(ys[len(ys) - (i + 1) * k:len(ys) - i * k])[k // 2]
+                   for i in (3, 2, 1, 0)]
+        return all(b - a >= self._log_min_ratio for a, b in zip(medians, medians[1:]))
 
     def _sigma(self) -> float:
         n = len(self._diffs)
@@ -195,13 +255,18 @@ class LossSpikeDetector:
         self, ep: dict[str, Any], severity: Severity, step: int, loss: float, ratio: float,
         z: float,
     ) -> Finding:
-        critical = severity is Severity.CRITICAL
-        what = (
-            f"is still {ratio:.3g}x its baseline {ep['baseline']:.4g}, "
-            f"{step - ep['onset_step']} steps after the onset at step {ep['onset_step']}"
-            if critical else
-            f"broke out to {ratio:.3g}x its baseline {ep['baseline']:.4g}"
-        )
+        why = ep.get("why") if severity is Severity.CRITICAL else None
+        since = f"{step - ep['onset_step']} steps after the onset at step {ep['onset_step']}"
+        what = {
+            None: f"broke out to {ratio:.3g}x its baseline {ep['baseline']:.4g}; watching "
+                  f"whether it heals within {self.config.patience} steps",
+            "catastrophic": f"is {ratio:.3g}x its baseline {ep['baseline']:.4g}: catastrophic "
+                            f"(>= {self.config.catastrophic_ratio:g}x)",
+            "diverging": f"is {ratio:.3g}x its baseline {ep['baseline']:.4g} and still "
+                         f"rising, {since}: diverging",
+            "not healed": f"is still {ratio:.3g}x its baseline {ep['baseline']:.4g}, {since}: "
+                          "not healed",
+        }[why]
         return Finding(
             incident=Incident.LOSS_SPIKE,
             detector=self.name,
@@ -213,6 +278,7 @@ class LossSpikeDetector:
             evidence={
                 "baseline": r4(ep["baseline"]), "loss": r4(loss), "ratio": r4(ratio),
                 "z": r4(z), "peak_ratio": r4(ep["peak_ratio"]), "steps_elevated": ep["n"],
+                **({"verdict": why} if why else {}),
             },
         )
 
@@ -220,13 +286,16 @@ class LossSpikeDetector:
         return {
             "levels": self._levels.state_dict(),
             "diffs": self._diffs.state_dict(),
-            "episode": dict(self._episode) if self._episode else None,
+            "episode": {**self._episode, "ys": list(self._episode["ys"])}
+            if self._episode else None,
             "rise": {**self._rise, "ys": list(self._rise["ys"])} if self._rise else None,
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self._levels.load_state_dict(d["levels"])
         self._diffs.load_state_dict(d["diffs"])
-        self._episode = dict(d["episode"]) if d["episode"] else None
+        ep = d["episode"]
+        # A state saved before episodes kept their excesses judges the rest of it without.
+        self._episode = {**ep, "ys": [float(y) for y in ep.get("ys", ())]} if ep else None
         rise = d["rise"]
         self._rise = {**rise, "ys": [float(y) for y in rise["ys"]]} if rise else None

@@ -24,6 +24,11 @@ from pathlib import Path
 from typing import Any
 
 EXIT_USAGE = 2
+DEFAULT_CHECKPOINT_EVERY = 100
+"""Checkpoint interval of a torchrun-style run (no config) until the cadence advice, which
+measures this run's checkpoint cost and interruptions, adopts its own (Young/Daly). 100 steps
+bounds the work a rollback or crash loses before any measurement, and leaves a good checkpoint
+(past its 50-step probation) behind most spikes."""
 
 # torchrun options babysit models, as (flag, config key, type). Both spellings are accepted.
 _TORCHRUN_OPTIONS: list[tuple[str, str, type]] = [
@@ -82,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", "--run_dir", dest="run_dir",
                      help="folder for the journal, logs, metrics and checkpoints")
     run.add_argument("--policy", help="built-in policy name or path to a policy YAML")
+    run.add_argument("--checkpoint-every", "--checkpoint_every", dest="checkpoint_every",
+                     type=int, metavar="N", default=None,
+                     help="save a checkpoint every N steps through attach(model=...); 0: never "
+                          f"(torchrun style default: {DEFAULT_CHECKPOINT_EVERY}, then the "
+                          "cadence advice's interval; with a config: checkpoints.every_steps)")
     run.add_argument("--name", help="name of the run (alerts, default run directory)")
     run.add_argument("--leader", metavar="HOST:PORT",
                      help="multi-node runs: where node 0's babysitter listens (nodes.leader)")
@@ -172,6 +182,11 @@ def _plan(args: argparse.Namespace) -> Any:
         extra["nodes"] = {"leader": args.leader}
     if args.name:
         extra["name"] = args.name
+    if args.checkpoint_every is not None:
+        if args.checkpoint_every < 0:
+            raise UsageError(f"--checkpoint-every {args.checkpoint_every}: give a number of "
+                             "steps, or 0 to save no checkpoints.")
+        extra["checkpoints"] = {"every_steps": args.checkpoint_every}
     if args.target.endswith((".yaml", ".yml")) and not args.module:
         if args.args:
             raise UsageError(
@@ -181,6 +196,10 @@ def _plan(args: argparse.Namespace) -> Any:
         return plan.from_file(args.target, args.run_dir, overrides, extra)
     launch: dict[str, Any] = {"args": list(args.args), **overrides}
     launch["module" if args.module else "script"] = args.target
+    # No config to set a cadence: checkpoint by default (a script without attach(model=...)
+    # saves nothing), and let the measured advice take over from the fixed start.
+    extra.setdefault("checkpoints", {"every_steps": DEFAULT_CHECKPOINT_EVERY,
+                                     "cadence": {"auto": True}})
     return plan.from_mapping({"launch": launch, **extra}, source="command line",
                              base=Path.cwd(), stem="command line", run_dir=args.run_dir)
 

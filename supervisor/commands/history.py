@@ -110,11 +110,14 @@ class Attempt:
     cause: IncidentRecord | None
     resume_note: str | None = None
     """Why it resumed where it did, from the journal's resume entry (e.g. no usable checkpoint)."""
+    lr_ramp: dict[str, Any] | None = None
+    """How a rollback's LR cut wears off: ``start``/``end`` data cursors and the scale ``to``."""
 
     def to_json(self) -> dict[str, Any]:
         return {"attempt": self.attempt, "time": self.time, "resume_step": self.resume_step,
                 "resume_note": self.resume_note, "skip": [list(s) for s in self.skip],
-                "lr_scale": self.lr_scale, "cause": self.cause.to_json() if self.cause else None}
+                "lr_scale": self.lr_scale, "lr_ramp": self.lr_ramp,
+                "cause": self.cause.to_json() if self.cause else None}
 
 
 @dataclass
@@ -187,7 +190,8 @@ class History:
                     time=finite_float(e.get("time")) or 0.0,
                     resume_step=resume.get("step") if resume else None,
                     skip=skip, lr_scale=finite_float(d.get("lr_scale")) or 1.0,
-                    cause=pending_cause if h.attempts else None, resume_note=resume_note))
+                    cause=pending_cause if h.attempts else None, resume_note=resume_note,
+                    lr_ramp=_dict(d.get("lr_ramp")) or None))
                 pending_cause, resume_note = None, None
                 if d.get("checkpoint_dir"):
                     h.checkpoint_dir = Path(str(d["checkpoint_dir"]))

@@ -42,7 +42,11 @@ def describe_attempt(a: dict[str, Any], why: bool = True) -> str:
     if a.get("resume_note") and a["resume_step"] is None:
         told[0] += f" ({a['resume_note'].split(':')[0]})"  # the gist: "no usable checkpoint"
     told += [f"skip batches {s}-{e - 1}" for s, e in a["skip"]]
-    if a["lr_scale"] != 1.0:
+    ramp = a.get("lr_ramp")
+    if ramp:
+        told.append(f"lr x{a['lr_scale']:g}, back to x{ramp['to']:g} over batches "
+                    f"{ramp['start']}-{ramp['end'] - 1}")
+    elif a["lr_scale"] != 1.0:
         told.append(f"lr x{a['lr_scale']:g}")
     cause = a["cause"] if why else None
     reason = (f"after {cause['incident']} at step {cause['step']} -> {cause['action']}"

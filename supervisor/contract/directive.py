@@ -63,6 +63,16 @@ class Resume:
 
 
 @dataclass(frozen=True, slots=True)
+class LrRamp:
+    """A temporary LR cut wearing off: over data cursors ``start <= cursor < end`` the LR scale
+    moves linearly from the directive's ``lr_scale`` to ``to``, and stays at ``to`` after."""
+
+    start: int
+    end: int
+    to: float
+
+
+@dataclass(frozen=True, slots=True)
 class Directive:
     """Everything a rank needs to know about the attempt it belongs to."""
 
@@ -70,7 +80,10 @@ class Directive:
     resume: Resume | None = None
     skip: tuple[SkipRange, ...] = ()
     lr_scale: float = 1.0
-    """Multiplies every param group's LR at each optimizer step (schedulers never see it)."""
+    """Multiplies every param group's LR at each optimizer step (schedulers never see it); with
+    ``lr_ramp``, the scale until the ramp starts."""
+    lr_ramp: LrRamp | None = None
+    """The re-warm after a rollback's LR cut: see ``scale_at``."""
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     """Save a checkpoint every N steps through the worker API; 0 disables library saves."""
@@ -83,6 +96,18 @@ class Directive:
     """The job may resume at another world size than its checkpoint's: an elastic multi-node
     run (``launch.nnodes`` MIN:MAX) relaunched on the nodes it has (``checkpoints.load``)."""
 
+    def scale_at(self, cursor: int) -> float:
+        """The LR scale of the optimizer step that trains on the batch before data cursor
+        ``cursor`` (global batches consumed so far): ``lr_scale``, moving to ``lr_ramp.to``
+        over the ramp. Pure and cheap: the rank calls it every step."""
+        ramp = self.lr_ramp
+        if ramp is None or cursor <= ramp.start:
+            return self.lr_scale
+        if cursor >= ramp.end:
+            return ramp.to
+        return self.lr_scale + (ramp.to - self.lr_scale) * (cursor - ramp.start) / (
+            ramp.end - ramp.start)
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -94,6 +119,8 @@ class Directive:
             resume=Resume(**resume) if resume else None,
             skip=tuple(SkipRange(int(s["start"]), int(s["end"])) for s in obj.get("skip", ())),
             lr_scale=float(obj.get("lr_scale", 1.0)),
+            lr_ramp=LrRamp(int(ramp["start"]), int(ramp["end"]), float(ramp["to"]))
+            if (ramp := obj.get("lr_ramp")) else None,
             checkpoint_dir=obj.get("checkpoint_dir"),
             checkpoint_every=int(obj.get("checkpoint_every", 0)),
             checkpoint_async=bool(obj.get("checkpoint_async", False)),

@@ -96,8 +96,8 @@ class Run:
         self._guard = _grad_guard(directive.grad_guard)
         self._fingerprint = _fingerprinter(directive.sdc_every, model, rank)
         self._fingerprinted = -1
-        if optimizer is not None and directive.lr_scale != 1.0:
-            self._install_lr_scale(optimizer, directive.lr_scale)
+        if optimizer is not None and (directive.lr_scale != 1.0 or directive.lr_ramp):
+            self._install_lr_scale(optimizer)
 
     @property
     def resume(self) -> Resume | None:
@@ -125,7 +125,7 @@ class Run:
         while True:
             # Between steps: the previous step's optimizer and scheduler updates are done and the
             # next batch is not drawn, so a checkpoint here is exactly (step, cursor).
-            self._checkpointer.maybe_save(self.step_count, self.cursor, self.directive.lr_scale,
+            self._checkpointer.maybe_save(self.step_count, self.cursor, self.lr_scale,
                                           self.phase)
             self._check_integrity()
             skip = self._skip_at(self.cursor)
@@ -221,7 +221,7 @@ class Run:
         if lr is None:
             lr = 0.0
         else:
-            lr = float(lr) * self.directive.lr_scale
+            lr = float(lr) * self.lr_scale
             flags |= _HAS_LR
         if tokens is None:
             tokens = 0.0
@@ -262,7 +262,7 @@ class Run:
         ``run.resume.path`` is the checkpoint to load.
         """
         self._checkpointer.saved_externally(path, self.step_count, self.cursor,
-                                            self.directive.lr_scale)
+                                            self.lr_scale)
 
     # -- phases, events, shutdown ---------------------------------------------------------------
 
@@ -304,13 +304,20 @@ class Run:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _install_lr_scale(self, optimizer: Any, scale: float) -> None:
+    @property
+    def lr_scale(self) -> float:
+        """babysit's LR multiplier for the current step (1.0 unless a rollback cut it; after
+        one it wears off over the directive's ``lr_ramp``)."""
+        return self.directive.scale_at(self.cursor)
+
+    def _install_lr_scale(self, optimizer: Any) -> None:
         # Scale just around optimizer.step() and restore right after, so LR schedulers (which
         # read and write group["lr"]) never see the scale and any scheduler keeps working.
         saved: list[Any] = []
 
         def pre(opt: Any, args: Any, kwargs: Any) -> None:
             saved[:] = [group["lr"] for group in opt.param_groups]
+            scale = self.lr_scale
             for group in opt.param_groups:
                 group["lr"] = group["lr"] * scale
 

@@ -87,8 +87,8 @@ class Checkpointer:
                    phase: Callable[[str], contextlib.AbstractContextManager[None]]) -> None:
         """Save if the cadence, or the supervisor's request for a final checkpoint, says so.
         Call between steps, on every rank."""
-        if not self.enabled or step == 0 or step == self._last_saved:
-            return
+        if not self.enabled or self.model is None or step == 0 or step == self._last_saved:
+            return  # without attach(model=...) there is nothing of babysit's to save
         requested = self._read_control(step)
         if step % self.every(step) and step != requested:
             return

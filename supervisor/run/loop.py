@@ -171,7 +171,7 @@ class Supervisor:
         if prior.directive:  # the skips and LR scale the last attempt actually ran with
             self.watch.skips = [SkipRange(int(r["start"]), int(r["end"]))
                                 for r in prior.directive.get("skip", ())]
-            self.watch.lr_scale = float(prior.directive.get("lr_scale", 1.0))
+            self.watch.adopt_lr(prior.directive)
         if prior.pending:
             finding = Finding.from_json(prior.pending["finding"])
             self._inherited = Remedy.from_json(prior.pending["remedy"], finding)
@@ -437,7 +437,7 @@ class Supervisor:
             else None
         # Wall-clock time: the rules' cooldowns and budget windows span hours and must survive
         # a supervisor restart, even across a reboot (the monotonic clock restarts at boot).
-        remedy = self.watch.remedy(finding, time.time())
+        remedy = self.recovery.without_checkpoint(self.watch.remedy(finding, time.time()))
         self._incident_dir = None
         if remedy.action in (Action.ROLLBACK, Action.RELAUNCH, Action.STOP):
             # The alert's title says what babysit does; this line says what it saw.
@@ -475,6 +475,9 @@ class Supervisor:
             resume, entries = self.recovery.resume_for(remedy)
         self._journal_all(entries)
         directive = self.watch.directive_for(attempt, remedy, resume)
+        if self.watch.lr_change is not None:  # every change of the LR scale is on the record
+            self._journal("lr_scale", **self.watch.lr_change)
+            self.console.log(f"babysit: {self.watch.lr_change['summary']}")
         self._newest_step = 0
         self.watch.new_attempt(self.clock(), directive)
         fields = self.members.launch(attempt, directive, self.clock())

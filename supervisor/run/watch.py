@@ -19,9 +19,16 @@ from babysit.policies.pipeline import Pipeline
 from babysit.policies.schema import Policy
 from babysit.policies.types import Action, Finding, Incident, JobStep, RankStep, Remedy
 from babysit.supervisor.config.plan import RunPlan
-from babysit.supervisor.contract.directive import Directive, Resume, SkipRange, merge_skips
+from babysit.supervisor.contract.directive import (
+    Directive,
+    LrRamp,
+    Resume,
+    SkipRange,
+    merge_skips,
+)
 from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node.aggregate import PER_RANK_LIMIT
+from babysit.supervisor.run.rollback import RollbackPlan, plan_relaunch
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +73,11 @@ class Watch:
         self.checkpoint_every = checkpoint_every
         self.skips: list[SkipRange] = []
         self.lr_scale = 1.0
+        """The LR scale of the last attempt's directive (from its start)."""
+        self.lr_ramp: LrRamp | None = None
+        """...and how it wears off (a rollback's temporary cut), in cursor space."""
+        self.lr_change: dict[str, Any] | None = None
+        """What the last ``directive_for`` changed in the LR orders (for the journal)."""
         self.reshard = False
         """Relaunches may change the world size (an elastic multi-node run)."""
         self.crashes: list[CrashSignature] = []
@@ -183,14 +195,14 @@ class Watch:
         return {"rules": self.rules.state_dict(),
                 "crashes": [[c.signature, c.step] for c in self.crashes],
                 "skips": [[r.start, r.end] for r in self.skips], "lr_scale": self.lr_scale,
-                "detectors": detectors, "sdc": self.sdc.state_dict()}
+                "lr_ramp": _ramp_json(self.lr_ramp), "detectors": detectors, "sdc": self.sdc.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.rules.load_state_dict(d["rules"])
         self.crashes = [CrashSignature(str(sig), None if step is None else int(step))
                         for sig, step in d.get("crashes", ())]
         self.skips = [SkipRange(int(a), int(b)) for a, b in d.get("skips", ())]
-        self.lr_scale = float(d.get("lr_scale", 1.0))
+        self.adopt_lr(d)
         if "sdc" in d:  # the checks that agreed, and each device's first probe
             self.sdc.load_state_dict(d["sdc"])
         if "detectors" in d:  # the baselines: a taken-over run judges at once, no new warm-up
@@ -199,28 +211,42 @@ class Watch:
 
     # -- what the next attempt is told ----------------------------------------------------------
 
+    def adopt_lr(self, orders: dict[str, Any]) -> None:
+        """Take the LR orders (``lr_scale``, ``lr_ramp``) of a journaled directive or watch
+        state: a supervisor taking over keeps what the last attempt ran with."""
+        self.lr_scale = float(orders.get("lr_scale", 1.0))
+        ramp = orders.get("lr_ramp")
+        self.lr_ramp = LrRamp(int(ramp["start"]), int(ramp["end"]), float(ramp["to"])) \
+            if isinstance(ramp, dict) else None
+
+    def plan(self, remedy: Remedy | None, resume: Resume | None) -> RollbackPlan:
+        """What the attempt ``remedy`` causes changes (``rollback.plan_relaunch``), from the
+        cursor memory and the LR orders in force; pure, it records nothing."""
+        return plan_relaunch(remedy, resume, self._cursor_at, self.lr_scale, self.lr_ramp)
+
     def directive_for(self, attempt: int, remedy: Remedy | None,
                       resume: Resume | None = None) -> Directive:
-        """The directive of ``attempt``, folding in the remedy that caused it: skip ranges and
-        LR scale accumulate over the run; ``resume`` is the checkpoint the loop chose."""
-        # An SDC rollback goes back past the corruption, but the data was not at fault: it
-        # skips nothing and keeps the LR (the rules set no scale for it).
-        if remedy is not None and remedy.action is Action.ROLLBACK \
-                and remedy.finding.incident is not Incident.SDC:
-            # After a takeover the step -> cursor memory is empty; the finding carries its onset.
-            onset = self._cursor_at.get(remedy.finding.onset_step, remedy.finding.onset_cursor)
-            detected = self._cursor_at.get(remedy.finding.step, onset)
-            if onset is not None and detected is not None:
-                # The batch behind step s is cursor(s) - 1.
-                self.skips.append(SkipRange(max(0, onset - 1 - remedy.skip_before),
-                                            detected + remedy.skip_after))
-            self.lr_scale *= remedy.lr_scale
+        """The directive of ``attempt``, folding in the remedy that caused it (``plan``): skip
+        ranges accumulate over the run, the LR orders are the plan's; ``resume`` is the
+        checkpoint the loop chose."""
+        plan = self.plan(remedy, resume)
+        if plan.skip is not None:
+            self.skips.append(plan.skip)
+        changed = (plan.lr_scale, plan.lr_ramp) != (self.lr_scale, self.lr_ramp)
+        self.lr_change = {"lr_scale": plan.lr_scale, "lr_ramp": _ramp_json(plan.lr_ramp),
+                          "base": plan.base, "was": self.lr_scale,
+                          "summary": plan.describe()} if changed else None
+        self.lr_scale, self.lr_ramp = plan.lr_scale, plan.lr_ramp
         guard: dict[str, Any] = {}
         if self.policy.incidents.grad_spike.ladder[0] is Action.SKIP_STEP:
             guard = self.policy.detectors.grad_norm.model_dump()
         return Directive(
-            attempt=attempt, resume=resume, skip=merge_skips(self.skips),
-            lr_scale=self.lr_scale, checkpoint_dir=self._checkpoint_dir,
+            attempt=attempt, resume=plan.resume, skip=merge_skips(self.skips),
+            lr_scale=self.lr_scale, lr_ramp=self.lr_ramp, checkpoint_dir=self._checkpoint_dir,
             checkpoint_every=self.checkpoint_every, checkpoint_async=self._checkpoint_async,
             grad_guard=guard, sdc_every=self.sdc_every, reshard=self.reshard,
         )
+
+
+def _ramp_json(ramp: LrRamp | None) -> dict[str, Any] | None:
+    return None if ramp is None else {"start": ramp.start, "end": ramp.end, "to": ramp.to}

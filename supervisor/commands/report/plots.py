@@ -76,7 +76,9 @@ def _name(data: RunData) -> str:
 def _attempt_label(data: RunData, attempt: int) -> str:
     a = next((x for x in data.history.attempts if x.attempt == attempt), None)
     label = f"attempt {attempt}"
-    if a is not None and a.lr_scale != 1.0:
+    if a is not None and a.lr_ramp:
+        label += f" (LR x{a.lr_scale:g} -> x{a.lr_ramp['to']:g} by batch {a.lr_ramp['end']})"
+    elif a is not None and a.lr_scale != 1.0:
         label += f" (LR x{a.lr_scale:g})"
     return label
 
