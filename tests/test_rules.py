@@ -88,6 +88,8 @@ def test_rollback_parameters_and_escalation_of_a_repeated_region() -> None:
     again = rules.on_finding(finding(step=1010, onset=1003, cursor=8100), 60.0)
     assert (again.skip_before, again.skip_after, again.lr_scale) == (20, 100, 0.5)
     assert "region" in again.reason
+    # The first cut wears off (the policy's re-warm); the repeat's stays for good.
+    assert (first.lr_rewarm, again.lr_rewarm) == (pol.rollback.lr_rewarm_steps, None)
     third = rules.on_finding(finding(step=1012, onset=1006, cursor=8150), 120.0)
     assert (third.skip_before, third.skip_after) == (40, 200)
     # A spike far away (and past the ladder's reset) is a new region: base skip again.

@@ -1,0 +1,83 @@
+"""What a relaunch changes (supervisor/run/rollback.py): skip range, LR cut and its re-warm,
+computed in one pure place; and how a rank applies the re-warm step by step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
+from babysit.supervisor.contract.directive import Directive, LrRamp, Resume, SkipRange
+from babysit.supervisor.run.rollback import plan_relaunch
+from babysit.supervisor.run.watch import Watch
+from babysit.policies.loader import load_policy
+
+
+def remedy(action: Action = Action.ROLLBACK, incident: Incident = Incident.LOSS_SPIKE,
+           rewarm: int | None = 50, lr: float = 0.5, step: int = 120, onset: int = 100,
+           onset_cursor: int | None = None) -> Remedy:
+    f = Finding(incident, "loss_spike", Severity.CRITICAL, step, onset, "spike",
+                onset_cursor=onset_cursor)
+    return Remedy(action, f, "test", skip_before=10, skip_after=50, lr_scale=lr,
+                  lr_rewarm=rewarm)
+
+
+CURSORS = {s: 2 * s for s in range(1, 200)}  # two batches per step, to tell them apart
+RESUME = Resume(path="/ckpt/50", step=50, cursor=100)
+
+
+def test_a_rollback_skips_around_the_onset_and_cuts_the_lr_until_past_the_skip() -> None:
+    plan = plan_relaunch(remedy(), RESUME, CURSORS)
+    # The batch behind step 100 is cursor 199; detection at step 120 is cursor 240.
+    assert plan.skip == SkipRange(199 - 10, 240 + 50)
+    assert (plan.resume, plan.lr_scale, plan.base) == (RESUME, 0.5, 1.0)
+    assert plan.lr_ramp == LrRamp(start=290, end=340, to=1.0)
+    assert plan.describe() == "LR x0.5, back to x1 over batches 290-339"
+
+
+def test_the_same_region_again_keeps_the_lower_scale_for_good() -> None:
+    first = plan_relaunch(remedy(), RESUME, CURSORS)
+    again = plan_relaunch(remedy(rewarm=None), RESUME, CURSORS, first.lr_scale, first.lr_ramp)
+    assert (again.lr_scale, again.lr_ramp, again.base) == (0.5, None, 0.5)
+    # ...and a later, unrelated rollback cuts from there and returns there.
+    later = plan_relaunch(remedy(step=180, onset=170), RESUME, CURSORS, again.lr_scale, None)
+    assert (later.lr_scale, later.base, later.lr_ramp and later.lr_ramp.to) == (0.25, 0.5, 0.5)
+
+
+@pytest.mark.parametrize("kind", ["relaunch", "sdc", "none"])
+def test_relaunches_and_sdc_rollbacks_keep_the_orders_in_force(kind: str) -> None:
+    ramp = LrRamp(300, 350, 1.0)
+    r = {"relaunch": remedy(Action.RELAUNCH), "none": None,
+         "sdc": remedy(incident=Incident.SDC, lr=1.0)}[kind]
+    plan = plan_relaunch(r, RESUME, CURSORS, 0.5, ramp)
+    assert (plan.skip, plan.lr_scale, plan.lr_ramp, plan.base) == (None, 0.5, ramp, 1.0)
+
+
+def test_after_a_takeover_the_findings_own_cursor_stands_in() -> None:
+    plan = plan_relaunch(remedy(onset_cursor=500), None, {})
+    assert plan.skip == SkipRange(489, 550)
+    assert plan.lr_ramp == LrRamp(550, 600, 1.0)
+
+
+def test_the_rank_applies_the_ramp_per_step_and_it_survives_json() -> None:
+    d = Directive(lr_scale=0.5, lr_ramp=LrRamp(start=100, end=150, to=1.0))
+    d = Directive.from_json(json.loads(json.dumps(d.to_json())))
+    assert [d.scale_at(c) for c in (0, 100, 125, 150, 999)] == [0.5, 0.5, 0.75, 1.0, 1.0]
+    assert Directive(lr_scale=0.5).scale_at(10**6) == 0.5
+
+
+def test_the_watch_journals_each_change_and_carries_the_orders_through_a_takeover() -> None:
+    watch = Watch(load_policy("default"))
+    for s in range(1, 130):
+        watch._cursor_at[s] = s
+    d = watch.directive_for(1, remedy(), RESUME)
+    assert (d.lr_scale, d.lr_ramp) == (0.5, LrRamp(170, 220, 1.0))
+    assert watch.lr_change is not None and watch.lr_change["summary"] == (
+        "LR x0.5, back to x1 over batches 170-219")
+    # A crash relaunch keeps the ramp (it is in cursor space) and changes nothing.
+    d2 = watch.directive_for(2, remedy(Action.RELAUNCH), RESUME)
+    assert (d2.lr_scale, d2.lr_ramp, watch.lr_change) == (0.5, d.lr_ramp, None)
+    heir = Watch(load_policy("default"))
+    heir.load_state_dict(json.loads(json.dumps(watch.state_dict())))
+    assert (heir.lr_scale, heir.lr_ramp) == (0.5, d.lr_ramp)
