@@ -170,7 +170,8 @@ def demo_e2e(workdir: Path) -> list[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     lines = ["", "**End to end: the demo model with poisoned data** (`configs/demo_train.py "
              "--steps 400`, 2 ranks, batches 200-229 with random targets)", "",
-             "| run | exit | final eval loss | vs clean | wall s |", "| --- | ---: | ---: | ---: | ---: |"]
+             "| run | exit | final eval loss | vs clean | wall s |",
+             "| --- | ---: | ---: | ---: | ---: |"]
     clean = None
     for name, cmd in runs.items():
         t0 = time.perf_counter()
@@ -178,8 +179,8 @@ def demo_e2e(workdir: Path) -> list[str]:
         found = re.findall(r"done: .* eval loss ([0-9.]+)", out.stdout + out.stderr)
         loss = float(found[-1]) if found else math.nan
         clean = loss if clean is None else clean
-        lines.append(f"| {name} | {out.returncode} | {loss:.3f} | {100 * (loss / clean - 1):+.1f} % "
-                     f"| {time.perf_counter() - t0:.0f} |")
+        lines.append(f"| {name} | {out.returncode} | {loss:.3f} | "
+                     f"{100 * (loss / clean - 1):+.1f} % | {time.perf_counter() - t0:.0f} |")
     return lines
 
 

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
+from babysit.policies.loader import load_policy
 from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
 from babysit.supervisor.contract.directive import Directive, LrRamp, Resume, SkipRange
 from babysit.supervisor.run.rollback import plan_relaunch
 from babysit.supervisor.run.watch import Watch
-from babysit.policies.loader import load_policy
 
 
 def remedy(action: Action = Action.ROLLBACK, incident: Incident = Incident.LOSS_SPIKE,
@@ -32,8 +32,8 @@ def test_a_rollback_skips_around_the_onset_and_cuts_the_lr_until_past_the_skip()
     # The batch behind step 100 is cursor 199; detection at step 120 is cursor 240.
     assert plan.skip == SkipRange(199 - 10, 240 + 50)
     assert (plan.resume, plan.lr_scale, plan.base) == (RESUME, 0.5, 1.0)
-    assert plan.lr_ramp == LrRamp(start=290, end=340, to=1.0)
-    assert plan.describe() == "LR x0.5, back to x1 over batches 290-339"
+    assert plan.lr_ramp == LrRamp(cut=189, start=290, end=340, to=1.0)
+    assert plan.describe() == "LR x0.5 from batch 189, back to x1 over batches 290-339"
 
 
 def test_the_same_region_again_keeps_the_lower_scale_for_good() -> None:
@@ -47,7 +47,7 @@ def test_the_same_region_again_keeps_the_lower_scale_for_good() -> None:
 
 @pytest.mark.parametrize("kind", ["relaunch", "sdc", "none"])
 def test_relaunches_and_sdc_rollbacks_keep_the_orders_in_force(kind: str) -> None:
-    ramp = LrRamp(300, 350, 1.0)
+    ramp = LrRamp(250, 300, 350, 1.0)
     r = {"relaunch": remedy(Action.RELAUNCH), "none": None,
          "sdc": remedy(incident=Incident.SDC, lr=1.0)}[kind]
     plan = plan_relaunch(r, RESUME, CURSORS, 0.5, ramp)
@@ -57,13 +57,16 @@ def test_relaunches_and_sdc_rollbacks_keep_the_orders_in_force(kind: str) -> Non
 def test_after_a_takeover_the_findings_own_cursor_stands_in() -> None:
     plan = plan_relaunch(remedy(onset_cursor=500), None, {})
     assert plan.skip == SkipRange(489, 550)
-    assert plan.lr_ramp == LrRamp(550, 600, 1.0)
+    assert plan.lr_ramp == LrRamp(489, 550, 600, 1.0)
 
 
 def test_the_rank_applies_the_ramp_per_step_and_it_survives_json() -> None:
-    d = Directive(lr_scale=0.5, lr_ramp=LrRamp(start=100, end=150, to=1.0))
+    # Full LR up to the skipped batches (they trained well the first time), cut past them,
+    # then back linearly.
+    d = Directive(lr_scale=0.5, lr_ramp=LrRamp(cut=60, start=100, end=150, to=1.0))
     d = Directive.from_json(json.loads(json.dumps(d.to_json())))
-    assert [d.scale_at(c) for c in (0, 100, 125, 150, 999)] == [0.5, 0.5, 0.75, 1.0, 1.0]
+    assert [d.scale_at(c) for c in (0, 60, 61, 100, 125, 150, 999)] == [
+        1.0, 1.0, 0.5, 0.5, 0.75, 1.0, 1.0]
     assert Directive(lr_scale=0.5).scale_at(10**6) == 0.5
 
 
@@ -72,9 +75,9 @@ def test_the_watch_journals_each_change_and_carries_the_orders_through_a_takeove
     for s in range(1, 130):
         watch._cursor_at[s] = s
     d = watch.directive_for(1, remedy(), RESUME)
-    assert (d.lr_scale, d.lr_ramp) == (0.5, LrRamp(170, 220, 1.0))
+    assert (d.lr_scale, d.lr_ramp) == (0.5, LrRamp(89, 170, 220, 1.0))
     assert watch.lr_change is not None and watch.lr_change["summary"] == (
-        "LR x0.5, back to x1 over batches 170-219")
+        "LR x0.5 from batch 89, back to x1 over batches 170-219")
     # A crash relaunch keeps the ramp (it is in cursor space) and changes nothing.
     d2 = watch.directive_for(2, remedy(Action.RELAUNCH), RESUME)
     assert (d2.lr_scale, d2.lr_ramp, watch.lr_change) == (0.5, d.lr_ramp, None)

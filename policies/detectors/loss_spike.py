@@ -48,6 +48,7 @@ Units: loss as reported; ``patience``, ``window`` and ``min_history`` count obse
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -223,7 +224,7 @@ class LossSpikeDetector:
             return False
         medians = [sorted(ys[len(ys) - (i + 1) * k:len(ys) - i * k])[k // 2]
                    for i in (3, 2, 1, 0)]
-        return all(b - a >= self._log_min_ratio for a, b in zip(medians, medians[1:]))
+        return all(b - a >= self._log_min_ratio for a, b in itertools.pairwise(medians))
 
     def _sigma(self) -> float:
         n = len(self._diffs)

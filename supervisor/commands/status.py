@@ -44,8 +44,8 @@ def describe_attempt(a: dict[str, Any], why: bool = True) -> str:
     told += [f"skip batches {s}-{e - 1}" for s, e in a["skip"]]
     ramp = a.get("lr_ramp")
     if ramp:
-        told.append(f"lr x{a['lr_scale']:g}, back to x{ramp['to']:g} over batches "
-                    f"{ramp['start']}-{ramp['end'] - 1}")
+        told.append(f"lr x{a['lr_scale']:g} from batch {ramp.get('cut', ramp['start'])}, "
+                    f"back to x{ramp['to']:g} over batches {ramp['start']}-{ramp['end'] - 1}")
     elif a["lr_scale"] != 1.0:
         told.append(f"lr x{a['lr_scale']:g}")
     cause = a["cause"] if why else None

@@ -64,9 +64,12 @@ class Resume:
 
 @dataclass(frozen=True, slots=True)
 class LrRamp:
-    """A temporary LR cut wearing off: over data cursors ``start <= cursor < end`` the LR scale
-    moves linearly from the directive's ``lr_scale`` to ``to``, and stays at ``to`` after."""
+    """A rollback's temporary LR cut, in data-cursor space. Up to cursor ``cut`` (where the
+    skipped batches begin) the scale is ``to``: the replayed steps before the bad region trained
+    well the first time. Past it the directive's ``lr_scale`` holds until ``start`` (the end of
+    the skipped batches), then moves linearly back to ``to`` by ``end``, and stays there."""
 
+    cut: int
     start: int
     end: int
     to: float
@@ -101,7 +104,11 @@ class Directive:
         ``cursor`` (global batches consumed so far): ``lr_scale``, moving to ``lr_ramp.to``
         over the ramp. Pure and cheap: the rank calls it every step."""
         ramp = self.lr_ramp
-        if ramp is None or cursor <= ramp.start:
+        if ramp is None:
+            return self.lr_scale
+        if cursor <= ramp.cut:
+            return ramp.to
+        if cursor <= ramp.start:
             return self.lr_scale
         if cursor >= ramp.end:
             return ramp.to
@@ -119,7 +126,8 @@ class Directive:
             resume=Resume(**resume) if resume else None,
             skip=tuple(SkipRange(int(s["start"]), int(s["end"])) for s in obj.get("skip", ())),
             lr_scale=float(obj.get("lr_scale", 1.0)),
-            lr_ramp=LrRamp(int(ramp["start"]), int(ramp["end"]), float(ramp["to"]))
+            lr_ramp=LrRamp(int(ramp["cut"]), int(ramp["start"]), int(ramp["end"]),
+                           float(ramp["to"]))
             if (ramp := obj.get("lr_ramp")) else None,
             checkpoint_dir=obj.get("checkpoint_dir"),
             checkpoint_every=int(obj.get("checkpoint_every", 0)),

@@ -8,9 +8,11 @@ case is a fast test:
 - skip: ``[cursor(onset) - 1 - skip_before, cursor(detected) + skip_after)`` in data-cursor
   batches (the batch behind step s is cursor(s) - 1). After a supervisor takeover the cursor
   memory is empty and the finding's own onset cursor stands in.
-- LR: a rollback cuts the scale to ``base x lr_scale`` from the resume point; past the skipped
+- LR: a rollback cuts the scale to ``base x lr_scale`` where the skipped batches begin (the
+  replayed steps before them trained well the first time, at ``base``); past the skipped
   batches it returns linearly to ``base`` over ``lr_rewarm`` batches (the ramp). When the same
-  region spiked again (``lr_rewarm`` None) the lower scale becomes the new base and stays.
+  region spiked again (``lr_rewarm`` None) the lower scale becomes the new base, from the
+  resume point on, and stays.
 - SDC rollbacks skip nothing and keep the LR (the rules ask for neither); relaunches after a
   hang or a crash change neither.
 
@@ -51,7 +53,8 @@ def describe_lr(scale: float, ramp: LrRamp | None) -> str:
     """An attempt's LR orders in words (journal, console, status)."""
     if ramp is None:
         return f"LR x{scale:g}"
-    return f"LR x{scale:g}, back to x{ramp.to:g} over batches {ramp.start}-{ramp.end - 1}"
+    return (f"LR x{scale:g} from batch {ramp.cut}, back to x{ramp.to:g} over batches "
+            f"{ramp.start}-{ramp.end - 1}")
 
 
 def plan_relaunch(remedy: Remedy | None, resume: Resume | None, cursor_at: Mapping[int, int],
@@ -79,5 +82,6 @@ def plan_relaunch(remedy: Remedy | None, resume: Resume | None, cursor_at: Mappi
     if remedy.lr_rewarm is None:  # the same region again: the lower scale stays
         return RollbackPlan(resume, skip, cut, None, cut)
     start = skip.end if skip is not None else (resume.cursor if resume is not None else 0)
-    ramp = LrRamp(start=start, end=start + remedy.lr_rewarm, to=base)
+    cut_at = skip.start if skip is not None else start
+    ramp = LrRamp(cut=cut_at, start=start, end=start + remedy.lr_rewarm, to=base)
     return RollbackPlan(resume, skip, cut, ramp, base)

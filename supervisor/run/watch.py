@@ -17,7 +17,7 @@ from babysit.policies.detectors.sdc import SdcDetector
 from babysit.policies.loader import load_policy
 from babysit.policies.pipeline import Pipeline
 from babysit.policies.schema import Policy
-from babysit.policies.types import Action, Finding, Incident, JobStep, RankStep, Remedy
+from babysit.policies.types import Action, Finding, JobStep, RankStep, Remedy
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import (
     Directive,
@@ -195,7 +195,8 @@ class Watch:
         return {"rules": self.rules.state_dict(),
                 "crashes": [[c.signature, c.step] for c in self.crashes],
                 "skips": [[r.start, r.end] for r in self.skips], "lr_scale": self.lr_scale,
-                "lr_ramp": _ramp_json(self.lr_ramp), "detectors": detectors, "sdc": self.sdc.state_dict()}
+                "lr_ramp": _ramp_json(self.lr_ramp), "detectors": detectors,
+                "sdc": self.sdc.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.rules.load_state_dict(d["rules"])
@@ -216,8 +217,8 @@ class Watch:
         state: a supervisor taking over keeps what the last attempt ran with."""
         self.lr_scale = float(orders.get("lr_scale", 1.0))
         ramp = orders.get("lr_ramp")
-        self.lr_ramp = LrRamp(int(ramp["start"]), int(ramp["end"]), float(ramp["to"])) \
-            if isinstance(ramp, dict) else None
+        self.lr_ramp = LrRamp(int(ramp["cut"]), int(ramp["start"]), int(ramp["end"]),
+                              float(ramp["to"])) if isinstance(ramp, dict) else None
 
     def plan(self, remedy: Remedy | None, resume: Resume | None) -> RollbackPlan:
         """What the attempt ``remedy`` causes changes (``rollback.plan_relaunch``), from the
@@ -249,4 +250,5 @@ class Watch:
 
 
 def _ramp_json(ramp: LrRamp | None) -> dict[str, Any] | None:
-    return None if ramp is None else {"start": ramp.start, "end": ramp.end, "to": ramp.to}
+    return None if ramp is None else {"cut": ramp.cut, "start": ramp.start, "end": ramp.end,
+                                      "to": ramp.to}

@@ -77,7 +77,8 @@ def _attempt_label(data: RunData, attempt: int) -> str:
     a = next((x for x in data.history.attempts if x.attempt == attempt), None)
     label = f"attempt {attempt}"
     if a is not None and a.lr_ramp:
-        label += f" (LR x{a.lr_scale:g} -> x{a.lr_ramp['to']:g} by batch {a.lr_ramp['end']})"
+        label += (f" (LR x{a.lr_scale:g} from batch {a.lr_ramp.get('cut')}, x"
+                  f"{a.lr_ramp['to']:g} again by batch {a.lr_ramp['end']})")
     elif a is not None and a.lr_scale != 1.0:
         label += f" (LR x{a.lr_scale:g})"
     return label
