@@ -167,3 +167,27 @@ def test_a_run_dir_owned_by_someone_else_is_refused(write_config, tmp_path: Path
         theirs, owner = Path("/"), 0  # root's, and we are not root
     msg = error_of(write_config(f"launch: {{script: t.py}}\nrun_dir: {theirs}\n"))
     assert "run_dir:" in msg and f"belongs to uid {owner}" in msg and "choose another" in msg
+
+
+def test_torchrun_style_runs_checkpoint_by_default_and_the_flag_overrides(
+        write_config, tmp_path: Path) -> None:
+    from babysit.supervisor.commands.cli import DEFAULT_CHECKPOINT_EVERY, _plan, build_parser
+
+    def checkpoints(*argv: str) -> config.CheckpointConfig:
+        args = build_parser().parse_args(["run", "--run-dir", str(tmp_path / "r"), *argv])
+        return _plan(args).config.checkpoints
+
+    script = str(WORKERS / "plain_train.py")
+    default = checkpoints("--nproc-per-node", "2", script, "--steps", "5")
+    # No config to set a cadence: a fixed start, then the measured advice takes over.
+    assert (default.every_steps, default.cadence.auto) == (DEFAULT_CHECKPOINT_EVERY, True)
+    # The user's number is the user's word: no auto adoption; 0 saves nothing.
+    given = checkpoints("--checkpoint-every", "7", script)
+    assert (given.every_steps, given.cadence.auto) == (7, False)
+    assert checkpoints("--checkpoint-every", "0", script).every_steps == 0
+    # With a config: it overrides checkpoints.every_steps and keeps the section's other keys.
+    path = write_config(f"launch: {{script: {script}}}\n"
+                        "checkpoints: {every_steps: 50, keep: 9}\n")
+    from_file = checkpoints("--checkpoint-every", "20", str(path))
+    assert (from_file.every_steps, from_file.keep) == (20, 9)
+    assert main(["run", "--checkpoint-every", "-1", script]) == 2

@@ -55,6 +55,36 @@ def test_one_step_outlier_is_a_warning_only() -> None:
     assert feed(LossSpikeDetector(), losses) == [(200, Severity.WARNING, 200)]
 
 
+def test_default_verdicts_heal_warns_stay_rolls_back_diverge_and_catastrophe_at_once() -> None:
+    # The defaults, on the four shapes docs/detection.md weighs against each other.
+    def verdicts(shape: dict[int, float]) -> list[tuple[int, Severity, int]]:
+        losses = {s: noisy(s) * shape.get(s, 1.0) for s in range(1, 400)}
+        return feed(LossSpikeDetector(), losses)
+
+    healing = {s: 1.6 for s in range(200, 250)}  # 50 steps at 1.6x, then back: a healthy spike
+    assert verdicts(healing) == [(200, Severity.WARNING, 200)]
+    staying = {s: 1.5 for s in range(200, 400)}  # a 1.5x jump that never heals
+    assert verdicts(staying) == [(200, Severity.WARNING, 200), (280, Severity.CRITICAL, 200)]
+    diverging = {s: math.exp(0.01 * (s - 195)) for s in range(196, 400)}  # +1 %/step, no end
+    warn, crit = verdicts(diverging)[:2]  # (the stream goes on: it re-learns, spikes again)
+    assert warn[1] is Severity.WARNING and crit[1] is Severity.CRITICAL
+    assert crit[0] - crit[2] <= 45  # well before the patience runs out
+    catastrophic = {s: 5.0 for s in range(200, 203)}
+    assert verdicts(catastrophic) == [(200, Severity.CRITICAL, 200)]
+
+
+def test_a_small_level_shift_that_stays_becomes_the_new_baseline() -> None:
+    # +8 % for good (a data mix change): a warning, never a rollback; afterwards a real spike
+    # is measured against the new level.
+    losses = {s: noisy(s) * (1.08 if s >= 150 else 1.0) for s in range(1, 500)}
+    for s in range(400, 500):
+        losses[s] *= 1.5
+    det = LossSpikeDetector()
+    got = feed(det, losses)
+    assert got[0] == (150, Severity.WARNING, 150)
+    assert [g for g in got if g[1] is Severity.CRITICAL] == [(480, Severity.CRITICAL, 400)]
+
+
 def test_spike_that_persists_past_patience_is_critical_with_its_onset() -> None:
     losses = {s: noisy(s) * (1.3 if s >= 200 else 1.0) for s in range(1, 260)}
     det = LossSpikeDetector(LossSpikeConfig(patience=5))

@@ -4,12 +4,23 @@ computed in one pure place; and how a rank applies the re-warm step by step."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from babysit.checkpoints import Catalog
 from babysit.policies.loader import load_policy
-from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
+from babysit.policies.types import (
+    Action,
+    Finding,
+    Incident,
+    RankStep,
+    Remedy,
+    Severity,
+    StepRecord,
+)
 from babysit.supervisor.contract.directive import Directive, LrRamp, Resume, SkipRange
+from babysit.supervisor.run.recovery import Recovery
 from babysit.supervisor.run.rollback import plan_relaunch
 from babysit.supervisor.run.watch import Watch
 
@@ -22,6 +33,8 @@ def remedy(action: Action = Action.ROLLBACK, incident: Incident = Incident.LOSS_
     return Remedy(action, f, "test", skip_before=10, skip_after=50, lr_scale=lr,
                   lr_rewarm=rewarm)
 
+
+from tests.test_checkpoints_catalog import make_ckpt  # noqa: E402
 
 CURSORS = {s: 2 * s for s in range(1, 200)}  # two batches per step, to tell them apart
 RESUME = Resume(path="/ckpt/50", step=50, cursor=100)
@@ -84,3 +97,44 @@ def test_the_watch_journals_each_change_and_carries_the_orders_through_a_takeove
     heir = Watch(load_policy("default"))
     heir.load_state_dict(json.loads(json.dumps(watch.state_dict())))
     assert (heir.lr_scale, heir.lr_ramp) == (0.5, d.lr_ramp)
+
+
+# -- no checkpoint, no rollback to scratch -----------------------------------------------------
+
+
+def test_a_spike_without_a_good_checkpoint_before_it_alerts_and_says_why(tmp_path: Path) -> None:
+    catalog = Catalog(tmp_path / "ckpts")
+    recovery = Recovery(catalog, probation_steps=20, keep=3)
+    spike = remedy(step=120, onset=100)
+    alert = recovery.without_checkpoint(spike)
+    assert alert.action is Action.ALERT
+    assert "no good checkpoint from before step 100" in alert.reason
+    assert "--checkpoint-every" in alert.reason
+    # A NaN still rolls back (from scratch if need be): the run cannot go on with it.
+    nan = remedy(incident=Incident.NONFINITE)
+    assert recovery.without_checkpoint(nan) is nan
+    # One that is good, and old enough not to turn suspect with the onset: roll back.
+    make_ckpt(catalog.root, 50)
+    catalog.promote(100, 20)
+    assert recovery.without_checkpoint(spike) is spike
+    # Too close before the onset (inside probation): it will be suspect; still alert only.
+    assert recovery.without_checkpoint(remedy(step=75, onset=65)).action is Action.ALERT
+
+
+# -- fresh baselines after a relaunch ----------------------------------------------------------
+
+
+def test_a_relaunched_model_is_not_judged_by_the_old_attempts_grad_norms() -> None:
+    watch = Watch(load_policy("default"))
+
+    def step(s: int, grad_norm: float) -> list[Finding]:
+        rank = RankStep(rank=0, step=s, time=float(s), cursor=s, loss=2.0, grad_norm=grad_norm)
+        return watch.observe_record(StepRecord(step=s, time=float(s), ranks=(rank,),
+                                               world_size=1))
+
+    for s in range(1, 200):  # a trained model: grad norms around 0.5
+        assert step(s, 0.5 + 0.01 * (s % 7)) == []
+    assert [f.incident for f in step(200, 5.0)] == [Incident.GRAD_SPIKE]  # same model: a spike
+    # Restarted from scratch: a fresh model's grad norm at step 1 is ~10x a trained one's.
+    watch.new_attempt(0.0, Directive(attempt=1))
+    assert [f for s in range(1, 30) for f in step(s, 5.0 - 0.1 * s)] == []
