@@ -30,6 +30,8 @@ from babysit.policies.schema import Policy, Response
 from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
 
 _DISRUPTIVE = (Action.ROLLBACK, Action.RELAUNCH)
+_SPIKES = (Incident.LOSS_SPIKE, Incident.GRAD_SPIKE)
+"""Anomalies a run survives unaided: never worth a restart from scratch."""
 _SEVERITY = {"warning": Severity.WARNING, "critical": Severity.CRITICAL}
 
 
@@ -46,16 +48,20 @@ class Rules:
         self._interventions: list[float] = []
         self._crashes: dict[str, list[float]] = {}
 
-    def on_finding(self, finding: Finding, now: float) -> Remedy:
+    def on_finding(self, finding: Finding, now: float, checkpoint: bool = True) -> Remedy:
+        """``checkpoint``: a good checkpoint from before the onset exists (the caller knows the
+        catalog). Without one a spike's rollback would restart the run from scratch, which
+        loses more than the spike: it becomes an alert that says why, and uses up no rung, no
+        budget and no escalation (a NaN or a crash still relaunches)."""
         if finding.incident is Incident.CRASH:
             remedy = self._crash(finding, now)
         else:
-            remedy = self._incident(finding, now)
+            remedy = self._incident(finding, now, checkpoint)
         return self._charge(remedy, now)
 
     # -- ladders ----------------------------------------------------------------------------
 
-    def _incident(self, finding: Finding, now: float) -> Remedy:
+    def _incident(self, finding: Finding, now: float, checkpoint: bool = True) -> Remedy:
         resp: Response = getattr(self.policy.incidents, finding.incident.value)
         name = finding.incident.value
         if finding.severity < _SEVERITY[resp.act_on]:
@@ -75,6 +81,12 @@ class Rules:
                 st["rung"] = 0
         rung = min(st["rung"], len(resp.ladder) - 1)
         action = resp.ladder[rung]
+        if action is Action.ROLLBACK and not checkpoint and finding.incident in _SPIKES:
+            return Remedy(Action.ALERT, finding, f"{name}: not rolled back: no good checkpoint "
+                          f"from before step {finding.onset_step} to go back to, and restarting "
+                          "from scratch would lose more than the spike. Save checkpoints ("
+                          "babysit run --checkpoint-every N, or checkpoints.every_steps in the "
+                          "config, with attach(model=...)) to make spikes recoverable")
         st.update(rung=st["rung"] + 1, step=finding.step, time=now)
         why = f"{name} intervention {rung + 1} -> ladder rung {rung + 1}/{len(resp.ladder)}: " \
               f"{action.value}"

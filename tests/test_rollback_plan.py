@@ -10,6 +10,7 @@ import pytest
 
 from babysit.checkpoints import Catalog
 from babysit.policies.loader import load_policy
+from babysit.policies.rules import Rules
 from babysit.policies.types import (
     Action,
     Finding,
@@ -105,20 +106,26 @@ def test_the_watch_journals_each_change_and_carries_the_orders_through_a_takeove
 def test_a_spike_without_a_good_checkpoint_before_it_alerts_and_says_why(tmp_path: Path) -> None:
     catalog = Catalog(tmp_path / "ckpts")
     recovery = Recovery(catalog, probation_steps=20, keep=3)
-    spike = remedy(step=120, onset=100)
-    alert = recovery.without_checkpoint(spike)
+    spike = remedy(step=120, onset=100).finding
+    assert not recovery.can_roll_back(spike)
+    rules = Rules(load_policy("default"))
+    alert = rules.on_finding(spike, 0.0, checkpoint=False)
     assert alert.action is Action.ALERT
     assert "no good checkpoint from before step 100" in alert.reason
     assert "--checkpoint-every" in alert.reason
+    # It used up nothing: the next spike with a checkpoint is the ladder's first rollback, not
+    # an escalation of a region that was never rolled back.
+    later = rules.on_finding(spike, 1.0, checkpoint=True)
+    assert (later.action, later.lr_rewarm) == (Action.ROLLBACK, 50)
+    assert "intervention 1 " in later.reason
     # A NaN still rolls back (from scratch if need be): the run cannot go on with it.
-    nan = remedy(incident=Incident.NONFINITE)
-    assert recovery.without_checkpoint(nan) is nan
-    # One that is good, and old enough not to turn suspect with the onset: roll back.
+    assert recovery.can_roll_back(remedy(incident=Incident.NONFINITE).finding)
+    # A good checkpoint, old enough not to turn suspect with the onset: roll back.
     make_ckpt(catalog.root, 50)
     catalog.promote(100, 20)
-    assert recovery.without_checkpoint(spike) is spike
+    assert recovery.can_roll_back(spike)
     # Too close before the onset (inside probation): it will be suspect; still alert only.
-    assert recovery.without_checkpoint(remedy(step=75, onset=65)).action is Action.ALERT
+    assert not recovery.can_roll_back(remedy(step=75, onset=65).finding)
 
 
 # -- fresh baselines after a relaunch ----------------------------------------------------------

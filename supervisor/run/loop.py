@@ -437,7 +437,7 @@ class Supervisor:
             else None
         # Wall-clock time: the rules' cooldowns and budget windows span hours and must survive
         # a supervisor restart, even across a reboot (the monotonic clock restarts at boot).
-        remedy = self.recovery.without_checkpoint(self.watch.remedy(finding, time.time()))
+        remedy = self.watch.remedy(finding, time.time(), self.recovery.can_roll_back(finding))
         self._incident_dir = None
         if remedy.action in (Action.ROLLBACK, Action.RELAUNCH, Action.STOP):
             # The alert's title says what babysit does; this line says what it saw.

@@ -16,7 +16,6 @@ checkpoint is refused, marked corrupt, and the next older one is tried.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from babysit.checkpoints import Catalog, Verdict
@@ -28,7 +27,7 @@ Entry = tuple[str, dict[str, Any]]
 # Anomalies that say something about the weights around them (a hang or a crash does not).
 _WEIGHT_ANOMALIES = (Incident.LOSS_SPIKE, Incident.NONFINITE, Incident.GRAD_SPIKE)
 _SPIKES = (Incident.LOSS_SPIKE, Incident.GRAD_SPIKE)
-"""Anomalies the run survives unaided: without a checkpoint they alert instead of restarting."""
+"""Anomalies a run survives unaided: only a checkpoint from before them makes a rollback pay."""
 _PROMOTE_EVERY = 10
 """Steps between promotion passes: each pass re-reads the catalog from disk."""
 
@@ -99,28 +98,18 @@ class Recovery:
                                         "reason": reason})
                 for c in marked if c.verdict is not Verdict.SUSPECT]
 
-    def without_checkpoint(self, remedy: Remedy) -> Remedy:
-        """A spike's rollback with no good checkpoint before its onset to go to would restart
-        the run from scratch: worse than the spike. It becomes an alert that says why. (A NaN
-        or a crash still relaunches: the run cannot go on as it is.)"""
-        finding = remedy.finding
-        if remedy.action is not Action.ROLLBACK or finding.incident not in _SPIKES:
-            return remedy
-        # The checkpoints the anomaly makes suspect (on_finding) do not count either.
+    def can_roll_back(self, finding: Finding) -> bool:
+        """Whether a rollback for ``finding`` would find a good checkpoint before its onset
+        (one the anomaly will not make suspect: ``on_finding``). A spike's rollback without one
+        would restart the run from scratch, which the rules refuse (``Rules.on_finding``)."""
+        if finding.incident not in _SPIKES:
+            return True
         before = finding.onset_step - self.probation_steps
         try:
-            usable = any(c.verdict is Verdict.GOOD and c.step < before
-                         for c in self.catalog.checkpoints())
+            return any(c.verdict is Verdict.GOOD and c.step < before
+                       for c in self.catalog.checkpoints())
         except OSError:
-            usable = False
-        if usable:
-            return remedy
-        return dataclasses.replace(remedy, action=Action.ALERT, reason=(
-            f"{remedy.reason}; not rolled back: no good checkpoint from before step "
-            f"{finding.onset_step} to go back to, and restarting from scratch would lose more "
-            "than the spike. Save checkpoints (babysit run --checkpoint-every N, or "
-            "checkpoints.every_steps in the config, with attach(model=...)) to make spikes "
-            "recoverable"))
+            return False
 
     def resume_for(self, remedy: Remedy | None) -> tuple[Resume | None, list[Entry]]:
         """The checkpoint the next attempt starts from (None: from scratch), and what was

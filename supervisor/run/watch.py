@@ -148,11 +148,11 @@ class Watch:
             self._cursor_at.popitem(last=False)
         return self.pipeline.findings(record)
 
-    def remedy(self, finding: Finding, now: float) -> Remedy:
+    def remedy(self, finding: Finding, now: float, checkpoint: bool = True) -> Remedy:
         """The policy's answer to ``finding`` (ladders, cooldowns, escalation, budget). ``now``
         is wall-clock seconds: cooldowns and budget windows span hours and supervisor
-        restarts."""
-        return self.rules.on_finding(finding, now)
+        restarts. ``checkpoint``: a good checkpoint before the onset exists to roll back to."""
+        return self.rules.on_finding(finding, now, checkpoint)
 
     def check(self, now: float) -> list[Finding]:
         """Periodic judgements that need no new telemetry (hangs)."""
