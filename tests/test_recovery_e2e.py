@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import WORKERS, babysat, journal, read_jsonl
+from tests.conftest import FAST_POLICY, WORKERS, babysat, journal, read_jsonl, run_babysit
 
 pytestmark = pytest.mark.e2e
 
@@ -142,3 +142,19 @@ def test_bring_your_own_checkpoint_is_registered_and_resumed(tmp_path: Path) -> 
     # The script loaded its own file (babysit only told it which), and went on from step 11.
     assert "[r0] loaded my checkpoint of step 10" in result.stdout
     assert min(losses(run_dir, attempt=1)) == 11
+
+
+def test_a_spike_with_no_checkpoint_to_go_back_to_is_alerted_not_restarted(
+        tmp_path: Path) -> None:
+    # torchrun-style, checkpoints turned off: rolling back would restart from scratch.
+    run_dir = tmp_path / "nockpt"
+    result = run_babysit("run", "--nproc-per-node", "2", "--checkpoint-every", "0",
+                         "--run-dir", str(run_dir), "--policy", str(FAST_POLICY),
+                         str(WORKERS / "tiny_train.py"), "--steps", "40", "--spike", "20:40",
+                         cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    spikes = [e for e in journal(run_dir, "finding")
+              if e["finding"]["incident"] in ("loss_spike", "grad_spike")
+              and "no good checkpoint" in e["remedy"]["reason"]]
+    assert spikes and all(e["remedy"]["action"] == "alert" for e in spikes)
+    assert len(journal(run_dir, "launch")) == 1  # never relaunched
