@@ -455,7 +455,7 @@ class Supervisor:
         self._journal("finding", step=finding.step, finding=finding.to_json(),
                       remedy=remedy.to_json())
         self._journal("watch_state", state=self.watch.state_dict())
-        self._journal_all(self.recovery.on_finding(finding))
+        self._journal_all(self.recovery.on_finding(finding, remedy))
         return remedy
 
     def _ended(self, end: JobEnd) -> sm.Exited:

@@ -5,7 +5,7 @@ every verdict and every refusal is on the record:
 
     on_checkpoint(step)      a rank reported a committed checkpoint  -> retention
     on_progress(step)        healthy steps went by                   -> pending ones become good
-    on_finding(finding)      an anomaly began at finding.onset_step  -> nearby ones become suspect
+    on_finding(finding, ...) an acted-on anomaly began at its onset   -> nearby ones become suspect
     resume_for(remedy)       a relaunch is about to start            -> which checkpoint, verified
 
 Rules: a rollback (loss spike, NaN) resumes from the newest *good* checkpoint strictly before
@@ -82,8 +82,13 @@ class Recovery:
         return [("checkpoint_verdict", {"checkpoint_step": c.step, "verdict": "good",
                                         "healthy_step": step}) for c in promoted]
 
-    def on_finding(self, finding: Finding) -> list[Entry]:
+    def on_finding(self, finding: Finding, remedy: Remedy) -> list[Entry]:
+        """Checkpoints near an anomaly's onset become suspect, but only when babysit acts on it
+        (rolls back, relaunches or stops): a spike that heals by itself, or a grad spike whose
+        step was skipped in-process, left the weights as good as they were."""
         if finding.incident not in _WEIGHT_ANOMALIES and finding.incident is not Incident.SDC:
+            return []
+        if remedy.action not in (Action.ROLLBACK, Action.RELAUNCH, Action.STOP):
             return []
         reason = f"{finding.incident.value} with onset at step {finding.onset_step}"
         # Silent corruption began after the last agreeing check (onset - 1), which vouches for
