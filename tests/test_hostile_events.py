@@ -11,7 +11,7 @@ from babysit.policies.loader import load_policy
 from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.rank.api import _flops_per_token
 from babysit.supervisor.run.cadence import CadenceAdvisor, replay_journal
-from babysit.supervisor.run.loop import _positive
+from babysit.supervisor.run.own_node import positive
 from babysit.supervisor.run.watch import Watch
 
 
@@ -39,7 +39,7 @@ def test_a_rank_outside_the_world_or_odd_digest_values_do_not_break_a_check() ->
 @pytest.mark.parametrize("value", [10**400, -1, 0, float("nan"), float("inf"), "1e9", True, None,
                                    [1]])
 def test_mfu_inputs_that_are_not_positive_finite_numbers_are_dropped(value: Any) -> None:
-    assert _positive(value) is None
+    assert positive(value) is None
 
 
 def test_attach_refuses_nonsense_with_its_own_message() -> None:
