@@ -206,7 +206,7 @@ def test_slack_message_is_block_kit_with_text_fallback(endpoint: Endpoint) -> No
     shown = {f["text"].split("\n")[0].strip("*"): f["text"].split("\n")[1] for f in facts["fields"]}
     assert shown["Run"] == "gpt2-small"
     assert shown["Attempt"] == "2" and shown["Step"] == "5120" and shown["Rank(s)"] == "3"
-    assert shown["Action taken"] == "rollback to step 5000, lr x0.5"
+    assert shown["What babysit did"] == "rollback to step 5000, lr x0.5"
     assert ":rotating_light:" in shown["Severity"]
     assert "loss: 9.12" in evidence["text"]["text"] and "grad_norm: nan" in evidence["text"]["text"]
     assert any("runs/gpt2/incidents/0003" in e["text"] for e in context["elements"])
@@ -232,6 +232,12 @@ def test_webhook_payload_is_the_documented_v1_shape(endpoint: Endpoint) -> None:
         "time": "2025-01-31T12:00:00.000Z",
         "dedup_key": "loss_spike:Loss spike: 9.12 vs baseline 2.31",
         "suppressed": {"duplicates": 0, "rate_limited": 0},
+        "kind": "alert",
+        "incident_id": None,
+        "host": None,
+        "node": None,
+        "needs": None,
+        "remedy": None,
     }
 
 

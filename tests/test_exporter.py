@@ -21,7 +21,7 @@ from babysit.supervisor.services.health import DiskSample, GpuSample, HealthSamp
 
 @pytest.fixture
 def exporter() -> Iterator[Exporter]:
-    exp = Exporter(ExporterConfig(enabled=True), run_name="demo")
+    exp = Exporter(ExporterConfig(enabled=True, port=0), run_name="demo")
     exp.start()
     yield exp
     exp.stop()
@@ -105,7 +105,7 @@ def test_it_listens_on_loopback_only_by_default(exporter: Exporter) -> None:
 
 
 def test_each_exporter_has_its_own_registry() -> None:
-    a, b = Exporter(ExporterConfig()), Exporter(ExporterConfig())
+    a, b = Exporter(ExporterConfig(port=0)), Exporter(ExporterConfig(port=0))
     pa, pb = a.start(), b.start()
     try:
         a.observe_step(7, loss=1.0)
@@ -122,13 +122,13 @@ def test_a_busy_port_is_one_clear_error() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(ExporterError, match=rf"127\.0\.0\.1:{port} .*exporter\.port"):
+        with pytest.raises(ExporterError, match=rf"127\.0\.0\.1:{port}: .*prometheus\.port"):
             Exporter(ExporterConfig(port=port)).start()
 
 
 def test_stop_closes_the_port_and_leaves_no_thread() -> None:
     before = set(threading.enumerate())
-    exp = Exporter(ExporterConfig())
+    exp = Exporter(ExporterConfig(port=0))
     port = exp.start()
     scrape(port)
     exp.stop()
@@ -142,7 +142,7 @@ def test_stop_closes_the_port_and_leaves_no_thread() -> None:
 
 
 def test_updates_are_cheap_enough_for_every_step(tmp_path: Path) -> None:
-    exp = Exporter(ExporterConfig())  # not started: updates must not need the server
+    exp = Exporter(ExporterConfig(port=0))  # not started: updates must not need the server
     ranks = {r: 0.1 for r in range(8)}
     t0 = time.perf_counter()
     for step in range(10_000):

@@ -11,12 +11,22 @@ file has one writer, and retention right after a save keeps the disk bounded wit
 
 from __future__ import annotations
 
+import logging
 import queue
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
+from babysit.policies import decide as sm
 from babysit.policies.types import Finding, JobStep, Remedy, Severity, StepRecord
 from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.services.alerts import Alert, AlertDispatcher
+from babysit.supervisor.services.alerts.story import IncidentStory
 from babysit.supervisor.services.exporter import Exporter
 from babysit.supervisor.services.schedule import (
     Digest,
@@ -29,12 +39,14 @@ from babysit.supervisor.services.schedule import (
 )
 
 Entry = tuple[str, dict[str, Any]]
+log = logging.getLogger(__name__)
 
 
 class Services:
     """Calling rules: ``start()`` once, then from the loop thread only: ``publish()`` every tick,
-    ``drain()`` every tick, ``observe_step()`` per merged step, ``count()`` per remedy;
-    ``stop()`` once. The constructor starts nothing."""
+    ``drain()`` every tick, ``observe_step()`` per merged step, ``count()`` per remedy; the
+    facts of the run's story as they happen (``notify``, ``launched``, ``transition``,
+    ``entries``, ``finished``); ``stop()`` once. The constructor starts nothing."""
 
     def __init__(self, plan: RunPlan, alerts: AlertDispatcher) -> None:
         self._plan = plan
@@ -48,6 +60,8 @@ class Services:
                           health=config.health, checkpoint_keep=config.checkpoints.keep)
         self.exporter = Exporter(config.prometheus, run_name=plan.name) \
             if config.prometheus.enabled else None
+        self.story = IncidentStory(plan.name, socket.gethostname())
+        self._linger_cut = threading.Event()
 
     def start(self) -> list[Entry]:
         self._jobs.start()
@@ -68,11 +82,76 @@ class Services:
                                  mfu=snapshot.mfu)
 
     def observe_step(self, record: JobStep) -> None:
+        now = time.time()
+        recovered = self.story.step(record.step, now)
+        if recovered is not None:
+            self._alerts.submit(recovered)
         if self.exporter is not None:
             # Per-rank step times where the record has them (a multi-node leader has summaries).
             ranks = record.ranks if isinstance(record, StepRecord) else ()
             times = {r.rank: r.step_time for r in ranks if r.step_time is not None}
-            self.exporter.observe_step(record.step, record.loss, times)
+            self.exporter.observe_step(record.step, record.loss, times,
+                                       grad_norm=record.grad_norm, step_s=record.step_time,
+                                       at=now)
+
+    # -- the run's story: alerts a person can act on, and the exporter's short-lived facts ------
+
+    def notify(self, action: sm.Notify, attempt: int, step: int,
+               incident_dir: str | None) -> None:
+        """Send the alert for ``decide()``'s Notify: an incident told in words when it carries
+        a remedy, else its title as a plain alert."""
+        if action.remedy is not None:
+            alert = self.story.incident(action.remedy, attempt=attempt,
+                                        incident_dir=incident_dir, now=time.time())
+        else:
+            alert = Alert(title=action.title, severity=action.severity, run=self._plan.name,
+                          attempt=attempt, step=step or None)
+        self._alerts.submit(alert)
+
+    def launched(self, directive: Directive) -> None:
+        """An attempt started with ``directive`` (what its ranks run with)."""
+        applied = self.story.launched(directive, time.time())
+        if applied is not None:
+            self._alerts.submit(applied)
+        if self.exporter is not None:
+            self.exporter.observe_run(lr_scale=directive.lr_scale)
+
+    def transition(self, old: sm.State, new: sm.State) -> None:
+        """The supervisor's state changed (counted, so a state shorter than a scrape shows)."""
+        if self.exporter is not None:
+            self.exporter.observe_transition(old.value, new.value)
+            self._write_textfile()
+
+    def entries(self, entries: list[Entry]) -> None:
+        """Journal entries of the checkpoint recovery: a checkpoint passing probation."""
+        if self.exporter is None:
+            return
+        for event, fields in entries:
+            if event == "checkpoint_verdict" and fields.get("verdict") == "good":
+                created = fields.get("created")
+                self.exporter.observe_good_checkpoint(
+                    int(fields["checkpoint_step"]),
+                    float(created) if isinstance(created, (int, float)) else None)
+
+    def finished(self, machine: sm.Machine, exit_code: int, goodput: float | None = None) -> None:
+        """The run ended: the "finished"/"failed" message, and the exporter's final state.
+        ``goodput`` is the seam for a goodput ledger (none exists yet)."""
+        self._alerts.submit(self.story.finished(
+            state=machine.state.value, exit_code=exit_code, reason=machine.reason,
+            attempt=machine.attempt, step=machine.step or None, now=time.time(),
+            goodput=goodput))
+        if self.exporter is not None:
+            self.exporter.update(state=machine.state.value)
+            self.exporter.observe_run(exit_code=exit_code)
+            self._write_textfile()
+
+    def _write_textfile(self) -> None:
+        assert self.exporter is not None
+        try:
+            self.exporter.write_textfile()
+        except OSError as exc:  # a metrics file must never stop the run; say it once per call
+            log.warning("prometheus.textfile %s could not be written: %s",
+                        self.exporter.config.textfile, exc.strerror or exc)
 
     def count(self, finding: Finding, remedy: Remedy) -> None:
         if self.exporter is not None:
@@ -111,7 +190,30 @@ class Services:
                      f"babysit: scheduled job {message.job} failed: {message.error}")]
         return []
 
-    def stop(self) -> None:
+    def stop(self, say: Callable[[str], None] = print) -> None:
+        """Stop the jobs; keep the final metrics up for ``prometheus.linger_s`` (SIGINT or
+        SIGTERM ends the wait), then stop the endpoint. Call on the main thread."""
         self._jobs.shutdown()
-        if self.exporter is not None:
-            self.exporter.stop()
+        if self.exporter is None:
+            return
+        self._write_textfile()
+        linger = self.exporter.config.linger_s
+        if linger > 0 and self.exporter.port is not None:
+            say(f"babysit: serving the final metrics on port {self.exporter.port} for "
+                f"{linger:g} s (prometheus.linger_s; Ctrl-C ends it)")
+            self._linger(linger)
+        self.exporter.stop()
+
+    def _linger(self, seconds: float) -> None:
+        def cut(signum: int, frame: FrameType | None) -> None:
+            self._linger_cut.set()
+
+        try:
+            previous = {sig: signal.signal(sig, cut) for sig in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:  # not the main thread: no signals to take, wait the time out
+            previous = {}
+        try:
+            self._linger_cut.wait(seconds)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

@@ -17,7 +17,6 @@ here and in the members; the judgement lives in ``Watch`` and ``policies``, and 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -57,7 +56,7 @@ from babysit.supervisor.run.members import (
 from babysit.supervisor.run.progress import RunProgress
 from babysit.supervisor.run.recovery import Recovery
 from babysit.supervisor.run.watch import Watch
-from babysit.supervisor.services.alerts import Alert, AlertDispatcher
+from babysit.supervisor.services.alerts import AlertDispatcher
 
 TICK_S = 0.1
 WATCH_STATE_EVERY = 100
@@ -235,7 +234,7 @@ class Supervisor:
 
     def _teardown(self) -> None:
         self.members.close(self._exit_code)
-        self.services.stop()
+        self.services.stop(self.console.log)
         self.alerts.close()
         if self._metrics is not None:
             self._metrics.close()
@@ -303,6 +302,7 @@ class Supervisor:
         self.machine = new
         if new.state is not old.state:
             self._journal("state", old=old.state.value, new=new.state.value, reason=new.reason)
+            self.services.transition(old.state, new.state)
             self.console.log(f"babysit: {old.state.value} -> {new.state.value} ({new.reason})")
         for action in actions:
             code = self._perform(action, pending)
@@ -330,6 +330,7 @@ class Supervisor:
             self._journal("run_finished", state=self.machine.state.value, exit_code=action.code,
                           reason=self.machine.reason)
             self._exit_code = action.code
+            self.services.finished(self.machine, action.code)
             return action.code
         return None
 
@@ -478,6 +479,7 @@ class Supervisor:
         if self.watch.lr_change is not None:  # every change of the LR scale is on the record
             self._journal("lr_scale", **self.watch.lr_change)
             self.console.log(f"babysit: {self.watch.lr_change['summary']}")
+        self.services.launched(directive)
         self._newest_step = 0
         self.watch.new_attempt(self.clock(), directive)
         fields = self.members.launch(attempt, directive, self.clock())
@@ -495,21 +497,8 @@ class Supervisor:
     def _notify(self, action: sm.Notify) -> None:
         self.console.log(f"babysit: [{action.severity.name.lower()}] {action.title}")
         self._journal("alert", severity=action.severity.name.lower(), title=action.title)
-        m, remedy = self.machine, action.remedy
-        if remedy is not None:
-            folder = str(self._incident_dir) if self._incident_dir else None
-            alert = Alert.from_finding(remedy.finding, run=self.plan.name, attempt=m.attempt,
-                                       action=f"{remedy.action.value}: {remedy.reason}",
-                                       incident_dir=folder)
-            where = remedy.finding.evidence.get("host")
-            title = action.title
-            if where and str(where) not in title:  # a multi-node run: say which machine
-                title += f" [node {remedy.finding.evidence.get('node')}, host {where}]"
-            alert = dataclasses.replace(alert, title=title)
-        else:
-            alert = Alert(title=action.title, severity=action.severity, run=self.plan.name,
-                          attempt=m.attempt, step=m.step or None)
-        self.alerts.submit(alert)
+        folder = str(self._incident_dir) if self._incident_dir else None
+        self.services.notify(action, self.machine.attempt, self.machine.step, folder)
 
     def _alert(self, severity: Severity, title: str) -> None:
         self._notify(sm.Notify(severity, title))
@@ -547,6 +536,7 @@ class Supervisor:
                          f"{code}.")
 
     def _journal_all(self, entries: list[tuple[str, dict[str, Any]]]) -> None:
+        self.services.entries(entries)
         for event, fields in entries:
             self._journal(event, **fields)
 

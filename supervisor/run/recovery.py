@@ -80,7 +80,8 @@ class Recovery:
         except OSError as exc:
             return [_storage_error("promotion", exc)]
         return [("checkpoint_verdict", {"checkpoint_step": c.step, "verdict": "good",
-                                        "healthy_step": step}) for c in promoted]
+                                        "healthy_step": step, "created": c.manifest.created})
+                for c in promoted]
 
     def on_finding(self, finding: Finding, remedy: Remedy) -> list[Entry]:
         """Checkpoints near an anomaly's onset become suspect, but only when babysit acts on it

@@ -10,6 +10,14 @@ supervisor's metrics must not mix with whatever else the process registers, and 
 (tests, a future multi-run supervisor) must not collide. By default it listens on 127.0.0.1
 only: the metrics name the run and its health, and nothing here authenticates a scraper.
 
+The port is fixed (``DEFAULT_PORT``, 9478) so a static scrape config finds every run on a
+machine; a second run on the same machine needs its own ``prometheus.port``. When the run ends,
+the final state (``succeeded``, ``failed``...) stays scrapeable for ``prometheus.linger_s``
+seconds, and with ``prometheus.textfile`` set it is also written for the node exporter's
+textfile collector, where it outlives babysit. A state shorter than a scrape interval
+(``intervening``, ``relaunching``) is never lost: ``babysit_state_transitions_total`` counts
+every transition.
+
 Metrics (gauges unless said otherwise; a value not yet known is absent, not 0)::
 
     babysit_run_info{name}                       1, names the run (when a name is given)
@@ -20,6 +28,14 @@ Metrics (gauges unless said otherwise; a value not yet known is absent, not 0)::
     babysit_steps_per_second
     babysit_tokens_per_second
     babysit_mfu                                  model FLOPs utilisation, 0..1 (when reported)
+    babysit_grad_norm                            gradient norm at the newest step
+    babysit_lr_scale_ratio                       LR multiplier babysit applies (1 = untouched)
+    babysit_step_duration_seconds                newest step's time (slowest rank)
+    babysit_last_step_timestamp_seconds          when the newest step was merged (Unix time)
+    babysit_last_good_checkpoint_step            newest checkpoint that passed probation
+    babysit_last_good_checkpoint_age_seconds     how long ago that checkpoint was saved
+    babysit_exit_code                            the supervisor's exit code, once the run ended
+    babysit_state_transitions_total{from_state,to_state}  counter: every state change
     babysit_rank_step_seconds{rank}              each rank's latest step time
     babysit_interventions_total{incident,action} counter
     babysit_dropped_reports_total                counter: reports the workers could not send
@@ -33,6 +49,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
@@ -51,6 +68,10 @@ if TYPE_CHECKING:
     from babysit.supervisor.services.health import HealthSample
 
 
+DEFAULT_PORT = 9478
+"""The default metrics port (fixed, so a static scrape config finds the run)."""
+
+
 class ExporterConfig(BaseModel):
     """The Prometheus metrics endpoint (off unless enabled)."""
 
@@ -61,8 +82,17 @@ class ExporterConfig(BaseModel):
     host: str = "127.0.0.1"
     """Address to listen on. The default accepts only local scrapers; ``0.0.0.0`` exposes the
     run's metrics to anyone who can reach this machine (there is no authentication)."""
-    port: int = Field(0, ge=0, le=65535)
-    """TCP port; 0 picks a free one (babysit prints and journals the port it got)."""
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    """TCP port. The default is fixed so a static Prometheus scrape config finds the run; give a
+    second run on the same machine its own port. 0 picks a free one (babysit prints and journals
+    the port it got, but a static scrape config cannot follow it)."""
+    linger_s: float = Field(30.0, ge=0.0)
+    """Seconds to keep serving the final state after the run ends, so a scrape sees how it
+    ended; set it to at least your scrape interval. Ctrl-C (or SIGTERM) ends the wait at once."""
+    textfile: str | None = None
+    """Also write the metrics to this file (atomically, at every state change and at the end)
+    for the node exporter's textfile collector (``--collector.textfile.directory``; the name
+    must end in ``.prom``). The last state then outlives babysit."""
 
 
 class ExporterError(Exception):
@@ -86,6 +116,8 @@ class Exporter:
         self._rank_step_s: dict[int, float] = {}
         self._interventions: dict[tuple[str, str], int] = {}
         self._gpus: dict[int, tuple[float | None, float | None]] = {}
+        self._transitions: dict[tuple[str, str], int] = {}
+        self._checkpoint_created: float | None = None
         from prometheus_client import CollectorRegistry
 
         self._registry = CollectorRegistry(auto_describe=False)
@@ -102,10 +134,13 @@ class Exporter:
         try:
             server = _serve(self.config.host, self.config.port, self._registry)
         except OSError as exc:
+            taken = " (another babysit run on this machine?)" \
+                if self.config.port == DEFAULT_PORT else ""
             raise ExporterError(
-                f"Cannot serve metrics on {self.config.host}:{self.config.port} "
-                f"({exc.strerror or exc}). Choose another exporter.port (0 picks a free one) or "
-                f"turn the exporter off with exporter.enabled: false."
+                f"Cannot serve metrics on {self.config.host}:{self.config.port}{taken}: "
+                f"{exc.strerror or exc}. Set prometheus.port in the run config to a free port "
+                f"(and point your scrape config at it), or turn the endpoint off with "
+                f"prometheus.enabled: false."
             ) from None
         # A short poll interval: stop() waits for the serving loop to notice, and the default
         # half second would be added to every supervisor exit.
@@ -158,15 +193,50 @@ class Exporter:
                 self._values["dropped_reports"] = dropped_reports
 
     def observe_step(self, step: int, loss: float | None = None,
-                     rank_step_s: Mapping[int, float] | None = None) -> None:
+                     rank_step_s: Mapping[int, float] | None = None, *,
+                     grad_norm: float | None = None, step_s: float | None = None,
+                     at: float | None = None) -> None:
         """A step was merged: its number, mean loss, and each rank's step time in seconds (ranks
-        missing from ``rank_step_s`` keep their previous value)."""
+        missing from ``rank_step_s`` keep their previous value); ``grad_norm``, the job's step
+        time ``step_s`` and the wall-clock time ``at`` (Unix seconds) when known."""
         with self._lock:
             self._values["step"] = step
-            if loss is not None:
-                self._values["loss"] = loss
+            for key, value in (("loss", loss), ("grad_norm", grad_norm), ("step_s", step_s),
+                               ("last_step_at", at)):
+                if value is not None:
+                    self._values[key] = value
             if rank_step_s:
                 self._rank_step_s.update(rank_step_s)
+
+    def observe_transition(self, old: str, new: str) -> None:
+        """The supervisor's state changed: count it, and show ``new`` at once (the per-tick
+        ``update`` would miss a state that lasts less than a tick)."""
+        with self._lock:
+            key = (old, new)
+            self._transitions[key] = self._transitions.get(key, 0) + 1
+            self._state = new
+
+    def observe_run(self, *, lr_scale: float | None = None, exit_code: int | None = None) -> None:
+        """The LR multiplier of the attempt now running; the exit code once the run ended."""
+        with self._lock:
+            if lr_scale is not None:
+                self._values["lr_scale"] = lr_scale
+            if exit_code is not None:
+                self._values["exit_code"] = exit_code
+
+    def observe_good_checkpoint(self, step: int, created: float | None) -> None:
+        """A checkpoint passed probation; ``created`` is when it was saved (Unix seconds)."""
+        with self._lock:
+            if step >= self._values.get("good_checkpoint_step", -1):
+                self._values["good_checkpoint_step"] = step
+                self._checkpoint_created = created
+
+    def write_textfile(self) -> None:
+        """Write the metrics to ``config.textfile`` (atomically), if it is set. Raises OSError."""
+        if self.config.textfile:
+            from prometheus_client import write_to_textfile
+
+            write_to_textfile(self.config.textfile, self._registry)
 
     def count_intervention(self, incident: str, action: str) -> None:
         """One remedy was taken (e.g. ``"loss_spike"``, ``"rollback"``)."""
@@ -194,6 +264,8 @@ class Exporter:
             ranks = sorted(self._rank_step_s.items())
             interventions = sorted(self._interventions.items())
             gpus = sorted(self._gpus.items())
+            transitions = sorted(self._transitions.items())
+            created = self._checkpoint_created
         if self.run_name is not None:
             info = GaugeMetricFamily("babysit_run_info", "The babysat run.", labels=["name"])
             info.add_metric([self.run_name], 1)
@@ -210,6 +282,17 @@ class Exporter:
         for key, name, doc in _SCALARS:
             if key in values:
                 yield GaugeMetricFamily(name, doc, value=values[key])
+        if created is not None:
+            yield GaugeMetricFamily(
+                "babysit_last_good_checkpoint_age_seconds",
+                "Seconds since the newest checkpoint that passed probation was saved.",
+                value=max(0.0, time.time() - created))
+        moved = CounterMetricFamily("babysit_state_transitions",
+                                    "Supervisor state changes, by the states left and entered.",
+                                    labels=["from_state", "to_state"])
+        for (old, new), n in transitions:
+            moved.add_metric([old, new], n)
+        yield moved
         per_rank = GaugeMetricFamily("babysit_rank_step_seconds",
                                      "Each rank's latest step time, in seconds.", labels=["rank"])
         for rank, seconds in ranks:
@@ -244,6 +327,15 @@ _SCALARS = (
     ("steps_per_second", "babysit_steps_per_second", "Recent optimizer steps per second."),
     ("tokens_per_second", "babysit_tokens_per_second", "Recent tokens per second, whole job."),
     ("mfu", "babysit_mfu", "Model FLOPs utilisation (0..1): achieved over peak FLOP/s."),
+    ("grad_norm", "babysit_grad_norm", "Gradient norm at the newest step."),
+    ("lr_scale", "babysit_lr_scale_ratio",
+     "LR multiplier babysit applies to the schedule (1 = untouched; rollbacks lower it)."),
+    ("step_s", "babysit_step_duration_seconds", "The newest step's time, slowest rank."),
+    ("last_step_at", "babysit_last_step_timestamp_seconds",
+     "When the newest step was merged, in Unix seconds."),
+    ("good_checkpoint_step", "babysit_last_good_checkpoint_step",
+     "Step of the newest checkpoint that passed probation (a rollback's likely target)."),
+    ("exit_code", "babysit_exit_code", "The supervisor's exit code, once the run has ended."),
     ("host_memory_available", "babysit_host_memory_available_bytes",
      "Host memory available to new allocations."),
     ("disk_free", "babysit_disk_free_bytes", "Free bytes on the checkpoint file system."),

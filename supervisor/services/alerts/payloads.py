@@ -17,8 +17,37 @@ consumers must ignore keys they do not know; a removal or change of meaning bump
       "incident_dir": "runs/gpt2/incidents/0003",     # folder with stacks, log tails; or null
       "time": "2025-01-31T12:00:00.000Z",             # when the alert was raised, UTC, ISO 8601
       "dedup_key": "loss_spike:loss:",                # alerts with the same key are de-duplicated
-      "suppressed": {"duplicates": 0, "rate_limited": 0}
+      "suppressed": {"duplicates": 0, "rate_limited": 0},
+      "kind": "remedy",                               # see below; "alert" for anything else
+      "incident_id": "0003-loss_spike-step5120",      # same for every message of one incident
+      "host": "gpu-node-7",                           # machine concerned, or null
+      "node": "2",                                    # node of a multi-node run, or null
+      "needs": null,                                  # what a person must do, or null: nothing
+      "remedy": {                                     # what babysit did about it, or null
+        "action": "rollback", "reason": "ladder rung 2/5: rollback",
+        "attempt": 3, "resume_step": 5000,            # kind "remedy" only: the applied values
+        "skipped_batches": [[5090, 5130]],            # inclusive batch ranges newly skipped
+        "lr_scale": 0.5,                              # LR multiplier now in force
+        "lr_factor": 0.5,                             # this remedy's multiplier
+        "lr_rewarm_steps": null                       # reserved: LR re-warming does not exist yet
+      }
     }
+
+``kind`` says which message of the story this is (``story.IncidentStory``): ``incident`` (a
+remedy was decided: the finding, its numbers, what babysit is doing), ``remedy`` (the relaunch
+that applies it started: ``remedy.resume_step``, ``skipped_batches``, ``lr_scale``),
+``recovered`` (the first step past the trouble; ``evidence.time_lost_s``), ``warning`` (a
+finding whose remedy is only to tell you), ``finished`` / ``failed`` (the run ended;
+``evidence`` has ``exit_code``, ``incidents``, ``elapsed_s``, ``time_lost_s`` and, once a goodput
+ledger exists, ``goodput``), and ``alert`` for everything else (health, digests, tests). Every
+message of one incident has the same ``incident_id`` and its title starts with
+``[<run> #<incident_id>]``: Slack incoming webhooks cannot thread replies, so that prefix is what
+groups an incident in a channel.
+
+Changes within version 1: ``kind``, ``incident_id``, ``host``, ``node``, ``needs`` and
+``remedy`` were added (babysit 0.1, issue 18); older consumers that ignore unknown keys keep
+working. ``incident_id`` is also in the de-duplication key of incident messages, so two incidents
+of the same kind are never merged.
 
 ``suppressed`` counts alerts this sink held back since its previous send: ``duplicates`` of this
 same key, and ``rate_limited`` of any key.
@@ -50,6 +79,7 @@ _HEADER_MAX = 150
 _FIELD_MAX = 2000
 _SECTION_MAX = 3000
 _RANKS_SHOWN = 16
+_FIELDS_PER_SECTION = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +103,22 @@ class Alert:
     incident_dir: str | None = None
     dedup_key: str | None = None
     time: float = field(default_factory=time.time)
+    kind: str = "alert"
+    """Which message of the story: see the module docstring."""
+    incident_id: str | None = None
+    host: str | None = None
+    node: str | None = None
+    needs: str | None = None
+    """What a person must do, in words; None when nothing."""
+    remedy: dict[str, Any] | None = None
 
     @property
     def key(self) -> str:
         """The key de-duplication compares."""
         if self.dedup_key is not None:
             return self.dedup_key
+        if self.incident_id is not None:  # each message of an incident is news once
+            return f"{self.incident_id}:{self.kind}"
         return f"{_text(self.incident) or ''}:{self.title}"
 
     @classmethod
@@ -126,6 +166,12 @@ def webhook_payload(alert: Alert, *, duplicates: int = 0, rate_limited: int = 0)
         "time": _iso(alert.time),
         "dedup_key": alert.key,
         "suppressed": {"duplicates": duplicates, "rate_limited": rate_limited},
+        "kind": alert.kind,
+        "incident_id": alert.incident_id,
+        "host": alert.host,
+        "node": alert.node,
+        "needs": alert.needs,
+        "remedy": jsonable(alert.remedy) if alert.remedy is not None else None,
     }
 
 
@@ -141,10 +187,22 @@ def slack_payload(alert: Alert, *, duplicates: int = 0, rate_limited: int = 0) -
         ("Run", alert.run),
         ("Attempt", _or_dash(alert.attempt)),
         ("Step", _or_dash(alert.step)),
-        ("Rank(s)", format_ranks(alert.ranks) or "-"),
+        ("Rank(s)", format_ranks(alert.ranks) or ("all" if alert.incident else "-")),
         ("Incident", _text(alert.incident) or "-"),
-        ("Action taken", alert.action or "-"),
     ]
+    if alert.host:
+        fields.append(("Host", alert.host + (f" (node {alert.node})" if alert.node else "")))
+    fields.append(("What babysit did", alert.action or "-"))
+    applied = alert.remedy if alert.kind == "remedy" else None
+    if applied:
+        skipped = applied.get("skipped_batches") or []
+        fields += [
+            ("Resumed from step", _or_dash(applied.get("resume_step"))),
+            ("Skipped batches", ", ".join(f"{a}-{b}" for a, b in skipped) or "none"),
+            ("LR scale", f"x{applied.get('lr_scale', 1.0):g}"),
+        ]
+    if alert.needs:
+        fields.append(("Needs from you", alert.needs))
     blocks: list[dict[str, Any]] = [
         {
             "type": "header",
@@ -154,14 +212,15 @@ def slack_payload(alert: Alert, *, duplicates: int = 0, rate_limited: int = 0) -
                 "emoji": True,
             },
         },
-        {
+    ]
+    for start in range(0, len(fields), _FIELDS_PER_SECTION):
+        blocks.append({
             "type": "section",
             "fields": [
                 {"type": "mrkdwn", "text": _cut(f"*{name}*\n{_esc(value)}", _FIELD_MAX)}
-                for name, value in fields
+                for name, value in fields[start:start + _FIELDS_PER_SECTION]
             ],
-        },
-    ]
+        })
     if alert.evidence:
         evidence = _cut(_esc(format_evidence(alert.evidence)), _SECTION_MAX - 20)
         blocks.append(
