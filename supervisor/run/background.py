@@ -96,16 +96,16 @@ class Services:
 
     # -- the run's story: alerts a person can act on, and the exporter's short-lived facts ------
 
-    def notify(self, action: sm.Notify, attempt: int, step: int,
-               incident_dir: str | None) -> None:
-        """Send the alert for ``decide()``'s Notify: an incident told in words when it carries
-        a remedy, else its title as a plain alert."""
+    def notify(self, action: sm.Notify, machine: sm.Machine, incident_dir: str | None) -> None:
+        """Send the alert for ``decide()``'s Notify (``machine``: the state it led to): an
+        incident told in words when it carries a remedy, else its title as a plain alert."""
         if action.remedy is not None:
-            alert = self.story.incident(action.remedy, attempt=attempt,
-                                        incident_dir=incident_dir, now=time.time())
+            alert = self.story.incident(action.remedy, attempt=machine.attempt,
+                                        incident_dir=incident_dir, now=time.time(),
+                                        ends_run=machine.state is sm.State.FAILED)
         else:
             alert = Alert(title=action.title, severity=action.severity, run=self._plan.name,
-                          attempt=attempt, step=step or None)
+                          attempt=machine.attempt, step=machine.step or None)
         self._alerts.submit(alert)
 
     def launched(self, directive: Directive) -> None:

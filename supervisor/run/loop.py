@@ -498,7 +498,7 @@ class Supervisor:
         self.console.log(f"babysit: [{action.severity.name.lower()}] {action.title}")
         self._journal("alert", severity=action.severity.name.lower(), title=action.title)
         folder = str(self._incident_dir) if self._incident_dir else None
-        self.services.notify(action, self.machine.attempt, self.machine.step, folder)
+        self.services.notify(action, self.machine, folder)
 
     def _alert(self, severity: Severity, title: str) -> None:
         self._notify(sm.Notify(severity, title))

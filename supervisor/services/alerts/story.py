@@ -22,6 +22,7 @@ constructor does no I/O; ``host`` is passed in.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -72,10 +73,13 @@ class IncidentStory:
     # -- facts ----------------------------------------------------------------------------------
 
     def incident(self, remedy: Remedy, *, attempt: int, incident_dir: str | None,
-                 now: float) -> Alert:
+                 now: float, ends_run: bool = False) -> Alert:
         """A remedy was decided for ``remedy.finding``. Rollback, relaunch and stop open an
         incident (its follow-ups come from ``launched`` and ``step``); alert-only remedies are
-        a single warning."""
+        a single warning. ``ends_run``: the run fails because of it (a crash no rung of the
+        ladder relaunches), whatever the remedy says; it is told as a stop."""
+        if ends_run and remedy.action is not Action.STOP:
+            remedy = dataclasses.replace(remedy, action=Action.STOP)
         finding = remedy.finding
         ev = finding.evidence
         host = str(ev.get("host") or self.host)
