@@ -117,7 +117,7 @@ def test_validate_ok(write_config, capsys) -> None:
 
 
 def test_schema_documents_every_field(capsys) -> None:
-    assert main(["schema"]) == 0
+    assert main(["schema", "--json"]) == 0
     schema = json.loads(capsys.readouterr().out)
     launch = schema["$defs"]["LaunchConfig"]["properties"]
     assert "nproc_per_node" in launch

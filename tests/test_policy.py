@@ -180,7 +180,7 @@ def test_babysit_schema_policy_documents_the_new_sections(capsys: pytest.Capture
 
     from babysit.supervisor.commands.cli import main
 
-    assert main(["schema", "--policy"]) == 0
+    assert main(["schema", "--policy", "--json"]) == 0
     schema = json.loads(capsys.readouterr().out)
     assert {"rank_departure", "sdc"} <= set(schema["$defs"]["Incidents"]["properties"])
     assert {"rank_departure", "sdc"} <= set(schema["$defs"]["Detectors"]["properties"])

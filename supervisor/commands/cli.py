@@ -7,7 +7,7 @@
     babysit alert-test CONFIG.yaml
     babysit status RUN_DIR [--json]
     babysit report RUN_DIR [--out PATH]
-    babysit schema [--policy]
+    babysit schema [--policy] [--json] [--write PATH]
     babysit replay CURVE [--policy NAME|PATH] [--json]
 
 Exit codes: 0 success; 1 the run failed (a remedy could not save it) or a check failed; 2 a
@@ -121,8 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="send a real test alert to every sink (default: only probe them)")
     doctor.add_argument("--json", action="store_true", help="one JSON list of results")
 
-    schema = sub.add_parser("schema", help="print the JSON Schema of run configs (or policies)")
-    schema.add_argument("--policy", action="store_true", help="print the policy schema instead")
+    schema = sub.add_parser(
+        "schema", help="print the run config reference: every key, its type, default, meaning",
+        description="Print the run config reference (section, key, type, default, meaning), "
+                    "the same text as docs/config.md; --policy: the policy's (docs/policy.md).")
+    schema.add_argument("--policy", action="store_true", help="the policy's reference instead")
+    schema.add_argument("--json", action="store_true", help="print the JSON Schema instead")
+    schema.add_argument("--write", metavar="PATH",
+                        help="write the reference to PATH instead of printing it (to regenerate "
+                             "docs/config.md and docs/policy.md)")
 
     status = sub.add_parser("status", help="state, progress, incidents and checkpoints of a run")
     status.add_argument("run_dir", metavar="RUN_DIR")
@@ -275,14 +282,23 @@ def _alert_test(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
-    if args.policy:
-        from babysit.policies.schema import Policy
+    from babysit.supervisor.config import reference
 
-        print(json.dumps(Policy.model_json_schema(), indent=2))
+    if args.json:
+        if args.policy:
+            from babysit.policies.schema import Policy
+
+            text = json.dumps(Policy.model_json_schema(), indent=2) + "\n"
+        else:
+            from babysit.supervisor.config.schema import schema
+
+            text = json.dumps(schema(), indent=2) + "\n"
     else:
-        from babysit.supervisor.config.schema import schema
-
-        print(json.dumps(schema(), indent=2))
+        text = reference.policy_reference() if args.policy else reference.config_reference()
+    if args.write:
+        Path(args.write).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
     return 0
 
 
