@@ -38,7 +38,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -186,12 +186,19 @@ class Run:
         lr: Any = None,
         tokens: Any = None,
         samples: Any = None,
+        scalars: Mapping[str, Any] | None = None,
     ) -> bool:
         """Report one optimizer step; return False when this optimizer step should be skipped.
 
         Units: loss as the script computes it, grad_norm the total L2 norm, lr the base LR before
         babysit's scale (read from the optimizer's first param group when omitted), tokens and
         samples processed by this rank in this step.
+
+        ``scalars``: any other numbers of this step by name (``{"eval_loss": 2.1}``), for the
+        report; pass them only at the steps that have them (an eval every N steps). They travel
+        as a separate event message (a JSON datagram of at most 8 KB: a few hundred names), so
+        the plain call stays as cheap as ever; values that are not numbers are dropped. Rank 0's
+        are enough: the report shows the mean over the ranks that sent them.
         """
         now = _perf()
         last = self._last_step
@@ -252,7 +259,19 @@ class Run:
         except OSError:
             # Full queue (BlockingIOError) or supervisor gone: drop rather than wait.
             self.dropped += 1
+        if scalars:
+            self._scalars(scalars)
         return keep
+
+    def _scalars(self, scalars: Mapping[str, Any]) -> None:
+        values = {}
+        for name, value in scalars.items():
+            try:
+                values[str(name)] = float(value)
+            except (TypeError, ValueError):
+                continue  # a report must never break the training step
+        if values:
+            self._event("scalars", step=self.step_count, values=values)
 
     def checkpoint_saved(self, path: str | os.PathLike[str]) -> None:
         """Tell babysit the script saved a checkpoint of the current step and cursor at ``path``.
@@ -282,7 +301,7 @@ class Run:
             return
         try:
             self._sock.send(protocol.encode_event(self._token, self.rank, type_, _wall(), **data))
-        except OSError:
+        except (OSError, protocol.ProtocolError):  # full queue, gone, or too big: dropped
             self.dropped += 1
 
     def close(self) -> None:

@@ -379,7 +379,7 @@ class Supervisor:
             world = event.data.get("world_size")
             if isinstance(world, int) and world > 0:
                 self._world = world
-        if event.type in ("hello", "close", "skip"):
+        if event.type in ("hello", "close", "skip", "scalars"):
             self._journal(f"worker_{event.type}", rank=event.rank, data=event.data)
         elif event.type == "checkpoint":
             step = int(event.data.get("step", 0))

@@ -26,6 +26,7 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
     --nan-at CURSOR        that global batch gives a non-finite loss
     --slow-data RANK:SEC   that rank waits SEC seconds for every batch (a slow loader)
     --flood LINES          rank 0 prints LINES lines of junk every step
+    --eval-every N         every N steps, report an "eval_loss" scalar with the step
     --after-close KIND     rank 0 then aborts (``abort``, as gloo's teardown sometimes does) or
                            raises (``raise``) after the run closed cleanly
 
@@ -105,6 +106,7 @@ def main() -> None:
     p.add_argument("--slow-data", type=pair)
     p.add_argument("--exit-code", type=int, default=0)
     p.add_argument("--flood", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--after-close", choices=["abort", "raise"])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
@@ -151,7 +153,15 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
-        if run.step(loss=loss.item(), grad_norm=float(gnorm), tokens=4):
+        scalars = None
+        if args.eval_every and upcoming % args.eval_every == 0:
+            with torch.no_grad():  # a held-out batch, never trained on
+                ex = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))
+                ey = ex.sum(dim=1, keepdim=True)
+                model.eval()  # no dropout: and so no draw from the training RNG stream
+                scalars = {"eval_loss": torch.nn.functional.mse_loss(model(ex), ey).item()}
+                model.train()
+        if run.step(loss=loss.item(), grad_norm=float(gnorm), tokens=4, scalars=scalars):
             opt.step()
         if faults_on and args.corrupt and args.corrupt == (rank, run.step_count):
             flip_bit(model[0].weight)
