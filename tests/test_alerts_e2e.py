@@ -93,8 +93,9 @@ def test_a_hang_and_a_spike_are_told_in_full_and_the_final_state_stays_scrapeabl
         tmp_path: Path, server, monkeypatch) -> None:
     """One real run, two incidents (rank 1 hangs at step 15 on the first attempt; batches 30-39
     are poisoned): the receiver gets, per incident, the finding, the remedy as applied (resume
-    step, skipped batches, LR scale) and a recovered message, then "run finished"; and after
-    the run has ended, /metrics still answers with its final state."""
+    step, skipped batches, LR scale) and a recovered message, then "run finished"; after the
+    run has ended, /metrics still answers with its final state; and the report of the run shows
+    the eval loss the script reported, its config, and no raw JSON."""
     url, received = server
     monkeypatch.setenv("OPS_HOOK_URL", url)
     run_dir = tmp_path / "run"
@@ -102,7 +103,7 @@ def test_a_hang_and_a_spike_are_told_in_full_and_the_final_state_stays_scrapeabl
     path = tmp_path / "run.yaml"
     path.write_text(
         f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
-        f"  args: [--steps, '50', --hang, '1:15', --spike, '30:40']\n"
+        f"  args: [--steps, '50', --hang, '1:15', --spike, '30:40', --eval-every, '5']\n"
         f"run_dir: {run_dir}\n"
         "checkpoints: {every_steps: 5, probation_steps: 5}\n"
         f"policy: {{name: {WORKERS.parent / 'fast_policy.yaml'}}}\n"
@@ -162,6 +163,14 @@ def test_a_hang_and_a_spike_are_told_in_full_and_the_final_state_stays_scrapeabl
     # The end: one "finished" message, and nothing after it.
     assert bodies[-1]["kind"] == "finished" and bodies[-1]["evidence"]["incidents"] == 2
     assert "run finished" in bodies[-1]["title"]
+
+    report = run_babysit("report", str(run_dir), cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    page = (run_dir / "report.html").read_text()
+    assert (run_dir / "report" / "scalars.png").stat().st_size > 0
+    assert "Run config" in page and "--eval-every" in page
+    assert "rank 0, step 50: eval_loss" in page or "rank 1, step 50: eval_loss" in page
+    assert "{&quot;" not in page  # no raw JSON anywhere
 
 
 def so_far(run_dir: Path, event: str) -> list[dict[str, Any]]:

@@ -7,9 +7,15 @@ after it (``RUN_DIR/report/*.png``), linked relatively so the pair can be copied
   rollback lines, shaded batches that a later attempt skipped, non-finite values as red marks,
   the band of per-rank losses and rank_departure findings, when reported;
 - ``throughput.png``: tokens/s and MFU by step, when the run reported them;
+- ``scalars.png``: the other numbers the script reported (``run.step(scalars=...)``: eval
+  loss...) by step, when it reported any;
 - ``step_times.png``: each rank's step time over the run, and each rank's median (large worlds:
   the median, p99 and slowest rank's step time, and which ranks were the slowest most often);
 - ``timeline.png``: every finding over time, by kind, coloured by the policy's action.
+
+Hangs (a band from the last progress to the finding) and crashes (a line) are marked on both
+time plots (``marks``); the page also shows the run's config, and the journal's other events
+in words, never as raw JSON.
 
 Calling rules: reads only the run directory (safe while the run is live; a torn last line is
 skipped); needs matplotlib (imported here, never by ``babysit run``). The whole metrics file is
@@ -29,7 +35,7 @@ __all__ = ["report_main", "write_report"]
 
 def write_report(run_dir: str | Path, out_path: str | Path | None = None) -> Path:
     """Write the report and its figures; return the HTML path. Raises ``status.NotARunDir``."""
-    from babysit.supervisor.commands.report import html, plots
+    from babysit.supervisor.commands.report import html, plots, scalars
     from babysit.supervisor.commands.report.data import RunData
 
     run_dir = Path(run_dir)
@@ -42,7 +48,8 @@ def write_report(run_dir: str | Path, out_path: str | Path | None = None) -> Pat
         out = out.with_name(out.name + ".html")  # else the figure folder would take its name
     fig_dir = out.parent / out.stem
     drawers = {"training": plots.plot_training, "throughput": plots.plot_throughput,
-               "step_times": plots.plot_step_times, "timeline": plots.plot_timeline}
+               "scalars": scalars.plot_scalars, "step_times": plots.plot_step_times,
+               "timeline": plots.plot_timeline}
     figures: dict[str, str | None] = {}
     for name, draw in drawers.items():
         png = fig_dir / f"{name}.png"

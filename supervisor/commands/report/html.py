@@ -8,7 +8,6 @@ laptop after ``scp -r`` of the run directory, or from a CI artifact.
 from __future__ import annotations
 
 import html
-import json
 import math
 import os
 import time
@@ -80,7 +79,8 @@ def render(data: RunData, snap: dict[str, Any], figures: dict[str, str | None],
              f"<p class='muted'>{_e(snap['run_dir'])}; generated {_clock(time.time())}</p>",
              _summary(data, snap), _figures(data, figures), "<h2>Attempts</h2>",
              _attempts(data, snap), "<h2>Incidents</h2>", _incidents(data, page), _sdc(data),
-             "<h2>Checkpoints</h2>", _checkpoints(snap), _cadence(data), _other_events(data),
+             "<h2>Checkpoints</h2>", _checkpoints(snap), _cadence(data), _config(data),
+             _other_events(data),
              f"<p class='muted'>Journal: <code>{_e(snap['journal'])}</code>; metrics: "
              f"<code>{_e(snap['metrics'])}</code> ({data.rows:,} rows).</p></body></html>"]
     return "\n".join(p for p in parts if p)
@@ -137,11 +137,16 @@ def _figures(data: RunData, figures: dict[str, str | None]) -> str:
         "throughput": "Job-wide tokens per second and model FLOPs utilisation (MFU) by step, "
                       "whichever the run reported; one colour per attempt, a rolling median "
                       "over the raw values (faint), the run's median dashed.",
-        "step_times": "Each rank's step time over the run; a straggler stands out as a high "
+        "scalars": "The other numbers the script reported with its steps (eval loss...), by "
+                   "step; one colour per attempt, incidents and skipped batches as above.",
+        "step_times": "Each rank's step time over the run (hangs shaded red, crashes "
+                      "dash-dotted); a straggler stands out as a high "
                       "line (or a bright row) and a red bar. Large worlds report no per-rank "
                       "times: then the median, p99 and slowest rank's step time, and the ranks "
                       "that were the slowest most often.",
-        "timeline": "Every finding over time, one row per kind, coloured by the policy's action.",
+        "timeline": "Every finding over time, one row per kind, coloured by the policy's action "
+                    "(markers close in time stacked within their row); hangs shaded red from "
+                    "the last progress to the finding, crashes dash-dotted.",
     }
     out = []
     for key, caption in captions.items():
@@ -223,19 +228,72 @@ def _checkpoints(s: dict[str, Any]) -> str:
 
 
 def _other_events(data: RunData) -> str:
-    """Journal events this report does not interpret yet, shown raw rather than dropped."""
+    """Journal events this page has no section for: one row per kind, with how many there
+    were and what the newest one said, in words (nested evidence is counted, never dumped)."""
     other = [e for e in data.history.events if e.get("event") not in KNOWN_EVENTS]
     if not other:
         return ""
-    rows = []
-    for e in other[-50:]:
-        evidence = {k: v for k, v in e.items() if k not in ("time", "event", "attempt", "step")}
-        text = json.dumps(evidence, separators=(", ", ": "))
-        rows.append([_clock(e.get("time")) if isinstance(e.get("time"), (int, float)) else "-",
-                     _e(e.get("event")), _e(e.get("attempt")), _e(e.get("step")),
-                     f"<code>{_e(text[:300])}</code>"])
-    return ("<h2>Other journal events</h2>" + f"<p class='muted'>{len(other)} in all; the newest "
-            f"50:</p>" + _table(["time", "event", "attempt", "step", "evidence"], rows))
+    newest: dict[str, dict[str, Any]] = {}
+    counts: dict[str, int] = {}
+    for e in other:
+        kind = str(e.get("event"))
+        newest[kind] = e
+        counts[kind] = counts.get(kind, 0) + 1
+    rows = [[_e(kind), f"{counts[kind]:,}",
+             _clock(e.get("time")) if isinstance(e.get("time"), (int, float)) else "-",
+             _e(describe(e))] for kind, e in sorted(newest.items())]
+    return ("<h2>Other journal events</h2>" + _table(["event", "count", "newest", "the newest "
+                                                      "said"], rows))
+
+
+def describe(e: dict[str, Any]) -> str:
+    """One journal entry in a line of words."""
+    kind = e.get("event")
+    body: dict[str, Any] = e["data"] if isinstance(e.get("data"), dict) else {}
+    if kind == "watch_state":
+        return "the detectors' baselines and the ladders' state, kept for a supervisor taking over"
+    if kind == "alert_delivery":
+        r = e.get("result") or {}
+        return f"{r.get('outcome')} to sink {r.get('sink')}: {r.get('title') or r.get('reason')}"
+    if kind == "worker_scalars":
+        values = body.get("values") or {}
+        return f"rank {e.get('rank')}, step {body.get('step')}: " + ", ".join(
+            f"{k} {_num(v)}" for k, v in values.items())
+    if kind == "hang_diagnosis":
+        return str(e.get("reason") or e.get("verdict") or "stacks dumped")
+    return _words({k: v for k, v in e.items() if k not in ("time", "event", "attempt")})
+
+
+def _words(fields: dict[str, Any]) -> str:
+    parts = []
+    for key, value in fields.items():
+        if isinstance(value, dict):
+            if value:
+                parts.append(f"{key}: {_words(value)}" if len(value) <= 3 else
+                             f"{key}: {len(value)} fields")
+        elif isinstance(value, list):
+            shown = ", ".join(map(str, value[:5])) + (", ..." if len(value) > 5 else "")
+            parts.append(f"{key} [{shown}]" if all(not isinstance(v, (dict, list))
+                                                    for v in value) else
+                         f"{key}: {len(value)} items")
+        elif key in ("created", "started", "finished") and isinstance(value, (int, float)):
+            parts.append(f"{key} {_clock(value)}")
+        elif value is not None:
+            parts.append(f"{key} {_num(value) if isinstance(value, float) else value}")
+    text = ", ".join(parts)
+    return text if len(text) <= 240 else text[:239] + "…"
+
+
+def _config(data: RunData) -> str:
+    """The run's config as babysit read it (``config.yaml`` in the run folder)."""
+    path = data.history.run_dir / "config.yaml"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return ""
+    return (f"<h2>Run config</h2><p class='muted'>As babysit read it, defaults filled in "
+            f"(<code>{_e(path)}</code>; every key: <code>babysit schema</code>).</p>"
+            f"<details><summary>show</summary><pre>{_e(text)}</pre></details>")
 
 
 def _events(data: RunData, kind: str) -> list[dict[str, Any]]:

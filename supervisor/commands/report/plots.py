@@ -22,6 +22,7 @@ import matplotlib.ticker as mticker
 import matplotlib.transforms as mtransforms
 import numpy as np
 
+from babysit.supervisor.commands.report import marks
 from babysit.supervisor.commands.report.data import Curve, Floats, RankTimes, RunData
 
 DPI = 110
@@ -335,6 +336,7 @@ def plot_step_times(data: RunData, path: Path) -> bool:
         ax.set_title("step time per rank (launches marked #n)", loc="left", pad=14)
         _median_bars(bars, ranks)
     _mark_launches(ax, data, div, "#", "#555555", ":")
+    marks.mark_troubles(ax, data, div, legend=False)  # a hang is otherwise only a gap here
     ax.set_xlabel(xlabel)
     ax.grid(True, alpha=0.3)
     _save(fig, path)
@@ -465,8 +467,14 @@ def plot_timeline(data: RunData, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(WIDTH, 1.9 + 0.45 * max(1, len(kinds))),
                            layout="constrained")
     done: set[str] = set()
-    for i in findings:
-        row = kinds.index(i.incident)
+    span = (max(times, default=data.t0) - data.t0) / div
+    offsets: dict[int, float] = {}
+    for kind in kinds:  # markers close in time stack within their row instead of overlapping
+        mine = [n for n, i in enumerate(findings) if i.incident == kind]
+        xs = [(findings[n].time - data.t0) / div for n in mine]
+        offsets.update(zip(mine, marks.spread(xs, span), strict=True))
+    for n, i in enumerate(findings):
+        row = kinds.index(i.incident) + offsets[n]
         ignored = i.action in ("ignore", "set_aside")
         ax.scatter((i.time - data.t0) / div, row, s=18 if ignored else 70,
                    marker="o" if ignored else "D", color=ACTION_COLOURS.get(i.action, "black"),
@@ -474,6 +482,7 @@ def plot_timeline(data: RunData, path: Path) -> bool:
                    label=None if i.action in done else i.action)
         done.add(i.action)
     _mark_launches(ax, data, div, "launch #", "#2a9d8f", "-")
+    marks.mark_troubles(ax, data, div, legend=False)
     if h.finished and end:
         state = str(h.finished.get("state"))
         ax.axvline((end - data.t0) / div, color="black", lw=1.5)
