@@ -81,6 +81,23 @@ def test_worker_reports_reach_the_intake(intake: Intake, monkeypatch) -> None:
     assert steps[0].step_time is None and steps[1].step_time is not None
 
 
+def test_extra_scalars_travel_as_an_event_after_their_step(intake: Intake,
+                                                            monkeypatch) -> None:
+    monkeypatch.setenv(protocol.ENV_SOCKET, str(intake.path))
+    monkeypatch.setenv(protocol.ENV_TOKEN, TOKEN.hex())
+    run = attach()
+    run.step(loss=2.0)
+    run.step(loss=1.9, scalars={"eval_loss": 2.5, "accuracy": 1, "label": "not a number"})
+    # Too many for one datagram: dropped and counted, never raised into the training loop.
+    run.step(loss=1.8, scalars={f"metric_{i}": 1.0 for i in range(1000)})
+    assert run.dropped == 1
+    run.close()
+    messages = intake.drain()
+    events = [m for m in messages if isinstance(m, protocol.WorkerEvent) and m.type == "scalars"]
+    assert [e.data for e in events] == [{"step": 2, "values": {"eval_loss": 2.5, "accuracy": 1.0}}]
+    assert sum(isinstance(m, RankStep) for m in messages) == 3
+
+
 def test_injected_telemetry_with_wrong_token_is_rejected(intake: Intake) -> None:
     sender = connect(intake.path)
     forged = RankStep(rank=0, step=1, time=0.0, loss=1e9)
