@@ -32,10 +32,12 @@ def test_metrics_endpoint_and_scheduled_jobs_on_a_live_run(tmp_path: Path) -> No
     try:
         body = ""
         running = 'babysit_run_state{state="running"} 1.0'
+        rank1 = 'babysit_rank_step_seconds{rank="1"}'
         deadline = time.monotonic() + 90
-        # The step gauge can lead the state gauge by a tick (steps are observed while telemetry
-        # is read, the state after the transition): wait for both.
-        while time.monotonic() < deadline and not ("babysit_step " in body and running in body):
+        # The state shows "running" from the first step on, but a rank's first step has no
+        # step time yet (it is measured between steps): wait for all three.
+        while time.monotonic() < deadline and not ("babysit_step " in body and running in body
+                                                   and rank1 in body):
             time.sleep(0.5)
             started = [e for e in read_jsonl(run_dir / "events.jsonl")
                        if e["event"] == "prometheus_started"] if run_dir.exists() else []
@@ -45,7 +47,7 @@ def test_metrics_endpoint_and_scheduled_jobs_on_a_live_run(tmp_path: Path) -> No
                     body = response.read().decode()
         assert started and started[0]["url"].startswith("http://127.0.0.1:")
         assert "babysit_step " in body and running in body
-        assert 'babysit_rank_step_seconds{rank="1"}' in body
+        assert rank1 in body
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
