@@ -418,3 +418,20 @@ def test_send_alert_sends_a_real_test_alert(tmp_path: Path, hooks: Hooks) -> Non
     assert result.status is Status.PASS, result
     assert [m for m, _, _ in hooks.requests] == ["POST", "POST"]
     assert all(b"babysit alert test" in body for _, _, body in hooks.requests)
+
+
+def test_a_taken_metrics_port_fails_before_the_run_naming_the_key(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        plan = plan_of(tmp_path, f"""\
+            launch: {{script: train.py}}
+            prometheus: {{enabled: true, port: {port}}}
+            """)
+        result = checks.metrics_port(plan, Context())
+    assert result.status is Status.FAIL and f"127.0.0.1:{port}" in result.summary
+    assert result.fix is not None and "prometheus.port" in result.fix
+    assert checks.metrics_port(plan, Context()).status is Status.PASS  # released: free again
+    off = plan_of(tmp_path, "launch: {script: train.py}\n")
+    assert checks.metrics_port(off, Context()).status is Status.SKIP

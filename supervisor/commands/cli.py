@@ -156,13 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from babysit.supervisor.config.schema import ConfigError
+    from babysit.supervisor.services.exporter import ExporterError
 
     try:
         handler = {"run": _run, "validate": _validate, "schema": _schema, "replay": _replay,
                    "alert-test": _alert_test, "status": _status, "report": _report,
                    "doctor": _doctor}
         return handler[args.command](args)
-    except (ConfigError, UsageError) as exc:
+    except (ConfigError, UsageError, ExporterError) as exc:
         print(f"babysit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 

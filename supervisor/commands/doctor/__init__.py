@@ -17,6 +17,7 @@ of every ``babysit run`` through ``fast_checks``; the rest only under ``babysit 
     checkpoint io    a real save and load of a tiny model, where checkpoints go  (imports torch)
     rendezvous       multi-node: the endpoint resolves and answers               fast
     alert config     every sink's URL variable is set                            fast
+    metrics port     prometheus.port is free to listen on (when enabled)         fast
     alert sinks      every sink answers, without sending an alert (or sends a    (network)
                      real test alert with --send-alert)
 
@@ -72,6 +73,7 @@ CHECKS: tuple[Check, ...] = (
     Check("checkpoint io", runtime.checkpoint_io, fast=False),
     Check("rendezvous", checks.rendezvous, fast=True),
     Check("alert config", alerting.alert_config, fast=True),
+    Check("metrics port", checks.metrics_port, fast=True),
     Check("alert sinks", alerting.alert_sinks, fast=False),
 )
 """Every check but ``config`` (which is loading the plan itself), in the order they print."""

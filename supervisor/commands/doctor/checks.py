@@ -13,6 +13,7 @@ from babysit.checkpoints import Catalog
 from babysit.supervisor.commands.doctor.core import CheckResult, Context, ProbeError, Status, probe
 from babysit.supervisor.config.address import parse_address
 from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.services.exporter import DEFAULT_PORT
 
 GIB = 1024**3
 _TORCHRUN_DEFAULT_RDZV_PORT = 29400  # torchrun's port when --rdzv-endpoint names only a host
@@ -215,3 +216,27 @@ def rendezvous(plan: RunPlan, ctx: Context) -> CheckResult:
         name, Status.WARN, f"nothing answers at {where} ({why})",
         "Start node 0 first (the store starts with its torchrun); if it is running, a firewall "
         f"blocks port {port} between the nodes.")
+
+
+def metrics_port(plan: RunPlan, ctx: Context) -> CheckResult:
+    """The Prometheus endpoint's port is free (another run on this machine may hold it)."""
+    name = "metrics port"
+    config = plan.config.prometheus
+    if not config.enabled:
+        return CheckResult(name, Status.SKIP, "prometheus.enabled is false")
+    if config.port == 0:
+        return CheckResult(name, Status.PASS, "prometheus.port is 0: a free port is picked")
+    try:
+        family = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM,
+                                    flags=socket.AI_PASSIVE)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            # As the endpoint itself binds: a port in TIME_WAIT from an earlier run is free.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((config.host, config.port))
+    except OSError as exc:
+        taken = " (another babysit run on this machine?)" if config.port == DEFAULT_PORT else ""
+        return CheckResult(name, Status.FAIL, f"cannot listen on {config.host}:{config.port}"
+                           f"{taken}: {exc.strerror or exc}", "Set prometheus.port in the run "
+                           "config to a free port (and point your scrape config at it), or "
+                           "turn the endpoint off with prometheus.enabled: false.")
+    return CheckResult(name, Status.PASS, f"http://{config.host}:{config.port}/metrics is free")
