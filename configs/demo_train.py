@@ -278,6 +278,7 @@ def main() -> None:
             with run.phase("eval"):
                 eval_loss = evaluate()
             if rank == 0:
+                run.scalars({"eval_loss": eval_loss})  # plotted by babysit report
                 print(f"step {step:5d} | eval loss {eval_loss:.3f}", flush=True)
         if step >= args.steps:
             break

@@ -260,10 +260,13 @@ class Run:
             # Full queue (BlockingIOError) or supervisor gone: drop rather than wait.
             self.dropped += 1
         if scalars:
-            self._scalars(scalars)
+            self.scalars(scalars)
         return keep
 
-    def _scalars(self, scalars: Mapping[str, Any]) -> None:
+    def scalars(self, scalars: Mapping[str, Any]) -> None:
+        """Report other numbers of the newest step by name (``{"eval_loss": 2.1}``): call it
+        after an eval that follows ``step()``, or pass ``scalars=`` to ``step()`` itself. For
+        the report; never blocks, never raises (see ``step``)."""
         values = {}
         for name, value in scalars.items():
             try:
