@@ -88,13 +88,15 @@ def test_extra_scalars_travel_as_an_event_after_their_step(intake: Intake,
     run = attach()
     run.step(loss=2.0)
     run.step(loss=1.9, scalars={"eval_loss": 2.5, "accuracy": 1, "label": "not a number"})
+    run.scalars({"eval_loss": 2.4})  # after an eval that followed the step: the same step
     # Too many for one datagram: dropped and counted, never raised into the training loop.
     run.step(loss=1.8, scalars={f"metric_{i}": 1.0 for i in range(1000)})
     assert run.dropped == 1
     run.close()
     messages = intake.drain()
     events = [m for m in messages if isinstance(m, protocol.WorkerEvent) and m.type == "scalars"]
-    assert [e.data for e in events] == [{"step": 2, "values": {"eval_loss": 2.5, "accuracy": 1.0}}]
+    assert [e.data for e in events] == [{"step": 2, "values": {"eval_loss": 2.5, "accuracy": 1.0}},
+                                        {"step": 2, "values": {"eval_loss": 2.4}}]
     assert sum(isinstance(m, RankStep) for m in messages) == 3
 
 
