@@ -87,6 +87,10 @@ def test_a_stop_or_a_run_ending_crash_says_a_person_is_needed() -> None:
                             step=5, now=3.0, goodput=0.5)
     assert failed.kind == "failed" and failed.severity is Severity.CRITICAL
     assert failed.needs and failed.evidence["goodput"] == 0.5 and "goodput 50.0%" in failed.title
+    stopped = story.finished(state="stopped", exit_code=130, reason="signal 2", attempt=3,
+                             step=5, now=4.0)
+    assert stopped.kind == "stopped" and stopped.severity is Severity.WARNING
+    assert stopped.needs and "resumes" in stopped.needs and "run stopped" in stopped.title
 
 
 def test_an_alert_only_remedy_is_one_warning_without_an_incident() -> None:

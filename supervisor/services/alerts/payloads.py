@@ -37,7 +37,8 @@ consumers must ignore keys they do not know; a removal or change of meaning bump
 remedy was decided: the finding, its numbers, what babysit is doing), ``remedy`` (the relaunch
 that applies it started: ``remedy.resume_step``, ``skipped_batches``, ``lr_scale``),
 ``recovered`` (the first step past the trouble; ``evidence.time_lost_s``), ``warning`` (a
-finding whose remedy is only to tell you), ``finished`` / ``failed`` (the run ended;
+finding whose remedy is only to tell you), ``finished`` / ``stopped`` / ``failed`` (the run
+ended: succeeded, stopped by a signal, or failed;
 ``evidence`` has ``exit_code``, ``incidents``, ``elapsed_s``, ``time_lost_s`` and, once a goodput
 ledger exists, ``goodput``), and ``alert`` for everything else (health, digests, tests). Every
 message of one incident has the same ``incident_id`` and its title starts with

@@ -10,7 +10,8 @@ alerts to send (or none). The facts, in the order a rollback produces them::
                     a-b, LR xS (from the attempt's directive, what the ranks actually run with).
     step(...)       every merged step; the first one past the step where the trouble was
                     detected closes the incident with a "recovered" message and the time lost.
-    finished(...)   the run ended: "finished" or "failed", with a summary.
+    finished(...)   the run ended: "finished", "stopped" (by a signal) or "failed", with a
+                    summary.
 
 Every message of one incident carries the same ``incident_id`` (the incident folder's name, or a
 number when there is none) and starts its title with ``[<run> #<id>]``: Slack incoming webhooks
@@ -207,14 +208,18 @@ class IncidentStory:
             evidence["skipped_batches"] = [[r.start, r.end - 1] for r in self._skips]
         if self._lr_scale != 1.0:
             evidence["lr_scale"] = self._lr_scale
+        kind = "finished" if ok else "stopped" if state == "stopped" else "failed"
+        needs = {"finished": None,
+                 "stopped": "Nothing, if you stopped it: `babysit run` with the same run_dir "
+                            "resumes it from its newest checkpoint.",
+                 "failed": "A person: the run stopped and babysit will not retry it. "
+                           "`babysit status` and the incident folders say why."}[kind]
+        severity = {"finished": Severity.INFO, "stopped": Severity.WARNING,
+                    "failed": Severity.CRITICAL}[kind]
         return Alert(
-            title=f"[{self.run}] run {'finished' if ok else 'failed'}: " + ", ".join(summary),
-            severity=Severity.INFO if ok else Severity.CRITICAL, run=self.run, attempt=attempt,
-            step=step, kind="finished" if ok else "failed", host=self.host,
-            action=f"exit code {exit_code} ({reason})",
-            needs=None if ok else "A person: the run stopped and babysit will not retry it. "
-                                  "`babysit status` and the incident folders say why.",
-            evidence=evidence, time=now,
+            title=f"[{self.run}] run {kind}: " + ", ".join(summary), severity=severity,
+            run=self.run, attempt=attempt, step=step, kind=kind, host=self.host,
+            action=f"exit code {exit_code} ({reason})", needs=needs, evidence=evidence, time=now,
         )
 
 
