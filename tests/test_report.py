@@ -29,6 +29,8 @@ from tests.test_status import real_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = ("training.png", "step_times.png", "timeline.png")
+REAL_FIGURES = ("training.png", "scalars.png", "step_times.png", "timeline.png")
+"""The real run's: the demo script reports its eval loss (``run.scalars``) at its last step."""
 T0 = 1_700_000_000.0
 
 
@@ -69,7 +71,7 @@ def test_report_of_a_rollback_run(tmp_path: Path, run_dir: Path) -> None:
     page = tmp_path / "out" / "r.html"
     # The demo gives tokens; whether tokens/s (and MFU) reach the rows is the aggregator's call.
     rates = any("tokens_per_s" in r or "mfu" in r for r in read_jsonl(run_dir / "metrics.jsonl"))
-    figures = [*FIGURES[:1], *(["throughput.png"] if rates else []), *FIGURES[1:]]
+    figures = [*REAL_FIGURES[:1], *(["throughput.png"] if rates else []), *REAL_FIGURES[1:]]
     assert out == (f"babysit: wrote {page} with {len(figures)} plot(s) in "
                    f"{tmp_path / 'out' / 'r'}\n")
     linked = images(page)
@@ -96,8 +98,8 @@ def test_default_location_is_inside_the_run_directory(tmp_path: Path, run_dir: P
     run = copy_run(run_dir, tmp_path / "run")
     assert report(run)[0] == 0
     linked = [p.relative_to(run) for p in images(run / "report.html")]
-    assert [Path("report") / f for f in FIGURES] == [p for p in linked
-                                                      if p.name != "throughput.png"]
+    assert [Path("report") / f for f in REAL_FIGURES] == [p for p in linked
+                                                           if p.name != "throughput.png"]
 
 
 @pytest.mark.e2e
@@ -123,7 +125,8 @@ def test_a_run_without_metrics_still_gets_a_timeline(tmp_path: Path, run_dir: Pa
     run = copy_run(run_dir, tmp_path / "run")
     (run / "metrics.jsonl").write_text("")
     assert report(run)[0] == 0
-    assert [p.name for p in images(run / "report.html")] == ["timeline.png"]
+    # The eval loss comes from the journal, not the metrics: it is still drawn.
+    assert [p.name for p in images(run / "report.html")] == ["scalars.png", "timeline.png"]
     assert "No metrics." in (run / "report.html").read_text()
     assert not (run / "report" / "training.png").exists()
 
