@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from babysit.supervisor.contract.directive import Directive
 from tests.conftest import WORKERS, babysit_env, journal, read_jsonl, run_babysit
 
 SECRET = "T000/B000/SECRETxyz"
@@ -126,7 +127,10 @@ def test_a_hang_and_a_spike_are_told_in_full_and_the_final_state_stays_scrapeabl
                  if name == "babysit_state_transitions_total"}
         assert moves[(("from_state", "running"), ("to_state", "intervening"))] == 2
         assert moves[(("from_state", "relaunching"), ("to_state", "starting"))] == 2
-        assert samples[("babysit_lr_scale_ratio", ())] == 0.5
+        # The LR scale in force at the last step: the rollback's cut, or on its way back.
+        last = Directive.from_json(journal(run_dir, "launch")[-1]["directive"])
+        cursor = read_jsonl(run_dir / "metrics.jsonl")[-1]["cursor"]
+        assert samples[("babysit_lr_scale_ratio", ())] == pytest.approx(last.scale_at(cursor))
         assert samples[("babysit_step", ())] == 50
         assert samples[("babysit_last_good_checkpoint_age_seconds", ())] >= 0
         assert ("babysit_grad_norm", ()) in samples

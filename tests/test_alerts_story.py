@@ -4,7 +4,7 @@ Pure: facts in, alerts out, clocks passed in."""
 from __future__ import annotations
 
 from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
-from babysit.supervisor.contract.directive import Directive, Resume, SkipRange
+from babysit.supervisor.contract.directive import Directive, LrRamp, Resume, SkipRange
 from babysit.supervisor.services.alerts import slack_payload, webhook_payload
 from babysit.supervisor.services.alerts.story import IncidentStory
 
@@ -120,3 +120,20 @@ def test_payloads_show_the_applied_remedy() -> None:
     assert shown["Resumed from step"] == "30" and shown["Skipped batches"] == "29-41"
     assert shown["LR scale"] == "x0.5" and shown["Host"] == "node-a"
     assert shown["Rank(s)"] == "all"
+
+
+def test_a_rollback_whose_lr_cut_wears_off_says_over_which_batches() -> None:
+    story = IncidentStory("gpt", host="h")
+    story.launched(directive(0, None), now=0.0)
+    remedy = Remedy(Action.ROLLBACK, SPIKE, "rung 1", skip_before=2, skip_after=8,
+                    lr_scale=0.5, lr_rewarm=50)
+    found = story.incident(remedy, attempt=0, incident_dir=None, now=1.0)
+    assert "LR x0.5, re-warming over 50 batches past the skipped ones" in (found.action or "")
+    ramp = LrRamp(cut=29, start=42, end=92, to=1.0)
+    applied = story.launched(Directive(attempt=1, resume=Resume("/c", 30, 30),
+                                       skip=(SkipRange(29, 42),), lr_scale=0.5, lr_ramp=ramp),
+                             now=2.0)
+    assert applied is not None and applied.remedy is not None
+    assert "LR x0.5 from batch 29, back to x1 over batches 42-91" in (applied.action or "")
+    assert applied.remedy["lr_rewarm_steps"] == 50
+    assert applied.remedy["lr_ramp"] == {"cut": 29, "start": 42, "end": 92, "to": 1.0}

@@ -62,6 +62,7 @@ class Services:
             if config.prometheus.enabled else None
         self.story = IncidentStory(plan.name, socket.gethostname())
         self._linger_cut = threading.Event()
+        self._directive: Directive | None = None
 
     def start(self) -> list[Entry]:
         self._jobs.start()
@@ -93,6 +94,8 @@ class Services:
             self.exporter.observe_step(record.step, record.loss, times,
                                        grad_norm=record.grad_norm, step_s=record.step_time,
                                        at=now)
+            if self._directive is not None:  # the scale in force, ramps included
+                self.exporter.observe_run(lr_scale=self._directive.scale_at(record.cursor))
 
     # -- the run's story: alerts a person can act on, and the exporter's short-lived facts ------
 
@@ -110,6 +113,7 @@ class Services:
 
     def launched(self, directive: Directive) -> None:
         """An attempt started with ``directive`` (what its ranks run with)."""
+        self._directive = directive
         applied = self.story.launched(directive, time.time())
         if applied is not None:
             self._alerts.submit(applied)

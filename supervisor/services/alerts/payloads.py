@@ -29,7 +29,10 @@ consumers must ignore keys they do not know; a removal or change of meaning bump
         "skipped_batches": [[5090, 5130]],            # inclusive batch ranges newly skipped
         "lr_scale": 0.5,                              # LR multiplier now in force
         "lr_factor": 0.5,                             # this remedy's multiplier
-        "lr_rewarm_steps": null                       # reserved: LR re-warming does not exist yet
+        "lr_rewarm_steps": 50,                        # batches over which the cut wears off;
+                                                      # null: the cut stays (a repeat spike)
+        "lr_ramp": {"cut": 5090, "start": 5131,       # kind "remedy" only: the directive's ramp
+                    "end": 5181, "to": 1.0}           # (data-cursor space), or null
       }
     }
 

@@ -30,7 +30,7 @@ from pathlib import PurePath
 from typing import Any
 
 from babysit.policies.types import Action, Remedy, Severity
-from babysit.supervisor.contract.directive import Directive, SkipRange
+from babysit.supervisor.contract.directive import Directive, LrRamp, SkipRange
 from babysit.supervisor.services.alerts.payloads import Alert
 
 _DOING = {
@@ -67,6 +67,7 @@ class IncidentStory:
         self._open: _Open | None = None
         self._skips: tuple[SkipRange, ...] = ()
         self._lr_scale = 1.0
+        self._lr_ramp: LrRamp | None = None
         self._last_step_at: float | None = None
         self._started_at: float | None = None
         self._lost_s = 0.0
@@ -130,7 +131,10 @@ class IncidentStory:
         """An attempt started with ``directive``. Says what the open incident's remedy did;
         None for the first attempt, or when no incident is open."""
         new_skips = tuple(r for r in directive.skip if r not in self._skips)
-        old_scale, self._skips, self._lr_scale = self._lr_scale, directive.skip, directive.lr_scale
+        old = (self._lr_scale, self._lr_ramp)
+        old_scale = self._lr_scale
+        self._skips, self._lr_scale = directive.skip, directive.lr_scale
+        self._lr_ramp = directive.lr_ramp
         if self._started_at is None:
             self._started_at = now
         o = self._open
@@ -144,8 +148,8 @@ class IncidentStory:
                  else "no good checkpoint before the trouble: restarted from step 0"]
         if new_skips:
             parts.append("skipped batches " + ", ".join(_range(r) for r in new_skips))
-        if directive.lr_scale != old_scale:
-            parts.append(f"LR x{directive.lr_scale:g} of the schedule (was x{old_scale:g})")
+        if (directive.lr_scale, directive.lr_ramp) != old:
+            parts.append(f"{_lr(directive)} (was x{old_scale:g})")
         lost = o.remedy.finding.step - (resume.step if resume is not None else 0)
         if lost > 0:
             parts.append(f"{lost} step(s) to redo")
@@ -227,6 +231,7 @@ def remedy_fields(remedy: Remedy, directive: Directive,
                   new_skips: Sequence[SkipRange]) -> dict[str, Any]:
     """The webhook payload's ``remedy`` object for an applied remedy (documented in
     ``payloads``). Skip ranges are inclusive ``[first, last]`` batch numbers."""
+    ramp = directive.lr_ramp
     return {
         "action": remedy.action.value,
         "reason": remedy.reason,
@@ -235,7 +240,9 @@ def remedy_fields(remedy: Remedy, directive: Directive,
         "skipped_batches": [[r.start, r.end - 1] for r in new_skips],
         "lr_scale": directive.lr_scale,
         "lr_factor": remedy.lr_scale,
-        "lr_rewarm_steps": None,  # no re-warming exists yet; the field is its seam
+        "lr_rewarm_steps": None if ramp is None else ramp.end - ramp.start,
+        "lr_ramp": None if ramp is None else {"cut": ramp.cut, "start": ramp.start,
+                                              "end": ramp.end, "to": ramp.to},
     }
 
 
@@ -245,10 +252,21 @@ def _plan(remedy: Remedy) -> str:
         bits.append(f"skipping {remedy.skip_before} batch(es) before the onset and "
                     f"{remedy.skip_after} after")
     if remedy.lr_scale != 1.0:
-        bits.append(f"LR x{remedy.lr_scale:g}")
+        bits.append(f"LR x{remedy.lr_scale:g}" + (
+            f", re-warming over {remedy.lr_rewarm} batches past the skipped ones"
+            if remedy.lr_rewarm else ", kept" if remedy.action is Action.ROLLBACK else ""))
     if remedy.backoff_s:
         bits.append(f"after {remedy.backoff_s:g} s")
     return ", ".join(bits)
+
+
+def _lr(d: Directive) -> str:
+    """The attempt's LR orders in words (as ``run.rollback.describe_lr`` says them)."""
+    ramp = d.lr_ramp
+    if ramp is None:
+        return f"LR x{d.lr_scale:g} of the schedule"
+    return (f"LR x{d.lr_scale:g} from batch {ramp.cut}, back to x{ramp.to:g} over batches "
+            f"{ramp.start}-{ramp.end - 1}")
 
 
 def _range(r: SkipRange) -> str:
