@@ -1,101 +1,179 @@
-"""Hang detection latency and time to recover, beside what plain torchrun would do, in one run.
+"""Hang -> first step of the next attempt: babysit's default policy beside NVIDIA's ft_launcher.
 
-    .venv/bin/python benchmarks/recovery.py [--repeats 3] [--floor-s 10]
+    .venv/bin/python benchmarks/recovery.py [--repeats 3] [--nvrx-venv PATH] [--no-nvrx]
 
-Each repeat runs the real CLI on ``tests/workers/tiny_train.py`` (2 gloo ranks, checkpoints
-every 10 steps) with rank 1 hanging at step 40, outside the all-reduce rank 0 then waits in.
-Every figure comes from the run's own journal and metrics:
+The same job both ways: ``tests/workers/tiny_train.py``, 2 gloo ranks on this CPU, 0.05 s steps,
+rank 1 sleeping forever at step 40 of the first attempt, outside the all-reduce rank 0 then
+waits in. Rank 0 logs the wall time of every step it finishes (``--step-log``), and the figure
+is the same for both: the last step of the first attempt -> the first step of the next one.
 
-- detection latency: the last step any rank reported -> the hang detector firing;
-- recovery: detection -> the first step of the relaunched attempt, split into stack diagnosis,
-  stopping the workers, and the relaunch itself (torchrun start, rendezvous, import torch,
-  checkpoint load, first step);
-- cold start: the first attempt's launch -> its first step, the same job without a checkpoint.
+- babysit: ``babysit run`` with the *default* policy (no hand-set floor): the stall is
+  suspected after max(2 s, 5 x p99 step time), confirmed from the ranks' stacks, process state
+  and CPU, then the attempt is stopped and relaunched from the newest checkpoint (every 10
+  steps). The journal splits the time: suspicion, confirmation, stop, relaunch.
+- NVRx: ``ft_launcher`` from ``nvidia-resiliency-ext==0.4.1`` with a hand-set 5 s rank
+  heartbeat timeout (each rank beats once per step: ``--nvrx``), restarting the workers in
+  place (``--max-restarts 3``), from step 0 (the job keeps no checkpoint of its own there;
+  reloading this model's checkpoint takes milliseconds). Installed by this script into its own
+  virtual environment (``pip install torch==2.13.0 nvidia-resiliency-ext==0.4.1``), reused when
+  it is already there.
 
-torchrun alone notices a rank stuck in a collective only when the process group times out:
-the figure printed for it is torch's own default (``default_pg_timeout``), not waited for here.
-The hang allowance is ``max(floor_s, k x p99 step time)``; the default policy's floor is 120 s,
-this benchmark uses ``--floor-s`` (10 s by default) so a repeat takes under a minute.
+torchrun alone notices a rank stuck in a collective only when the process group times out
+(``default_pg_timeout``, 30 minutes for gloo): printed for reference, not waited for.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import venv
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "workers" / "tiny_train.py"
+JOB = ["--steps", "60", "--step-sleep", "0.05", "--at", "0:1:40:hang"]
+NVRX = "nvidia-resiliency-ext==0.4.1"
+HEARTBEAT_S = 5.0
 
 
 def read(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def one_run(workdir: Path, floor_s: float) -> dict[str, float]:
-    policy = workdir / "policy.yaml"
-    policy.write_text(f"detectors:\n  hang:\n    floor_s: {floor_s}\n")
+def env() -> dict[str, str]:
+    return {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HOME": os.environ.get("HOME", "/"),
+            "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
+
+
+def steps(log: Path) -> dict[int, list[float]]:
+    """Attempt -> wall times of rank 0's finished steps, from ``--step-log``."""
+    out: dict[int, list[float]] = {}
+    for line in log.read_text().splitlines():
+        t, attempt, _ = line.split()
+        out.setdefault(int(attempt), []).append(float(t))
+    return out
+
+
+def gap(log: Path) -> float:
+    """The last step of attempt 0 -> the first step of attempt 1, in seconds."""
+    times = steps(log)
+    if 1 not in times:
+        raise SystemExit(f"no step of a second attempt in {log}: the job did not recover")
+    return min(times[1]) - max(times[0])
+
+
+def babysit_run(workdir: Path) -> dict[str, float]:
+    log = workdir / "steps.log"
     config = workdir / "run.yaml"
     config.write_text(
-        f"launch:\n  script: {ROOT / 'tests' / 'workers' / 'tiny_train.py'}\n"
-        f"  nproc-per-node: 2\n  args: [--steps, '60', --hang, '1:40']\n"
+        f"launch:\n  script: {WORKER}\n  nproc-per-node: 2\n"
+        f"  args: {json.dumps([*JOB, '--step-log', str(log)])}\n"
         f"run_dir: {workdir / 'run'}\n"
-        f"checkpoints: {{every_steps: 10, probation_steps: 5}}\n"
-        f"policy: {{name: {policy}}}\n")
-    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
+        f"checkpoints: {{every_steps: 10, probation_steps: 5}}\n")
     done = subprocess.run([sys.executable, "-m", "babysit", "run", str(config)],
-                          cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=workdir, env=env(), capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"babysit failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     journal = read(workdir / "run" / "events.jsonl")
-    metrics = read(workdir / "run" / "metrics.jsonl")
 
-    def first(event: str, attempt: int | None = None) -> dict[str, Any]:
-        return next(e for e in journal if e["event"] == event
-                    and (attempt is None or e["attempt"] == attempt))
+    def first(event: str, attempt: int) -> dict[str, Any]:
+        return next(e for e in journal if e["event"] == event and e["attempt"] == attempt)
 
-    diagnosis = first("hang_diagnosis")
-    detected = diagnosis["time"] - diagnosis["seconds"]
-    last_progress = max(m["time"] for m in metrics if m["attempt"] == 0)
-    first_step = {a: min(m["time"] for m in metrics if m["attempt"] == a) for a in (0, 1)}
-    stopped = first("workers_stopped", 0)["time"]
-    relaunched = first("launch", 1)["time"]
+    last = max(steps(log)[0])
+    diagnosis = first("hang_diagnosis", 0)
+    confirmed = diagnosis["time"]
+    suspected = confirmed - diagnosis["seconds"]
     return {
-        "detection latency": detected - last_progress,
-        "recovery: detection -> first healthy step": first_step[1] - detected,
-        "  stack diagnosis": diagnosis["seconds"],
-        "  stop workers": stopped - diagnosis["time"],
-        "  relaunch -> first step (incl. checkpoint load)": first_step[1] - relaunched,
-        "cold start: launch -> first step": first_step[0] - first("launch", 0)["time"],
+        "hang -> first step of the next attempt": gap(log),
+        "  last step -> stall suspected": suspected - last,
+        "  confirmation (CPU window, stacks)": diagnosis["seconds"],
+        "  stop workers": first("workers_stopped", 0)["time"] - confirmed,
+        "  relaunch -> first step": min(steps(log)[1]) - first("launch", 1)["time"],
     }
+
+
+def nvrx_python(path: Path) -> Path:
+    """NVRx's own virtual environment at ``path``, created and installed on first use."""
+    python = path / "bin" / "python"
+    if (path / "bin" / "ft_launcher").exists():
+        return python
+    print(f"installing {NVRX} into {path} (once)", file=sys.stderr)
+    venv.create(path, with_pip=True)
+    done = subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", NVRX],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"pip install {NVRX} failed:\n{done.stdout[-2000:]}"
+                           f"{done.stderr[-2000:]}")
+    return python
+
+
+def nvrx_run(workdir: Path, python: Path, port: int) -> dict[str, float]:
+    log = workdir / "steps.log"
+    command = [str(python.parent / "ft_launcher"), "--nproc-per-node", "2",
+               "--max-restarts", "3", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--ft-param-initial_rank_heartbeat_timeout", "60",
+               "--ft-param-rank_heartbeat_timeout", str(HEARTBEAT_S),
+               str(WORKER), *JOB, "--nvrx", "--step-log", str(log)]
+    done = subprocess.run(command, cwd=workdir, env={**env(), "PATH": f"{python.parent}:"
+                                                     "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"ft_launcher failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return {"hang -> first step of the next attempt": gap(log)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--floor-s", type=float, default=10.0)
+    parser.add_argument("--nvrx-venv", type=Path,
+                        default=Path(tempfile.gettempdir()) / "babysit-bench-nvrx-0.4.1")
+    parser.add_argument("--no-nvrx", action="store_true", help="babysit's side only")
     args = parser.parse_args()
     from torch.distributed.constants import default_pg_timeout
 
-    runs = []
-    for i in range(args.repeats):
+    from babysit.supervisor.node.launcher import free_port
+
+    python: Path | None = None
+    nvrx_error = "not run (--no-nvrx)" if args.no_nvrx else None
+    if not args.no_nvrx:
+        try:
+            python = nvrx_python(args.nvrx_venv)
+        except (RuntimeError, OSError) as exc:
+            nvrx_error = str(exc)
+    ours: list[dict[str, float]] = []
+    theirs: list[dict[str, float]] = []
+    for i in range(args.repeats):  # interleaved: the machine's load falls on both alike
         with tempfile.TemporaryDirectory(prefix="babysit-bench-") as tmp:
-            runs.append(one_run(Path(tmp), args.floor_s))
+            ours.append(babysit_run(Path(tmp)))
+        if python is not None and nvrx_error is None:
+            with tempfile.TemporaryDirectory(prefix="nvrx-bench-") as tmp:
+                try:
+                    theirs.append(nvrx_run(Path(tmp), python, free_port()))
+                except RuntimeError as exc:
+                    nvrx_error = str(exc)
         print(f"repeat {i + 1}/{args.repeats} done", file=sys.stderr)
-    print(f"{'seconds (median of ' + str(len(runs)) + ')':50s} {'babysit':>9s} {'torchrun':>9s}")
+
+    head = f"seconds (median of {len(ours)})"
+    print(f"{head:48s} {'babysit':>9s} {'NVRx 5 s':>9s} {'torchrun':>9s}")
     timeout = default_pg_timeout.total_seconds()
-    for key in runs[0]:
-        median = statistics.median(r[key] for r in runs)
-        other = f"{timeout:9.0f}" if key == "detection latency" else f"{'':9s}"
-        print(f"{key:50s} {median:9.2f} {other}")
-    print(f"\ntorchrun's figure is torch's default process-group timeout for gloo "
-          f"({timeout:.0f} s): a rank stuck outside a collective is invisible to torchrun until "
-          f"then. babysit's allowance here: max({args.floor_s:g} s floor, 10 x p99 step time).")
+    for key in ours[0]:
+        median = statistics.median(r[key] for r in ours)
+        other = f"{statistics.median(r[key] for r in theirs):9.2f}" \
+            if theirs and key in theirs[0] else f"{'':9s}"
+        ref = f"{timeout:9.0f}" if key.startswith("hang") else ""
+        print(f"{key:48s} {median:9.2f} {other} {ref}")
+    print(f"\nbabysit: the default policy, nothing hand-set. NVRx: ft_launcher with "
+          f"rank_heartbeat_timeout={HEARTBEAT_S:g} s set by hand. torchrun: torch's default "
+          f"gloo process-group timeout ({timeout:.0f} s), not waited for.")
+    if nvrx_error is not None:
+        print(f"\nNVRx was not measured: {nvrx_error}")
 
 
 if __name__ == "__main__":

@@ -132,18 +132,27 @@ class Catalog:
 
     # ---- verdicts -----------------------------------------------------------------------------
 
-    def promote(self, healthy_step: int, probation_steps: int) -> list[Checkpoint]:
+    def promote(self, healthy_step: int, probation_steps: int,
+                unwatched: tuple[int, int] | None = None) -> list[Checkpoint]:
         """Mark GOOD every PENDING checkpoint at a step <= ``healthy_step - probation_steps``.
 
         ``healthy_step``: the caller vouches that the run was healthy (no open anomaly) through
-        this step. Returns the checkpoints promoted now.
+        this step. ``unwatched``: steps ``a < s <= b`` no supervisor observed (workers trained
+        on while none ran); a checkpoint whose probation steps fall partly there stays
+        PENDING, since nobody vouches for them. Returns the checkpoints promoted now.
         """
         if probation_steps < 0:
             raise ValueError(f"probation_steps must be >= 0, got {probation_steps}")
+
+        def blind(c: Checkpoint) -> bool:
+            return unwatched is not None and c.step < unwatched[1] and \
+                c.step + probation_steps > unwatched[0]
+
         ready = [
             c
             for c in self.checkpoints()
             if c.verdict is Verdict.PENDING and c.step + probation_steps <= healthy_step
+            and not blind(c)
         ]
         self._set(ready, Verdict.GOOD, f"healthy through step {healthy_step}")
         return ready

@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from babysit.checkpoints import Catalog
 from tests.conftest import WORKERS, babysit_env, read_jsonl, run_babysit
 
 pytestmark = pytest.mark.e2e
@@ -25,7 +26,7 @@ def test_a_killed_supervisor_is_taken_over_and_the_run_resumes(tmp_path: Path) -
         f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
         f"  args: {json.dumps(['--steps', '40', '--step-sleep', '0.15'])}\n"
         f"run_dir: {run_dir}\n"
-        "checkpoints: {every_steps: 5, probation_steps: 2}\n")
+        "checkpoints: {every_steps: 5, probation_steps: 2, keep: 20}\n")
     first = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
                              cwd=tmp_path, env=babysit_env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
@@ -46,6 +47,12 @@ def test_a_killed_supervisor_is_taken_over_and_the_run_resumes(tmp_path: Path) -
     before = read_jsonl(run_dir / "events.jsonl")
     workers = [e["data"]["pid"] for e in before if e["event"] == "worker_hello"]
     assert all(psutil.pid_exists(p) for p in workers)  # orphans, still training unwatched
+    watched = max(e["step"] for e in before if isinstance(e.get("step"), int))
+    # Let them write two checkpoints nobody watches before taking over.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (
+            run_dir / "checkpoints" / f"step_{(watched // 5 + 2) * 5:08d}").exists():
+        time.sleep(0.1)
 
     second = run_babysit("run", str(config), cwd=tmp_path, timeout=180)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
@@ -61,6 +68,51 @@ def test_a_killed_supervisor_is_taken_over_and_the_run_resumes(tmp_path: Path) -
     rows = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["attempt"] == new_attempt]
     assert rows[0]["step"] == resume["checkpoint_step"] + 1 and rows[-1]["step"] == 40
     assert journal[-1]["event"] == "run_finished" and journal[-1]["state"] == "succeeded"
+    # What the workers saved unwatched is still pending: its probation was never observed.
+    assert takeover["watched_until_step"] == watched
+    unwatched = [e["checkpoint_step"] for e in after if e["event"] == "checkpoint_verdict"
+                 and e["verdict"] == "pending"]
+    assert unwatched and all(watched < s + 2 and s < resume["checkpoint_step"] for s in unwatched)
+    verdicts = {c.step: c.verdict.value for c in Catalog(run_dir / "checkpoints").checkpoints()}
+    assert all(verdicts[s] == "pending" for s in unwatched), verdicts
+
+
+def test_a_job_that_finished_while_no_supervisor_watched_is_not_retrained(
+        tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
+        f"  args: {json.dumps(['--steps', '30', '--step-sleep', '0.05'])}\n"
+        f"run_dir: {run_dir}\ncheckpoints: {{every_steps: 10}}\n")
+    first = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
+                             cwd=tmp_path, env=babysit_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        hellos: list[dict[str, object]] = []
+        while time.monotonic() < deadline and len(hellos) < 2:
+            time.sleep(0.1)
+            if (run_dir / "events.jsonl").exists():
+                hellos = [e for e in read_jsonl(run_dir / "events.jsonl")
+                          if e["event"] == "worker_hello"]
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    pids = [int(e["data"]["pid"]) for e in hellos]  # type: ignore[index]
+    psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=60)
+    launches = len([e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "launch"])
+
+    second = run_babysit("run", str(config), cwd=tmp_path, timeout=120)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    journal = read_jsonl(run_dir / "events.jsonl")
+    (takeover,) = [e for e in journal if e["event"] == "supervisor_takeover"]
+    assert takeover["finished_unwatched"] == 30
+    assert len([e for e in journal if e["event"] == "launch"]) == launches  # nothing retrained
+    assert journal[-1]["state"] == "succeeded" and "no supervisor watched" in \
+        journal[-1]["reason"]
 
 
 def test_sigterm_saves_a_final_checkpoint_and_the_next_run_resumes_from_it(
@@ -69,10 +121,12 @@ def test_sigterm_saves_a_final_checkpoint_and_the_next_run_resumes_from_it(
     config = tmp_path / "run.yaml"
     config.write_text(
         f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
-        f"  args: {json.dumps(['--steps', '40', '--step-sleep', '0.1'])}\n"
+        # 20 ms steps: the ranks run well ahead of what the supervisor last heard, so only a
+        # step the ranks agree on themselves can be saved by all of them.
+        f"  args: {json.dumps(['--steps', '150', '--step-sleep', '0.02'])}\n"
         f"run_dir: {run_dir}\n"
         # No checkpoint on the cadence before the end: only the final one can be resumed from.
-        "checkpoints: {every_steps: 100, final_grace_s: 60}\n")
+        "checkpoints: {every_steps: 1000, final_grace_s: 60}\n")
     first = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
                              cwd=tmp_path, env=babysit_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -93,12 +147,13 @@ def test_sigterm_saves_a_final_checkpoint_and_the_next_run_resumes_from_it(
     journal = read_jsonl(run_dir / "events.jsonl")
     (asked,) = [e for e in journal if e["event"] == "final_checkpoint_requested"]
     (final,) = [e for e in journal if e["event"] == "final_checkpoint"]
-    assert final["saved"] and final["checkpoint_step"] == asked["target_step"]
+    assert final["saved"] and final["checkpoint_step"] >= asked["newest_step"]
+    assert "final checkpoint saved at step" in out
     assert journal[-1]["state"] == "stopped"
 
     second = run_babysit("run", str(config), cwd=tmp_path, timeout=180)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     journal = read_jsonl(run_dir / "events.jsonl")
     (resume,) = [e for e in journal if e["event"] == "resume" and e.get("from")]
-    assert resume["checkpoint_step"] == asked["target_step"]
+    assert resume["checkpoint_step"] == final["checkpoint_step"]
     assert journal[-1]["state"] == "succeeded"

@@ -59,6 +59,10 @@ class CrashVerdict:
 
     def to_finding(self, step: int | None = None, ranks: tuple[int, ...] = ()) -> Finding:
         at = self.step if step is None else step
+        who = f" of rank {', '.join(map(str, ranks))}" if ranks else ""
+        # A signal says nothing more in its signature; the reason carries the hint (the OOM
+        # killer for a silent SIGKILL, native code for a SIGSEGV).
+        why = f" ({self.reason})" if self.crash_class is CrashClass.KILLED else ""
         return Finding(
             incident=Incident.CRASH,
             detector="crash",
@@ -66,9 +70,9 @@ class CrashVerdict:
             step=at if at is not None else 0,
             onset_step=at if at is not None else 0,
             ranks=ranks,
-            message=f"{self.crash_class.value} crash"
+            message=f"{self.crash_class.value} crash{who}"
             + (f" at step {at}" if at is not None else "")
-            + f": {self.signature}" + (" (same as a previous crash: deterministic)"
+            + f": {self.signature}{why}" + (" (same as a previous crash: deterministic)"
                                        if self.deterministic else ""),
             evidence=self.to_json(),
         )
@@ -155,8 +159,7 @@ def classify(
             cls, reason = CrashClass.USER_CODE, "Python exception in the training script"
         elif signal is not None:
             name = _signal_name(signal)
-            hint = " (a silent SIGKILL is often the kernel OOM killer: check dmesg)" \
-                if signal == _signal.SIGKILL else ""
+            hint = _SIGNAL_HINTS.get(signal, "")
             cls, reason = CrashClass.KILLED, f"killed by {name}{hint}"
     if exc is not None:
         signature = _normalise(exc)
@@ -170,6 +173,19 @@ def classify(
         p.signature == signature and p.step == step for p in previous
     )
     return CrashVerdict(cls, signature, deterministic, reason, exit_code, signal, step)
+
+
+_SIGNAL_HINTS: dict[int, str] = {
+    _signal.SIGKILL: "; a silent SIGKILL is often the kernel OOM killer: check dmesg",
+    _signal.SIGSEGV: "; a segmentation fault in native code (an extension, a driver, a bad "
+                     "pointer); PYTHONFAULTHANDLER=1 prints the Python stack at the fault",
+    _signal.SIGBUS: "; a bus error: often a full /dev/shm or a truncated memory-mapped file",
+    _signal.SIGABRT: "; native code aborted (a failed C++ check or an uncaught C++ exception)",
+}
+
+STOP_SIGNALS: frozenset[int] = frozenset({_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP})
+"""Signals a launcher or a person sends to stop a process: a rank dying of one was stopped,
+it did not fail (torchrun sends SIGTERM to the survivors of a failure)."""
 
 
 def _first_match_line(log_tail: str, cls: CrashClass) -> str:

@@ -6,9 +6,17 @@ allowance:
 
 - before the rank's first step of the attempt: ``startup_s`` (imports, rendezvous, loading);
 - inside a declared phase: ``phase_s`` (or the per-phase value in ``phase_allowance_s``);
-- otherwise: ``max(floor_s, k x p99)`` of the recent step intervals of all ranks. Adaptive, so a
-  model whose steps take 40 s is not called hung at 60 s, and a 0.3 s/step model is not given
-  30 minutes.
+- otherwise: ``max(floor_s, k x p99)`` of the recent step intervals of all ranks (2 s and 5 by
+  default). Adaptive, so a model whose steps take 40 s is not called hung at 60 s, and a
+  0.05 s/step model is suspected after 2 s.
+
+A step stall is only a *suspicion*: its finding carries ``evidence["confirm"] = True`` and the
+supervisor confirms it from the ranks' processes (``babysit.supervisor.node.stall``: stacks,
+process state, CPU) before acting. When they show work going on (a slow eval without
+``phase()``, a GC pause), the supervisor calls ``defer(now)`` and the detector stays quiet for
+as long again as the stall has lasted (2 s, 4 s, 8 s, ...), until ``busy_s``: a stall that long
+is a hang whatever the processes show (an endless loop is busy forever). Startup and phase
+allowances are long already and need no confirmation.
 
 Which ranks are named: with synchronous collectives one rank stuck *outside* a collective stops
 first and the others block inside the next one, so everyone stops at about the same time; the
@@ -36,10 +44,15 @@ from babysit.policies.types import Finding, Incident, RankStep, Severity
 
 
 class HangConfig(DetectorConfig):
-    floor_s: float = Field(default=120.0, gt=0.0)
-    """No stall shorter than this is ever a hang, however fast the steps are."""
-    k: float = Field(default=10.0, gt=1.0)
-    """Allowance = max(floor_s, k x recent p99 step interval)."""
+    floor_s: float = Field(default=2.0, gt=0.0)
+    """No stall shorter than this is suspected, however fast the steps are. A suspicion is
+    confirmed from the ranks' stacks, process state and CPU before anything is done, so this
+    need not leave room for slow evals or GC pauses."""
+    k: float = Field(default=5.0, gt=1.0)
+    """Suspect a stall after max(floor_s, k x recent p99 step interval)."""
+    busy_s: float = Field(default=600.0, gt=0.0)
+    """A rank still busy outside any collective after this many seconds without a step is
+    called hung anyway (an endless loop looks busy forever)."""
     startup_s: float = Field(default=900.0, gt=0.0)
     """Allowance before a rank's first step of an attempt (launch, imports, checkpoint load)."""
     phase_s: float = Field(default=1800.0, gt=0.0)
@@ -62,6 +75,7 @@ class HangDetector:
         self._ranks: dict[str, dict[str, Any]] = {}
         self._intervals: deque[float] = deque(maxlen=self.config.history)
         self._fired = False
+        self._quiet_until: float | None = None
 
     def start(self, now: float, ranks: Collection[int] = ()) -> None:
         """A new attempt launched at ``now`` with these ranks: forget the previous attempt's
@@ -70,6 +84,7 @@ class HangDetector:
         self._expected = sorted(ranks)
         self._ranks = {}
         self._fired = False
+        self._quiet_until = None
 
     def observe(self, rank_step: RankStep, now: float | None = None) -> None:
         t = rank_step.time if now is None else now
@@ -83,6 +98,7 @@ class HangDetector:
             st["step"] = rank_step.step
             st["since"] = t
             self._fired = False
+            self._quiet_until = None
 
     def phase(self, rank: int, name: str, begin: bool, now: float) -> None:
         """Rank ``rank`` entered (``begin=True``) or left phase ``name`` at ``now``. Leaving a
@@ -96,6 +112,7 @@ class HangDetector:
             st["phase"], st["phase_since"] = None, None
             st["since"] = max(st["since"], now)
             self._fired = False
+            self._quiet_until = None
 
     def p99(self) -> float | None:
         if not self._intervals:
@@ -111,7 +128,7 @@ class HangDetector:
     def check(self, now: float, ranks_alive: Collection[int] | None = None) -> Finding | None:
         """Is anything hung at ``now``? ``ranks_alive``: ranks whose processes still run (dead
         ones are the crash classifier's business); ``None`` means every known rank."""
-        if self._fired:
+        if self._fired or (self._quiet_until is not None and now < self._quiet_until):
             return None
         if ranks_alive is None:
             keys = set(self._ranks) | {str(r) for r in self._expected}
@@ -143,6 +160,13 @@ class HangDetector:
         self._fired = True
         return self._finding(now, stalled, step_allow)
 
+    def defer(self, now: float, stalled_s: float) -> None:
+        """The supervisor found the suspected ranks working (``stall.judge``): stay quiet for
+        as long again as the stall has lasted (``stalled_s``), then suspect again. Progress
+        ends the quiet at once."""
+        self._fired = False
+        self._quiet_until = now + max(stalled_s, self.step_allowance())
+
     def _phase_allowance(self, name: str) -> float:
         return self.config.phase_allowance_s.get(name, self.config.phase_s)
 
@@ -161,6 +185,10 @@ class HangDetector:
         p99 = self.p99()
         if p99 is not None:
             p99 = r4(p99)
+        # A step stall is a suspicion the supervisor confirms (module docstring), unless it
+        # has lasted busy_s or a startup/phase allowance ran out (those are long already).
+        confirm = all(v["waiting_in"] == "step" for v in stalled.values()) and \
+            max(v["stalled_s"] for v in stalled.values()) < self.config.busy_s
         differs = len(culprits) < max(len(self._ranks), len(self._expected), len(stalled))
         where = min(known) if known else None
         head = (
@@ -180,13 +208,14 @@ class HangDetector:
             ranks=ranks,
             message=head + tail,
             evidence={"now": now, "step_allowance_s": r4(step_allow), "p99_step_s": p99,
-                      "stalled": stalled, "newest_step": newest},
+                      "stalled": stalled, "newest_step": newest, "confirm": confirm},
         )
 
     def state_dict(self) -> dict[str, Any]:
         return {"started": self._started, "expected": list(self._expected),
                 "ranks": {k: dict(v) for k, v in self._ranks.items()},
-                "intervals": list(self._intervals), "fired": self._fired}
+                "intervals": list(self._intervals), "fired": self._fired,
+                "quiet_until": self._quiet_until}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self._started = d["started"]
@@ -194,3 +223,5 @@ class HangDetector:
         self._ranks = {str(k): dict(v) for k, v in d["ranks"].items()}
         self._intervals = deque((float(v) for v in d["intervals"]), maxlen=self.config.history)
         self._fired = bool(d["fired"])
+        quiet = d.get("quiet_until")
+        self._quiet_until = float(quiet) if quiet is not None else None

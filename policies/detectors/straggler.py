@@ -14,11 +14,14 @@ Signals, per rank and step, each compared with the median of the *other* ranks a
   barrier per step); the hang detector and the stack dumps catch the extreme case.
 
 A rank is slow on a signal when its value exceeds ``factor`` x the peer median by at least
-``min_excess_s`` seconds (the absolute floor keeps millisecond jitter on fast steps from
-counting). It is reported (one WARNING naming it) after ``patience`` slow steps in a row, or at
-once when the ratio reaches ``immediate_factor``: a rank at 2-3x its peers is not jitter, and
-waiting ``patience`` steps would only delay the page. The rank is not reported again until it
-has been fine for ``patience`` steps in a row.
+``min_excess_s`` seconds and by at least ``min_excess_fraction`` of the peers' median step time
+(the absolute floor keeps millisecond jitter on fast steps from counting; the relative one
+keeps a wait that is large against a near-zero median but small against the step from
+counting). It is reported (one WARNING naming it) after ``patience`` slow steps in a row, or
+after ``immediate_steps`` when the ratio reaches ``immediate_factor``: a rank at 2-3x its peers
+is not jitter, but a single slow step is a blip (a 30 ms data wait under CPU load against
+peers' 0.2 ms), never a straggler. The rank is not reported again until it has been fine for
+``patience`` steps in a row.
 
 Calling rules: one ``observe`` per merged ``StepRecord``; ranks without ``step_time`` are
 skipped for that step. Units: seconds.
@@ -40,11 +43,15 @@ class StragglerConfig(DetectorConfig):
     factor: float = Field(default=1.3, gt=1.0)
     """Slow means more than factor x the median of the other ranks."""
     immediate_factor: float = Field(default=2.0, gt=1.0)
-    """At or above this ratio the rank is reported on the first slow step, without patience."""
+    """At or above this ratio the rank is reported after immediate_steps, without patience."""
+    immediate_steps: int = Field(default=2, ge=1)
+    """Slow steps in a row needed even at immediate_factor: one slow step is a blip."""
     patience: int = Field(default=5, ge=1)
     """Consecutive slow steps (below immediate_factor) before the rank is reported."""
     min_excess_s: float = Field(default=0.02, ge=0.0)
-    """...and the excess over the peer median must be at least this many seconds."""
+    """...and the excess over the peer median must be at least this many seconds..."""
+    min_excess_fraction: float = Field(default=0.1, ge=0.0)
+    """...and at least this fraction of the peers' median step time."""
 
     @model_validator(mode="after")
     def _immediate_above_factor(self) -> StragglerConfig:
@@ -109,7 +116,8 @@ class StragglerDetector:
             ratio, name, value, med = worst
             if st["reported"]:
                 continue
-            if ratio >= cfg.immediate_factor or st["slow"] >= cfg.patience:
+            if (ratio >= cfg.immediate_factor and st["slow"] >= cfg.immediate_steps) \
+                    or st["slow"] >= cfg.patience:
                 st["reported"] = True
                 onset = min(onset, st["onset"])
                 report[str(rank)] = {
@@ -140,12 +148,15 @@ class StragglerDetector:
         """The signal on which ``rank`` lags its peers the most: (ratio, name, value, median)."""
         cfg = self.config
         worst: tuple[float, str, float, float] | None = None
+        others = [sum(p.values()) for k, p in per_rank.items() if k != rank]
+        floor = max(cfg.min_excess_s,
+                    cfg.min_excess_fraction * statistics.median(others) if others else 0.0)
         for name, value in per_rank[rank].items():
             peers = [p[name] for k, p in per_rank.items() if k != rank and name in p]
             if not peers:
                 continue
             med = statistics.median(peers)
-            if value - med < cfg.min_excess_s or value <= cfg.factor * med:
+            if value - med < floor or value <= cfg.factor * med:
                 continue
             ratio = value / med if med > 0 else float("inf")
             if worst is None or ratio > worst[0]:

@@ -246,6 +246,9 @@ class Follower:
                             "time": event.time, "data": event.data})
         for summaries, findings in tick.outputs:
             self._report(summaries, findings)
+        for fields in tick.cleared:
+            self._journal("hang_cleared", **fields)
+            self._send({"type": "hang_cleared"})
         for hang in tick.hangs:
             self._report_hang(hang)
         if tick.rank_died:  # the leader holds any hang elsewhere until our exit explains it
@@ -257,6 +260,7 @@ class Follower:
             self._journal("workers_exited", exit_code=end.code)
             self._send({"type": "exited", "attempt": self.attempt, "code": end.code,
                         "tails": {str(r): t for r, t in end.tails.items()}, "root": end.root,
+                        "exits": {str(r): c for r, c in end.exits.items()},
                         "step": self._step})
 
     def _report(self, summaries: list[StepSummary], findings: list[Finding]) -> None:

@@ -171,6 +171,7 @@ class ClusterMembers(OnThisNode):
             self._node_report(LEADER, summaries, findings, out)
         for event in tick.events:
             self._rank_event(LEADER, event, out)
+        out.entries += [("hang_cleared", fields) for fields in tick.cleared]
         for hang in tick.hangs:
             if hang.fields:
                 out.entries.append(("hang_diagnosis", hang.fields))
@@ -181,15 +182,15 @@ class ClusterMembers(OnThisNode):
         if end is not None:
             if end.teardown_code is not None:
                 self.teardown_crash(end.teardown_code, out)
-            self.cluster.exited(LEADER, end.code, end.tails, end.root)
+            self.cluster.exited(LEADER, end.code, end.tails, end.root, end.exits)
 
     # -- the other nodes ------------------------------------------------------------------------
 
     def _node_message(self, node: int, message: dict[str, Any], out: Gathered,
                       watching: bool) -> None:
         kind = message.get("type")
-        if kind in ("summary", "finding", "hang_suspected", "rank_died", "event", "exited",
-                    "stopped") \
+        if kind in ("summary", "finding", "hang_suspected", "hang_cleared", "rank_died", "event",
+                    "exited", "stopped") \
                 and message.get("attempt") != self._attempt:
             return  # about an attempt already replaced: it judges nothing now
         try:
@@ -199,6 +200,8 @@ class ClusterMembers(OnThisNode):
                 self.cluster.hang_suspected(node)
             elif kind == "rank_died":
                 self.cluster.rank_died(node)
+            elif kind == "hang_cleared":
+                self.cluster.hang_cleared(node)
             elif kind == "finding":
                 self._node_report(node, [], [Finding.from_json(message["finding"])], out)
             elif kind == "event":
@@ -208,8 +211,9 @@ class ClusterMembers(OnThisNode):
             elif kind == "exited":
                 tails = {int(r): str(t) for r, t in dict(message.get("tails") or {}).items()}
                 root = message.get("root")
+                exits = {int(r): int(c) for r, c in dict(message.get("exits") or {}).items()}
                 self.cluster.exited(node, int(message["code"]), tails,
-                                    root if isinstance(root, int) else None)
+                                    root if isinstance(root, int) else None, exits)
             elif kind == "stopped":
                 self.cluster.stopped(node)
             elif kind in ("lost", "leaving"):
@@ -264,7 +268,7 @@ class ClusterMembers(OnThisNode):
         if self.workers.group is not None and self.workers.group.processes():
             self.workers.stop()
         self._crash_tails = end.tails
-        return JobEnd(end.code, end.tails, end.root)
+        return JobEnd(end.code, end.tails, end.root, end.exits)
 
     # -- waiting for nodes ----------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ messages into things it can decide on, and its decisions into messages::
     finding   per-rank detector, hang       stop     stop the attempt's workers, say stopped
     hang_suspected  reading stacks now
     rank_died a rank's process died (its exit follows)
+    hang_cleared    its ranks were working
     event     checkpoint, fingerprint, ...  control  checkpoint cadence / final checkpoint
     exited    torchrun's code, log tails    finish   the run is over
     stopped   the stop asked for is done    beat     heartbeat (both ways)
@@ -58,6 +59,8 @@ class JobExit:
     """Each failed rank's log tail, from every node, by global rank."""
     root: int | None = None
     """The rank torchrun named as the first failure, on the first node that named one."""
+    exits: dict[int, int] = field(default_factory=dict)
+    """Each failed rank's own exit code, from every node's torchrun summary, by global rank."""
     nodes: dict[int, int] = field(default_factory=dict)
     """Each node's exit code."""
 
@@ -215,11 +218,13 @@ class Cluster:
         """A node's summary of a step; the job's merged steps that are complete now."""
         return self.merger.add(node, summary)
 
-    def exited(self, node: int, code: int, tails: dict[int, str], root: int | None) -> None:
+    def exited(self, node: int, code: int, tails: dict[int, str], root: int | None,
+               rank_exits: dict[int, int] | None = None) -> None:
         a = self.attempt
         if node not in a.nodes or node in a.exits:
             return
-        a.exits[node] = {"code": code, "tails": tails, "root": root}
+        a.exits[node] = {"code": code, "tails": tails, "root": root,
+                         "rank_exits": rank_exits or {}}
         if code != 0 and a.failed_at is None:
             a.failed_at = self.clock()
 
@@ -237,6 +242,13 @@ class Cluster:
             a.reading_stacks.setdefault(node, self.clock())
             if a.hang_at is None:
                 a.hang_at = self.clock()
+
+    def hang_cleared(self, node: int) -> None:
+        """``node``'s ranks were found working after all: no view of a hang is coming."""
+        a = self.attempt
+        if a.reading_stacks.pop(node, None) is not None and not a.hangs and \
+                not a.reading_stacks:
+            a.hang_at = None
 
     def hang(self, node: int, finding: Finding) -> None:
         a = self.attempt
@@ -269,6 +281,7 @@ class Cluster:
         job = JobExit(code=codes[failed[0]] if failed else 0, nodes=codes)
         for n in failed:
             job.tails.update(a.exits[n]["tails"])
+            job.exits.update(a.exits[n]["rank_exits"])
             if job.root is None:
                 job.root = a.exits[n]["root"]
         return job

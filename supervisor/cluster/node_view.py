@@ -95,6 +95,10 @@ class NodeView:
         """Hang timers over this node's ranks."""
         return [self.name(f) for f in self.watch.check(now)]
 
+    def defer_hang(self, finding: Finding, now: float) -> None:
+        """The suspected hang's ranks were found working: keep watching."""
+        self.watch.defer_hang(finding, now)
+
     def name(self, finding: Finding) -> Finding:
         return located(finding, self.node, self.host)
 

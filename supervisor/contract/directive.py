@@ -21,8 +21,13 @@ Each rank ``stat``s it between steps and re-reads it whenever it changes (``savi
 The supervisor writes it whole and atomically (temp file + ``os.replace``), and every key is
 optional; both may be present:
 
-- ``"checkpoint_at_step": N``: save a checkpoint at step N as well as on the cadence (before a
-  preemption). Only the current version counts: a version without it asks for nothing.
+- ``"final_checkpoint": ID``: save one checkpoint at the next step boundary every rank can
+  still reach (before a preemption). The ranks agree on the step themselves: rank 0 publishes
+  the step after the boundary where it read the request in the job's c10d store, and the others
+  look it up (``rank.saving.Checkpointer``). Once per ID; the save is announced with
+  ``final: true`` and never left in flight.
+- ``"checkpoint_at_step": N``: save a checkpoint at step N as well as on the cadence. Only the
+  current version counts: a version without it asks for nothing.
 - ``"checkpoint_every": K, "from_step": S``: from step S on, save at each step that is a multiple
   of K (K >= 1); steps before S keep the cadence they had. The change persists until another one
   replaces it, even when a later version of the file leaves these keys out. Without
@@ -35,6 +40,23 @@ the previous change's ``from_step``: a rank that never saw that change would dis
 steps between. Library saves must be on in the directive (``checkpoint_every`` > 0) for any of
 this to apply. The file is per attempt; a new attempt starts from its directive's cadence.
 """
+
+CLOSED_DIR = "closed"
+"""Beside ``directive.json``: ``closed/<rank>.json`` (``{"rank", "world_size", "step"}``) is
+written by each rank whose ``run.close()`` ran, so a supervisor that was not listening (killed
+while the job trained on) can tell that the attempt finished."""
+
+
+def closed_ranks(attempt_dir: Path) -> dict[int, dict[str, Any]]:
+    """Rank -> its ``closed`` record in ``attempt_dir`` (unreadable records are left out)."""
+    out: dict[int, dict[str, Any]] = {}
+    for path in (attempt_dir / CLOSED_DIR).glob("*.json"):
+        try:
+            record = json.loads(path.read_text())
+            out[int(record["rank"])] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 @dataclass(frozen=True, slots=True)

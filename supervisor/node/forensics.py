@@ -17,7 +17,7 @@ import psutil
 
 from babysit.policies.detectors import CrashClass, classify
 from babysit.policies.types import Finding, Incident, Remedy
-from babysit.supervisor.node import flight_recorder, incident, launcher, stacks
+from babysit.supervisor.node import flight_recorder, incident, launcher, stacks, stall
 
 Diagnosis = tuple[Any, Any]
 """``(dumps, verdict)`` from ``stacks.diagnose``."""
@@ -49,23 +49,53 @@ def ranks_all_alive(pids: Iterable[int]) -> bool:
     return True
 
 
-def diagnose_hang(finding: Finding, rank_pids: Mapping[int, int]
-                  ) -> tuple[Finding, Diagnosis, dict[str, Any]]:
-    """Dump every rank's stack and name the rank that differs (the one stuck outside the
-    collective the others wait in). Returns the finding (naming that rank when one is found),
-    the diagnosis for the incident folder, and the fields of the ``hang_diagnosis`` entry."""
+def confirm_hang(finding: Finding, rank_pids: Mapping[int, int]
+                 ) -> tuple[Finding | None, Diagnosis, dict[str, Any]]:
+    """Look at every rank before acting on a hang finding: process state and CPU over
+    ``stall.WINDOW_S``, then the stacks of the ranks that can be dumped (a stopped rank is not:
+    py-spy would wait on it), judged by ``stall.judge``. Returns the finding to act on, naming
+    the stuck rank(s) with the evidence, or None when the ranks are working (keep watching; the
+    caller defers the detector); the diagnosis for the incident folder; and the fields of the
+    journal entry (``hang_diagnosis``, or ``hang_cleared`` for None).
+
+    A finding without ``evidence["confirm"]`` (a startup or phase allowance ran out, or a stall
+    went on for ``busy_s``) is acted on whatever the processes show; they still name the rank.
+    Takes the window plus the stack dumps: about 0.4 s, 1.3 s when native frames are needed."""
     started = time.monotonic()
-    dumps, verdict = stacks.diagnose(dict(rank_pids))
-    fields = {"suspects": list(verdict.suspects), "reason": verdict.reason,
-              "evidence": verdict.to_dict().get("evidence"),
-              "seconds": round(time.monotonic() - started, 3)}
-    if verdict.suspects:
-        named = ", ".join(map(str, verdict.suspects))
-        finding = dataclasses.replace(
-            finding, ranks=tuple(verdict.suspects),
-            message=f"hang at step {finding.step}: rank {named} is stuck ({verdict.reason})",
-            evidence={**finding.evidence, "stacks": verdict.to_dict()})
-    return finding, (dumps, verdict), fields
+    sampling = stall.Sample(rank_pids)
+    states = sampling.states()
+    readable = {r: pid for r, pid in rank_pids.items()
+                if states[r] not in ("stopped", "tracing-stop")}
+    # The Python dumps pause each rank for milliseconds: they fit inside the CPU window. The
+    # native pass (DDP waits in C++) pauses longer, so it waits until the window closed.
+    dumps = stacks.dump_stacks(readable) if readable else {}
+    procs = sampling.finish()
+    verdict: stacks.StackVerdict | None = None
+    if dumps:
+        verdict = stacks.odd_one_out(dumps)
+        dumps, verdict = stacks.deepen(readable, dumps, verdict)
+        if all(d.error is not None for d in dumps.values()):
+            verdict = None  # no stack at all: judge by the processes alone
+    judged = stall.judge(procs, verdict)
+    fields: dict[str, Any] = {
+        "suspects": list(judged.ranks), "reason": judged.reason, "hung": judged.hung,
+        "processes": {str(r): p.to_json() for r, p in sorted(procs.items())},
+        "evidence": verdict.to_dict().get("evidence") if verdict is not None else None,
+        "seconds": round(time.monotonic() - started, 3)}
+    stack_info = verdict if verdict is not None else stacks.StackVerdict((), "no stack read")
+    diagnosis: Diagnosis = (dumps, stack_info)
+    act = judged.hung or not finding.evidence.get("confirm", False)
+    if not act:
+        return None, diagnosis, fields
+    ranks = judged.ranks or finding.ranks
+    named = ", ".join(map(str, ranks))
+    who = f"rank {named} is stuck" if ranks else "no rank stands out"
+    finding = dataclasses.replace(
+        finding, ranks=tuple(ranks),
+        message=f"hang at step {finding.step}: {who} ({judged.reason})",
+        evidence={**finding.evidence, "stacks": stack_info.to_dict(),
+                  "processes": fields["processes"]})
+    return finding, diagnosis, fields
 
 
 def write_incident(run_dir: Path, attempt: int, finding: Finding, remedy: Remedy | str,

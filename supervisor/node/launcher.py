@@ -181,6 +181,8 @@ class WorkerGroup:
         Blocks until everything is gone. Returns torchrun's exit code.
         """
         self._signal_all(signal.SIGTERM)
+        # A stopped rank (SIGSTOP, a hang babysit found) handles SIGTERM only once continued.
+        self._signal_all(signal.SIGCONT)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             self._reap()
@@ -278,6 +280,18 @@ def failed_ranks(launcher_output: str) -> dict[int, int]:
     """Local rank -> global rank of every failure torchrun's end-of-run summary lists (a rank
     that died before saying hello is known to babysit by its log folder, a local rank)."""
     return {int(local): int(rank) for rank, local in _FAILED_RANK.findall(launcher_output)}
+
+
+_RANK_EXIT = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def rank_exits(launcher_output: str) -> dict[int, int]:
+    """Global rank -> exit code of every failure torchrun's end-of-run summary lists (negative:
+    killed by that signal, as ``subprocess`` reports it: -11 is SIGSEGV, -9 SIGKILL).
+
+    This is the evidence of who failed and how; the ranks' log tails only explain it. Ranks
+    torchrun stopped itself after the first failure are not listed."""
+    return {int(rank): int(code) for rank, code in _RANK_EXIT.findall(launcher_output)}
 
 
 def root_cause_rank(launcher_output: str) -> int | None:

@@ -74,6 +74,7 @@ __all__ = [
     "StackVerdict",
     "ThreadStack",
     "collective_frame",
+    "deepen",
     "diagnose",
     "dump_stacks",
     "find_py_spy",
@@ -436,7 +437,14 @@ def diagnose(pids: Mapping[int, int], timeout_s: float = 10.0, *,
     native frames and judge those; ranks whose native dump fails keep their Python dump.
     Takes about 0.1 s, or about a second more when native frames are needed; never raises."""
     dumps = dump_stacks(pids, timeout_s, py_spy=py_spy)
-    verdict = odd_one_out(dumps)
+    return deepen(pids, dumps, odd_one_out(dumps), timeout_s, py_spy=py_spy)
+
+
+def deepen(pids: Mapping[int, int], dumps: dict[int, StackDump], verdict: StackVerdict,
+           timeout_s: float = 10.0, *, py_spy: str | Path | None = None
+           ) -> tuple[dict[int, StackDump], StackVerdict]:
+    """``diagnose``'s second pass: when the Python frames of ``dumps`` show no rank in a
+    collective and the ranks differ, dump again with native frames and judge those."""
     if verdict.waiting or verdict.rule == "same" or \
             all(d.error is not None for d in dumps.values()):
         return dumps, verdict

@@ -129,6 +129,11 @@ class NodeWorkers:
         summary = launcher.tail(self.attempt_dir(attempt) / "launcher.log")
         return self.tails(attempt), launcher.root_cause_rank(summary)
 
+    def rank_exits(self, attempt: int) -> dict[int, int]:
+        """Global rank -> exit code of each rank torchrun reported failed in ``attempt``
+        (``launcher.rank_exits``); empty when torchrun printed no summary (it was killed)."""
+        return launcher.rank_exits(launcher.tail(self.attempt_dir(attempt) / "launcher.log"))
+
     def poll(self) -> int | None:
         """torchrun's exit code once it ended, else None (also None before any launch)."""
         return self.group.poll() if self.group is not None else None

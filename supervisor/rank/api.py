@@ -33,6 +33,7 @@ Calling rules:
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import socket
@@ -43,7 +44,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from babysit.supervisor.contract import protocol
-from babysit.supervisor.contract.directive import CONTROL_FILE, Directive, Resume, SkipRange
+from babysit.supervisor.contract.directive import (
+    CLOSED_DIR,
+    CONTROL_FILE,
+    Directive,
+    Resume,
+    SkipRange,
+)
 from babysit.supervisor.rank.saving import Checkpointer
 
 T = TypeVar("T")
@@ -91,6 +98,9 @@ class Run:
         self._skips = sorted(directive.skip, key=lambda r: r.start)
         self._hooks: list[Any] = []
         self._closed = False
+        self._closed_marker: Path | None = None
+        """Where a clean close is recorded for a supervisor that may not be listening
+        (``directive.CLOSED_DIR``)."""
         self._checkpointer = Checkpointer(directive, rank, model, optimizer, scheduler,
                                           self._event)
         self._guard = _grad_guard(directive.grad_guard)
@@ -314,6 +324,13 @@ class Run:
         self._closed = True
         self._checkpointer.close()
         self._event("close", step=self.step_count, cursor=self.cursor, dropped=self.dropped)
+        if self._closed_marker is not None:
+            # The supervisor may be gone (killed while the job trained on): a supervisor
+            # taking over learns from this file that the job finished, not from the socket.
+            with contextlib.suppress(OSError):
+                self._closed_marker.parent.mkdir(exist_ok=True)
+                self._closed_marker.write_text(json.dumps(
+                    {"rank": self.rank, "world_size": self.world_size, "step": self.step_count}))
         for hook in self._hooks:
             hook.remove()
         if self._sock is not None:
@@ -400,6 +417,7 @@ def attach(
               scheduler=scheduler)
     if directive_path:
         run._checkpointer.control = Path(directive_path).with_name(CONTROL_FILE)
+        run._closed_marker = Path(directive_path).with_name(CLOSED_DIR) / f"{rank}.json"
     restored = run._checkpointer.resume()
     if restored is not None:
         run.step_count, run.cursor = restored

@@ -52,6 +52,11 @@ class Checkpointer:
         """The supervisor's control file (set by ``attach()`` when babysit runs)."""
         self._control_seen: tuple[int, int, int] | None = None
         self._control_step: int | None = None
+        self._final: str | None = None
+        """The supervisor's ``final_checkpoint`` request being agreed on (its id), if any."""
+        self._final_done: set[str] = set()
+        self._final_step: int | None = None
+        """The step the ranks agreed to save the final checkpoint at."""
         self._cadence: list[tuple[int, int]] = [(0, directive.checkpoint_every)]
         """``(from_step, every)`` pieces in step order: the directive's cadence, then each
         change the control file made. Pieces wholly in the past are dropped as steps go by."""
@@ -90,10 +95,13 @@ class Checkpointer:
         if not self.enabled or self.model is None or step == 0 or step == self._last_saved:
             return  # without attach(model=...) there is nothing of babysit's to save
         requested = self._read_control(step)
-        if step % self.every(step) and step != requested:
+        final = self._final_target(step)
+        if step % self.every(step) and step != requested and step != final:
             return
         from babysit import checkpoints
 
+        if final is not None and step >= final:
+            self._final, self._final_step = None, None
         self._last_saved = step
         started = time.perf_counter()
         try:
@@ -112,7 +120,15 @@ class Checkpointer:
         # The stall training paid: the whole save when synchronous, the staging copy (and any
         # wait for the previous async save) when asynchronous; the writes overlap training.
         blocking = time.perf_counter() - started
-        if handle.committed:
+        if step == final:
+            # The supervisor waits for this one; a final checkpoint is never left in flight.
+            try:
+                handle.wait()
+            except checkpoints.CheckpointError as exc:
+                self._failed(step, exc)
+                return
+            self._announce(handle, time.perf_counter() - started, final=True)
+        elif handle.committed:
             self._announce(handle, blocking)
         else:
             self._pending, self._pending_blocking = handle, blocking
@@ -153,11 +169,47 @@ class Checkpointer:
             self._cadence.pop(0)  # a piece wholly in the past
         return self._control_step
 
+    def _final_target(self, step: int) -> int | None:
+        """The step the ranks agreed to save the supervisor's final checkpoint at (before a
+        preemption), once they have; None otherwise.
+
+        The supervisor asks for "the next step boundary you can all reach"; it cannot name
+        the step itself (its count lags the ranks by a tick or more). Rank 0 names it: the
+        step after the boundary where it read the request, published in the job's c10d store.
+        No rank can be past that step yet: finishing a step needs every rank's share of its
+        gradient all-reduce, and rank 0 publishes before it starts the next one. The other
+        ranks look the key up (a non-blocking ``check``) at each boundary until it is there,
+        which it is by that step at the latest. Without a process group, this step."""
+        if self._final is None:
+            return self._final_step
+        if self._final_step is not None:
+            return self._final_step
+        store = _store()
+        key = f"babysit/final_checkpoint/{self._final}"
+        if store is None:
+            self._final_step = step
+        elif self.rank == 0:
+            self._final_step = step + 1
+            store.set(key, str(step + 1))
+        elif store.check([key]):
+            self._final_step = int(store.get(key).decode())
+        if self._final_step is not None and self._final_step < step:
+            # Cannot happen with synchronous steps; never save out of step with the others.
+            if self.rank == 0:
+                self._emit("checkpoint_failed", step=self._final_step, final=True,
+                           error=f"rank {self.rank} was already at step {step}")
+            self._final, self._final_step = None, None
+        return self._final_step
+
     def _apply_control(self, request: dict[str, Any], step: int) -> None:
         """``checkpoint_at_step`` is what the current file asks (absent: nothing);
         ``checkpoint_every`` changes the cadence from ``from_step`` on (absent: the next step)
         and stays in force when a later version of the file leaves it out."""
         self._control_step = _as_int(request.get("checkpoint_at_step"))
+        final = request.get("final_checkpoint")
+        if final is not None and str(final) not in self._final_done:
+            self._final_done.add(str(final))
+            self._final, self._final_step = str(final), None
         every = _as_int(request.get("checkpoint_every"))
         if every is None or every < 1:
             return
@@ -220,11 +272,13 @@ class Checkpointer:
         if self.rank == 0:
             self._emit("checkpoint_failed", step=step, error=str(exc)[:2000])
 
-    def _announce(self, handle: Any, blocking_s: float) -> None:
-        """``blocking_s``: seconds rank 0's training stalled for this save (see maybe_save)."""
+    def _announce(self, handle: Any, blocking_s: float, final: bool = False) -> None:
+        """``blocking_s``: seconds rank 0's training stalled for this save (see maybe_save);
+        ``final``: the checkpoint the supervisor asked for before a preemption."""
         if self.rank == 0:
             self._emit("checkpoint", step=handle.step, path=str(handle.path), external=False,
-                       asynchronous=handle.is_async, blocking_s=round(blocking_s, 6))
+                       asynchronous=handle.is_async, blocking_s=round(blocking_s, 6),
+                       **({"final": True} if final else {}))
 
 
 def _as_int(value: Any) -> int | None:
@@ -236,6 +290,17 @@ def _as_int(value: Any) -> int | None:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return None
+
+
+def _store() -> Any:
+    """The job's c10d store (torchrun's rendezvous store), or None without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def _barrier() -> None:

@@ -127,6 +127,9 @@ class PriorRun:
     pending: dict[str, Any] | None = None
     """A ``finding`` entry whose rollback or relaunch was decided but never launched: the
     supervisor died in between, and the remedy must not be lost."""
+    last_step: int = 0
+    """The newest step it journaled (observed): workers that trained on after it died did so
+    unwatched."""
 
 
 def prior_run(entries: list[dict[str, Any]]) -> PriorRun | None:
@@ -152,6 +155,7 @@ def prior_run(entries: list[dict[str, Any]]) -> PriorRun | None:
                       default=-1)
     pending = [e for e in entries[last_launch + 1:] if e.get("event") == "finding"
                and e.get("remedy", {}).get("action") in ("rollback", "relaunch")]
+    last_step = max((e["step"] for e in entries if isinstance(e.get("step"), int)), default=0)
     return PriorRun(last_attempt, unfinished, directive, tuple(p for p in pids if p > 0),
                     states[-1] if states else None,
-                    pending[-1] if pending and unfinished else None)
+                    pending[-1] if pending and unfinished else None, last_step)

@@ -37,6 +37,7 @@ from babysit.supervisor.contract.directive import SkipRange
 from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node import forensics, launcher
 from babysit.supervisor.run import journal as journal_mod
+from babysit.supervisor.run import preemption, takeover
 from babysit.supervisor.run.background import Services
 from babysit.supervisor.run.cadence import (
     INTERRUPTING_ACTIONS,
@@ -98,8 +99,11 @@ class Supervisor:
         self._started = 0.0
         self._first_attempt = 0
         self._takeover: journal_mod.PriorRun | None = None
+        self._finished_unwatched: int | None = None
+        """The step the job finished at while no supervisor watched (found on a takeover)."""
         self._inherited: Remedy | None = None
         self._last_checkpoint = -1
+        self._final_saved: int | None = None
         self._incident_dir: Path | None = None
         c = plan.config.checkpoints
         self.recovery = Recovery(Catalog(plan.checkpoint_dir), c.probation_steps, c.keep,
@@ -176,8 +180,11 @@ class Supervisor:
             self._inherited = Remedy.from_json(prior.pending["remedy"], finding)
         else:  # the work since the last checkpoint is lost (a pending remedy counted already)
             self.cadence.advisor.on_interruption("supervisor_lost", time.time())
+        self._finished_unwatched = takeover.finished_unwatched(
+            self.plan.run_dir / "attempts" / str(prior.last_attempt))
         self._journal("supervisor_takeover", previous_attempt=prior.last_attempt,
-                      stopped_pids=stopped,
+                      stopped_pids=stopped, watched_until_step=prior.last_step,
+                      finished_unwatched=self._finished_unwatched,
                       inherited_remedy=self._inherited.to_json() if self._inherited else None,
                       skip=[{"start": r.start, "end": r.end} for r in self.watch.skips],
                       lr_scale=self.watch.lr_scale)
@@ -205,32 +212,48 @@ class Supervisor:
                           reason="checkpoints.cadence.auto adopted it before babysit restarted")
 
     def _final_checkpoint(self) -> None:
-        """SIGTERM is what a scheduler sends before it reclaims the node: ask every rank for a
-        checkpoint a few steps ahead (all ranks must save at the same step), and wait for it
-        within ``checkpoints.final_grace_s`` while still reading telemetry."""
-        grace = self.plan.config.checkpoints.final_grace_s
-        if not (self.plan.config.checkpoints.every_steps and grace > 0 and self._launched):
+        """SIGTERM is what a scheduler sends before it reclaims the node: ask the ranks for a
+        checkpoint at the next step boundary they can all reach (they agree on the step among
+        themselves: ``rank.saving``; the loop's own count lags them), and wait for it within
+        ``checkpoints.final_grace_s`` while still reading telemetry. Without one, say so
+        everywhere, naming the checkpoint the next run resumes from (``preemption``)."""
+        c = self.plan.config.checkpoints
+        if not self._launched:
             return
-        # Ranks of a synchronous job are within a step of each other: 3 ahead of the newest
-        # step any rank reported is ahead of all (the loop's own count lags a tick, and on a
-        # multi-node leader the other nodes' summaries lag more; a rank already past the target
-        # would never save, and the others would wait for it for the whole grace).
-        target = max(self.machine.step, self._newest_step) + 3
-        self._request(checkpoint_at_step=target)
-        self._journal("final_checkpoint_requested", target_step=target, grace_s=grace)
-        self.console.log(f"babysit: SIGTERM: asking for a final checkpoint at step {target} "
-                         f"(waiting up to {grace:g} s)")
+        if not (c.every_steps and c.final_grace_s > 0):
+            self._no_final_checkpoint("checkpoints.every_steps is 0: babysit does not save "
+                                      "this run" if not c.every_steps
+                                      else "checkpoints.final_grace_s is 0")
+            return
+        grace = c.final_grace_s
+        self._final_saved = None
+        self._request(final_checkpoint=preemption.request_id())
+        self._journal("final_checkpoint_requested", grace_s=grace,
+                      newest_step=max(self.machine.step, self._newest_step))
+        self.console.log(f"babysit: SIGTERM: asking for a final checkpoint at the next step "
+                         f"every rank reaches (waiting up to {grace:g} s)")
         deadline = self.clock() + grace
-        while self.clock() < deadline and self._last_checkpoint < target:
+        while self.clock() < deadline and self._final_saved is None:
             time.sleep(TICK_S)
             # Findings and exits are moot now: the run is stopping.
             self._take(self.members.gather(self.clock(), watching=False), deque())
             self._print_output()
             if not self.members.running():
                 break
-        saved = self._last_checkpoint >= target
-        self._journal("final_checkpoint", saved=saved,
-                      checkpoint_step=self._last_checkpoint if saved else None)
+        saved = self._final_saved
+        self._journal("final_checkpoint", saved=saved is not None, checkpoint_step=saved)
+        if saved is not None:
+            self.console.log(f"babysit: final checkpoint saved at step {saved}")
+        else:
+            self._no_final_checkpoint(
+                f"none arrived within checkpoints.final_grace_s = {grace:g} s"
+                if self.members.running() else "the workers exited first")
+
+    def _no_final_checkpoint(self, why: str) -> None:
+        resume = preemption.fallback(self.recovery.catalog)
+        self._journal("final_checkpoint_missing", reason=why, resume_step=resume.step,
+                      resume_path=resume.path)
+        self._notify(sm.Notify(Severity.WARNING, preemption.missing_message(why, resume)))
 
     def _teardown(self) -> None:
         self.members.close(self._exit_code)
@@ -251,6 +274,8 @@ class Supervisor:
                                  status=self.console.status, alert=self._alert,
                                  stopping=lambda: self._signal is not None))
         pending: deque[sm.Event | Finding] = deque()
+        if self._finished_unwatched is not None:  # nothing to retrain: say so and end
+            return self._finish_unwatched(self._finished_unwatched)
         # A remedy the previous supervisor decided but died before launching is applied now.
         exit_code = self._perform(sm.Launch(self.machine.attempt, self._inherited), pending)
         while exit_code is None:
@@ -272,6 +297,14 @@ class Supervisor:
             self._show_status()
         self._summary(exit_code)
         return exit_code
+
+    def _finish_unwatched(self, step: int) -> int:
+        """The job finished while no supervisor watched (``takeover.finished_unwatched``)."""
+        reason = (f"every rank of attempt {self.machine.attempt - 1} closed its run at step "
+                  f"{step} while no supervisor watched; nothing left to train")
+        self._journal("run_finished", step=step, state="succeeded", exit_code=0, reason=reason)
+        self.console.log(f"babysit: {reason}")
+        return 0
 
     def _gather(self, pending: deque[sm.Event | Finding]) -> None:
         """Turn everything that happened since the last tick into events, in a fixed order."""
@@ -384,6 +417,8 @@ class Supervisor:
         elif event.type == "checkpoint":
             step = int(event.data.get("step", 0))
             self._last_checkpoint = max(self._last_checkpoint, step)
+            if event.data.get("final"):
+                self._final_saved = step
             self._journal("checkpoint_saved", step=step, rank=event.rank, data=event.data)
             self._journal_all(self.recovery.on_checkpoint(step))
             self._advise_cadence(event.data.get("blocking_s"), step)
@@ -464,14 +499,15 @@ class Supervisor:
         located and judged."""
         if end.code == 0:
             return sm.Exited(0)
-        finding = self.watch.classify_crash(end.code, end.tails, self.machine.step, end.root)
+        finding = self.watch.classify_crash(end.code, end.tails, self.machine.step, end.root,
+                                            end.exits)
         return sm.Exited(end.code, self._judge(self.members.locate(finding)))
 
     # -- actions --------------------------------------------------------------------------------
 
     def _launch(self, attempt: int, remedy: Remedy | None) -> None:
         if self._takeover is not None and attempt == self._first_attempt and remedy is None:
-            resume, entries = self.recovery.resume_latest()
+            resume, entries = self.recovery.resume_latest(self._takeover.last_step)
         else:
             resume, entries = self.recovery.resume_for(remedy)
         self._journal_all(entries)

@@ -37,6 +37,9 @@ class JobEnd:
     """Failed ranks' log tails by global rank, for the crash classifier."""
     root: int | None = None
     """The rank torchrun named as the first observed failure."""
+    exits: dict[int, int] = field(default_factory=dict)
+    """Each failed rank's own exit code by global rank (negative: the signal that killed
+    it), from torchrun's failure summary: the evidence of who failed and how."""
 
 
 @dataclass
@@ -202,6 +205,7 @@ class LocalMembers(OnThisNode):
         attempt = self.node.attempt
         out.steps = [(record, metrics_row(record, attempt))
                      for records in tick.outputs for record in records]
+        out.entries += [("hang_cleared", fields) for fields in tick.cleared]
         for hang in tick.hangs:
             if hang.fields:
                 out.entries.append(("hang_diagnosis", hang.fields))
@@ -209,7 +213,7 @@ class LocalMembers(OnThisNode):
         if tick.exit is not None:
             if tick.exit.teardown_code is not None:
                 self.teardown_crash(tick.exit.teardown_code, out)
-            out.end = JobEnd(tick.exit.code, tick.exit.tails, tick.exit.root)
+            out.end = JobEnd(tick.exit.code, tick.exit.tails, tick.exit.root, tick.exit.exits)
         return out
 
     def tails(self, attempt: int) -> dict[int, str]:

@@ -6,7 +6,8 @@ things with the ranks on their machine each tick, and this is the one place that
     drain the telemetry socket    each report to the node's judge, each event noted
     has torchrun exited?          the exit code; 0 if only the teardown crashed after every
                                   rank closed; else every rank's log tail and torchrun's root
-    is anything hung?             the judge's hang timers, confirmed and named from the stacks
+    is anything hung?             the judge's hang timers, confirmed from the ranks' process
+                                  state, CPU and stacks, and named (or cleared: working)
 
 What a report *means* is the judge's business: ``LocalJudge`` turns this node's reports into
 the job's steps (a single-node run: this node is the job), ``cluster.node_view.NodeView`` into
@@ -40,6 +41,7 @@ class NodeJudge(Protocol[Out_co]):
     def observe_rank(self, sample: RankStep, now: float) -> Out_co: ...
     def flush(self) -> Out_co: ...
     def check(self, now: float) -> list[Finding]: ...
+    def defer_hang(self, finding: Finding, now: float) -> None: ...
     def name(self, finding: Finding) -> Finding: ...
 
 
@@ -55,6 +57,8 @@ class NodeExit:
     """The rank torchrun names as its first observed failure, if any."""
     teardown_code: int | None = None
     """torchrun's own code when only its teardown crashed (``code`` is then 0)."""
+    exits: dict[int, int] = field(default_factory=dict)
+    """Each failed rank's own exit code by global rank (``NodeWorkers.rank_exits``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +84,8 @@ class NodeTick(Generic[Out]):
     rank_died: bool = False
     """A rank's process of this node is gone while torchrun still runs: a crash in progress
     (said once per attempt; torchrun's exit follows when it has torn the rest down)."""
+    cleared: list[dict[str, Any]] = field(default_factory=list)
+    """The ``hang_cleared`` entries' fields: suspected hangs the ranks' processes refuted."""
     exit: NodeExit | None = None
 
 
@@ -132,7 +138,8 @@ class OwnNode(Generic[Out]):
             out.exit = self._exit(code)
         elif self.workers.group is not None:
             if forensics.ranks_all_alive(self.workers.rank_pids.values()):
-                out.hangs.extend(self._diagnose(f) for f in self.judge.check(now))
+                for finding in self.judge.check(now):
+                    self._confirm(finding, now, out)
             elif not self._death_told:
                 # A rank whose process died is a crash in progress (torchrun reports it in a
                 # moment), not a hang: its peers wait on a connection that is already gone.
@@ -155,18 +162,25 @@ class OwnNode(Generic[Out]):
         if not code:
             return NodeExit(0, {}, None)
         tails, root = self.workers.crash_evidence(self.attempt)
-        return NodeExit(code, tails, root)
+        return NodeExit(code, tails, root, exits=self.workers.rank_exits(self.attempt))
 
-    def _diagnose(self, finding: Finding) -> Hang:
-        """Read every rank's stacks and name the rank stuck outside the collective."""
+    def _confirm(self, finding: Finding, now: float, out: NodeTick[Out]) -> None:
+        """Look at every rank before calling a stall a hang (``forensics.confirm_hang``): a
+        confirmed one is named from its process state, CPU and stack; one the processes refute
+        (the ranks are working) defers the judge's hang timer instead."""
         if not self.workers.rank_pids:
             self.hang = Hang(finding, None, {})
-            return self.hang
+            out.hangs.append(self.hang)
+            return
         if self.on_suspect is not None:
             self.on_suspect(finding)
-        named, diagnosis, fields = forensics.diagnose_hang(finding, self.workers.rank_pids)
+        named, diagnosis, fields = forensics.confirm_hang(finding, self.workers.rank_pids)
+        if named is None:
+            self.judge.defer_hang(finding, now)
+            out.cleared.append(fields)
+            return
         self.hang = Hang(self.judge.name(named), diagnosis, fields)
-        return self.hang
+        out.hangs.append(self.hang)
 
 
 class LocalJudge:
@@ -201,6 +215,9 @@ class LocalJudge:
 
     def check(self, now: float) -> list[Finding]:
         return self.watch.check(now)
+
+    def defer_hang(self, finding: Finding, now: float) -> None:
+        self.watch.defer_hang(finding, now)
 
     def name(self, finding: Finding) -> Finding:
         return finding

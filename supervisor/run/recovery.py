@@ -51,6 +51,9 @@ class Recovery:
         self.keep = keep
         self.vouched: int | None = -1 if sdc_checks else None
         """The newest step an SDC check agreed at (-1: none yet); None: no SDC checks."""
+        self.unwatched: tuple[int, int] | None = None
+        """Steps ``a < s <= b`` no supervisor observed (set by ``resume_latest`` on a
+        takeover): checkpoints whose probation fell there stay pending."""
         self._next_promotion = 0
 
     def vouch(self, step: int | None) -> None:
@@ -73,7 +76,7 @@ class Recovery:
         if self.vouched is not None:  # and only checkpoints at or before the agreeing check
             healthy = min(step, self.vouched + self.probation_steps)
         try:
-            promoted = self.catalog.promote(healthy, self.probation_steps)
+            promoted = self.catalog.promote(healthy, self.probation_steps, self.unwatched)
             if promoted:
                 # A newer good checkpoint exists: the one pinned for the last rollback may go.
                 self.catalog.unpin()
@@ -134,11 +137,31 @@ class Recovery:
         before = remedy.finding.onset_step if rollback else remedy.finding.step + 1
         return self._choose(before, not rollback, entries)
 
-    def resume_latest(self) -> tuple[Resume | None, list[Entry]]:
+    def resume_latest(self, watched_until: int | None = None
+                      ) -> tuple[Resume | None, list[Entry]]:
         """For a supervisor taking over a run whose supervisor died: the newest usable
-        checkpoint, pending ones included (nothing suggests they are bad)."""
+        checkpoint, pending ones included (nothing suggests they are bad).
+
+        ``watched_until``: the newest step the previous supervisor observed. The workers may
+        have trained on unwatched after it; checkpoints whose probation steps fell between it
+        and the resumed step were never observed, so they stay pending (journaled as such)
+        instead of being promoted once the resumed run passes them."""
         _, entries = self.resume_for(None)
-        return self._choose(2**62, True, entries)
+        resume, entries = self._choose(2**62, True, entries)
+        if watched_until is not None and resume is not None and resume.step > watched_until:
+            self.unwatched = (watched_until, resume.step)
+            try:
+                blind = [c for c in self.catalog.checkpoints()
+                         if c.verdict is Verdict.PENDING and c.step < resume.step
+                         and c.step + self.probation_steps > watched_until]
+            except OSError as exc:
+                return resume, [*entries, _storage_error("listing checkpoints", exc)]
+            entries += [("checkpoint_verdict", {
+                "checkpoint_step": c.step, "verdict": "pending",
+                "reason": f"written while no supervisor watched (steps {watched_until + 1}-"
+                          f"{resume.step}): its probation steps were never observed"})
+                for c in blind]
+        return resume, entries
 
     def _choose(self, before: int, allow_pending: bool,
                 entries: list[Entry]) -> tuple[Resume | None, list[Entry]]:

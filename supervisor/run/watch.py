@@ -8,11 +8,16 @@ testable. It is the one place that knows which detector observes which stream.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from babysit.policies.detectors import HangDetector, classify
-from babysit.policies.detectors.crash import CrashClass, CrashSignature
+from babysit.policies.detectors.crash import (
+    STOP_SIGNALS,
+    CrashClass,
+    CrashSignature,
+    CrashVerdict,
+)
 from babysit.policies.detectors.sdc import SdcDetector
 from babysit.policies.loader import load_policy
 from babysit.policies.pipeline import Pipeline
@@ -48,8 +53,17 @@ class SdcCheck:
 
 
 _SPECIFICITY = [CrashClass.USER_CODE, CrashClass.OOM, CrashClass.HARDWARE, CrashClass.NUMERICAL,
-                CrashClass.NETWORK, CrashClass.KILLED, CrashClass.UNKNOWN]
-"""When torchrun names no root cause: a peer's network error is usually the consequence."""
+                CrashClass.KILLED, CrashClass.NETWORK, CrashClass.UNKNOWN]
+"""Which rank to blame: a cause of its own before a peer's network error (usually the
+consequence), and a fatal signal (SIGSEGV, SIGKILL) before that too."""
+
+
+def _blame_order(verdict: CrashVerdict) -> int:
+    """Rank of ``verdict`` in the blame order; a rank stopped by SIGTERM (torchrun stopping the
+    survivors) comes last: it was stopped, it did not fail."""
+    if verdict.crash_class is CrashClass.KILLED and verdict.signal in STOP_SIGNALS:
+        return len(_SPECIFICITY)
+    return _SPECIFICITY.index(verdict.crash_class)
 
 _CURSOR_MEMORY = 4096
 """Recent steps whose data cursor is remembered, to turn a spike's onset step into batches."""
@@ -161,27 +175,46 @@ class Watch:
         finding = self.hang.check(now, ranks_alive=self._alive)
         return [finding] if finding is not None else []
 
-    def classify_crash(self, code: int, tails: dict[int, str], step: int,
-                       root_rank: int | None = None) -> Finding:
-        """A finding for torchrun's non-zero exit, from the failed ranks' log tails.
+    def defer_hang(self, finding: Finding, now: float) -> None:
+        """The ranks of a suspected hang (``finding``) were found working: suspect again only
+        after as long again as the stall has lasted."""
+        stalled = finding.evidence.get("stalled", {})
+        longest = max((float(v.get("stalled_s", 0.0)) for v in stalled.values()), default=0.0)
+        self.hang.defer(now, longest)
 
-        The most specific verdict names the rank: a peer's "connection closed" is usually the
-        consequence of another rank's exception. ``root_rank`` (torchrun's "first observed
-        failure") only breaks ties: it is the first exit torchrun noticed, not the cause, and a
-        peer dying of the broken connection is often noticed first.
+    def classify_crash(self, code: int, tails: dict[int, str], step: int,
+                       root_rank: int | None = None,
+                       exits: dict[int, int] | None = None) -> Finding:
+        """A finding for torchrun's non-zero exit ``code``: which rank failed, and how.
+
+        ``exits`` (global rank -> that rank's own exit code, from torchrun's failure summary)
+        is the evidence; ``tails`` (each rank's log end) explain it. Each rank is classified
+        from its own exit code and log. A rank that failed for a reason of its own (an
+        exception, an OOM, a hardware fault, a fatal signal such as SIGSEGV or SIGKILL) is
+        named before a peer whose log only shows the broken connection it left, and before a
+        rank torchrun merely stopped (SIGTERM). ``root_rank`` (torchrun's "first observed
+        failure") only breaks ties: a peer dying of the broken connection is often noticed
+        first.
         """
-        verdicts = {rank: classify(code, None, tail, step or None, self.crashes)
-                    for rank, tail in sorted(tails.items())}
+        exits = exits or {}
+        ranks = sorted(set(tails) | set(exits))
+        verdicts = {rank: classify(exits.get(rank, code), None, tails.get(rank, ""),
+                                   step or None, self.crashes)
+                    for rank in ranks}
         if not verdicts:
             verdicts = {-1: classify(code, None, "", step or None, self.crashes)}
 
-        def weight(rank: int) -> tuple[int, bool, int]:
-            return (_SPECIFICITY.index(verdicts[rank].crash_class), rank != root_rank, rank)
+        def weight(rank: int) -> tuple[int, bool, bool, int]:
+            return (_blame_order(verdicts[rank]), rank not in exits, rank != root_rank, rank)
 
         rank = min(verdicts, key=weight)
         verdict = verdicts[rank]
         self.crashes.append(verdict.key())
-        return verdict.to_finding(step=step, ranks=(rank,) if rank >= 0 else ())
+        finding = verdict.to_finding(step=step, ranks=(rank,) if rank >= 0 else ())
+        if exits:
+            finding = replace(finding, evidence={**finding.evidence, "rank_exits": {
+                str(r): c for r, c in sorted(exits.items())}})
+        return finding
 
     def state_dict(self) -> dict[str, Any]:
         """What a supervisor taking over this run needs to judge as this one would: the rules'

@@ -27,6 +27,15 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
     --slow-data RANK:SEC   that rank waits SEC seconds for every batch (a slow loader)
     --flood LINES          rank 0 prints LINES lines of junk every step
     --eval-every N         every N steps, report an "eval_loss" scalar with the step
+    --at ATTEMPT:RANK:STEP:WHAT  on that attempt, just before that step, that rank: sends itself
+                           a signal (WHAT = SIGSEGV, SIGKILL, SIGSTOP, ...), sleeps forever
+                           outside the collective (``hang``), or keeps the CPU busy outside any
+                           collective and any phase for SEC seconds (``busySEC``: a slow eval,
+                           a GC pause, a CPU-bound loader). Repeatable
+    --nvrx                 also beat NVIDIA's fault-tolerance heartbeat every step (to run the
+                           same job under ft_launcher: benchmarks/recovery.py)
+    --step-log PATH        rank 0 appends "wall-time attempt step" per step (for benchmarks
+                           that run without babysit's journal)
     --after-close KIND     rank 0 then aborts (``abort``, as gloo's teardown sometimes does) or
                            raises (``raise``) after the run closed cleanly
 
@@ -38,6 +47,7 @@ tensors.
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -50,6 +60,19 @@ from babysit import attach
 def pair(text: str) -> tuple[int, float]:
     a, b = text.split(":")
     return int(a), float(b)
+
+
+def strike(what: str, rank: int, step: int) -> None:
+    """One ``--at`` fault, in this rank, now."""
+    print(f"rank {rank}: injected {what} at step {step}", flush=True)
+    if what == "hang":
+        time.sleep(3600)
+    elif what.startswith("busy"):
+        until = time.perf_counter() + float(what[4:])
+        while time.perf_counter() < until:
+            sum(i * i for i in range(1000))
+    else:
+        os.kill(os.getpid(), getattr(signal, what))
 
 
 def flip_bit(param: torch.Tensor, bit: int = 16) -> None:
@@ -110,6 +133,9 @@ def main() -> None:
     p.add_argument("--after-close", choices=["abort", "raise"])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument("--at", action="append", default=[], type=lambda t: t.split(":", 3))
+    p.add_argument("--nvrx", action="store_true")
+    p.add_argument("--step-log")
     args = p.parse_args()
 
     device = torch.device("cpu")
@@ -131,7 +157,16 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     run = attach(model=model, optimizer=opt, scheduler=sched,
                  flops_per_token=args.flops_per_token, peak_flops=args.peak_flops)
-    faults_on = args.every_attempt or run.directive.attempt == 0
+    # Under another launcher's in-place restarts (ft_launcher) the attempt is its restart count.
+    attempt = max(run.directive.attempt, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    faults_on = args.every_attempt or attempt == 0
+    heartbeat = None
+    if args.nvrx:
+        import nvidia_resiliency_ext.fault_tolerance as ft
+
+        heartbeat = ft.RankMonitorClient()
+        heartbeat.init_workload_monitoring()
+    step_log = open(args.step_log, "a") if args.step_log and rank == 0 else None  # noqa: SIM115
 
     for x, y in run.batches(Batches(rank, dist.get_world_size(), args)):
         if run.step_count >= args.steps:
@@ -144,6 +179,9 @@ def main() -> None:
         if faults_on and args.hang and args.hang == (rank, upcoming):
             print(f"rank {rank}: injected hang at step {upcoming}", flush=True)
             time.sleep(3600)
+        for at_attempt, at_rank, at_step, what in args.at:
+            if (int(at_attempt), int(at_rank), int(at_step)) == (attempt, rank, upcoming):
+                strike(what, rank, upcoming)
         time.sleep(args.step_sleep)
         if args.flood and rank == 0:
             sys.stdout.write(f"flood step {upcoming} " + "x" * 100 + "\n" * 1)
@@ -166,6 +204,13 @@ def main() -> None:
         if faults_on and args.corrupt and args.corrupt == (rank, run.step_count):
             flip_bit(model[0].weight)
         sched.step()
+        if heartbeat is not None:
+            heartbeat.send_heartbeat()
+        if step_log is not None:
+            step_log.write(f"{time.time()} {attempt} {run.step_count}\n")
+            step_log.flush()
+    if heartbeat is not None:
+        heartbeat.shutdown_workload_monitoring()
     print(f"rank {rank} done at step {run.step_count} pid {os.getpid()}", flush=True)
     run.close()
     dist.destroy_process_group()
