@@ -27,8 +27,9 @@ Calling rules: the clock is always injected. ``start(now, ranks)`` at every atte
 ``observe(rank_step, now)`` for every report (``now`` = the supervisor's receive time; it
 defaults to ``rank_step.time``, which is only safe when worker and supervisor clocks agree);
 ``phase(rank, name, begin, now)`` when a rank declares a phase; ``check(now, ranks_alive)``
-periodically (every few seconds). One finding per hang: after it fires it stays quiet until a
-rank makes progress again or ``start`` is called. Units: seconds.
+periodically (every tick); ``defer(now, stalled_s)`` when the supervisor found a suspected
+hang's ranks working. One finding per hang: after it fires it stays quiet until a rank makes
+progress again, ``defer`` re-arms it, or ``start`` is called. Units: seconds.
 """
 
 from __future__ import annotations
