@@ -422,3 +422,22 @@ def test_a_relaunch_is_not_a_throughput_regression() -> None:
 
     assert slow_findings(relaunch=False) == ["throughput"]  # the same slowdown mid-attempt
     assert slow_findings(relaunch=True) == []
+
+
+def test_a_single_data_wait_blip_is_no_straggler_but_a_sustained_one_is() -> None:
+    # Under CPU load one rank waits 30 ms for one batch against its peers' 0.2 ms (50 ms
+    # steps): a ratio of 150, yet one step. Two such steps in a row are a straggler.
+    det = StragglerDetector()
+    waits = {s: {3: 0.03} if s in (10, 20, 21) else {} for s in range(1, 30)}
+    fired = [s for s in range(1, 30) if det.observe(
+        step_with(s, {r: 0.05 for r in range(8)},
+                  waits={r: 0.0002 for r in range(8)} | waits[s])) is not None]
+    assert fired == [21]
+
+
+def test_an_excess_small_against_the_step_is_no_straggler() -> None:
+    # 25 ms of extra data wait on 2 s steps: above the absolute floor, but 1 % of the step.
+    det = StragglerDetector()
+    assert all(det.observe(step_with(s, {r: 2.0 for r in range(8)},
+                                     waits={r: 0.001 for r in range(8)} | {3: 0.026}))
+               is None for s in range(1, 30))

@@ -87,14 +87,17 @@ def confirm_hang(finding: Finding, rank_pids: Mapping[int, int]
     act = judged.hung or not finding.evidence.get("confirm", False)
     if not act:
         return None, diagnosis, fields
-    ranks = judged.ranks or finding.ranks
-    named = ", ".join(map(str, ranks))
-    who = f"rank {named} is stuck" if ranks else "no rank stands out"
+    evidence = {**finding.evidence, "processes": fields["processes"]}
+    if not judged.ranks:
+        # Nothing told the ranks apart (every rank waits in a collective: the stuck one is on
+        # another node). The detector's finding stands, without "stacks": a leader prefers a
+        # node whose stacks named a rank.
+        return dataclasses.replace(finding, evidence=evidence), diagnosis, fields
+    named = ", ".join(map(str, judged.ranks))
     finding = dataclasses.replace(
-        finding, ranks=tuple(ranks),
-        message=f"hang at step {finding.step}: {who} ({judged.reason})",
-        evidence={**finding.evidence, "stacks": stack_info.to_dict(),
-                  "processes": fields["processes"]})
+        finding, ranks=tuple(judged.ranks),
+        message=f"hang at step {finding.step}: rank {named} is stuck ({judged.reason})",
+        evidence={**evidence, "stacks": stack_info.to_dict()})
     return finding, diagnosis, fields
 
 
