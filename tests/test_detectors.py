@@ -73,6 +73,21 @@ def test_default_verdicts_heal_warns_stay_rolls_back_diverge_and_catastrophe_at_
     assert verdicts(catastrophic) == [(200, Severity.CRITICAL, 200)]
 
 
+def test_a_tenfold_reading_inside_a_very_noisy_runs_own_noise_is_not_catastrophic() -> None:
+    """A tiny batch gives a loss that swings by 10x from step to step (tests/workers/tiny_train:
+    0.08 to 1.55 around 0.6); a reading 10x its baseline there is an ordinary outlier (robust z
+    about 3), not a catastrophe to roll back at once. A 5x jump on a quiet curve still is."""
+    import random
+
+    rng = random.Random(7)
+    losses = {s: 0.6 * math.exp(rng.gauss(0.0, 0.9)) for s in range(1, 200)}
+    losses[150] = 6.4
+    assert not [v for v in feed(LossSpikeDetector(), losses) if v[1] is Severity.CRITICAL]
+    quiet = {s: noisy(s) for s in range(1, 200)}
+    quiet[150] = noisy(150) * 5
+    assert feed(LossSpikeDetector(), quiet) == [(150, Severity.CRITICAL, 150)]
+
+
 def test_a_small_level_shift_that_stays_becomes_the_new_baseline() -> None:
     # +8 % for good (a data mix change): a warning, never a rollback; afterwards a real spike
     # is measured against the new level.

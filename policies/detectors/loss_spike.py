@@ -22,8 +22,8 @@ changes no verdict):
   healed, and the WARNING was all. A CRITICAL finding (the policy rolls back) follows when the
   spike hurts:
 
-  * catastrophic: a step at ``catastrophic_ratio`` x the baseline or more, at once (a NaN is
-    the non-finite detector's, also at once);
+  * catastrophic: a step at ``catastrophic_ratio`` x the baseline or more and a breakout by the
+    noise (``z >= z_threshold``), at once (a NaN is the non-finite detector's, also at once);
   * diverging: the loss has kept rising for ``diverge_steps`` steps: the median log-excess of
     each quarter of them is above the quarter before by ``log(min_ratio)`` or more (the worst
     healthy spike of the Pythia runs climbed for about 25 steps, then fell);
@@ -82,8 +82,8 @@ class LossSpikeConfig(DetectorConfig):
     patience // 4 steps is at least this x the baseline; lower, it is a level shift that the
     baseline adopts (healthy runs shift by a few percent)."""
     catastrophic_ratio: float = Field(default=3.0, gt=1.0)
-    """A loss at this x the baseline or more is CRITICAL at once, patience or not (healthy
-    spikes of the Pythia runs peak below 1.7x)."""
+    """A loss at this x the baseline or more, and a breakout by the noise (``z_threshold``), is
+    CRITICAL at once, patience or not (healthy spikes of the Pythia runs peak below 1.7x)."""
     diverge_steps: int = Field(default=40, ge=8)
     """A spike whose loss has kept rising for this many steps (each quarter's median
     log-excess above the previous quarter's by log(min_ratio)) is diverging: CRITICAL before
@@ -153,8 +153,10 @@ class LossSpikeDetector:
         sigma = self._sigma()
         z = resid / sigma
         ratio = math.exp(resid)
-        # A catastrophic ratio needs no z: no amount of noise makes a tripled loss ordinary.
-        catastrophic = resid >= self._log_catastrophic
+        # Catastrophic: far above the baseline AND far outside this run's own noise. On a large
+        # batch (low noise) a tripled loss is thousands of sigmas out; on a tiny, noisy one a
+        # tenfold reading can be an ordinary outlier (z 3) that the next step forgets.
+        catastrophic = resid >= self._log_catastrophic and z >= cfg.z_threshold
         elevated = z >= cfg.recover_fraction * cfg.z_threshold or catastrophic
         ep = self._episode
         if ep is not None:
