@@ -241,6 +241,64 @@ class NodesConfig(_Section):
         return self
 
 
+PATTERN_GROUPS = ("step", "loss", "grad_norm", "lr", "tokens", "step_time", "step_time_ms")
+"""Named groups a custom ``stdout.pattern`` may use; ``loss`` is required."""
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """A custom progress pattern, checked: raises ``ValueError`` saying what to change."""
+    try:
+        compiled = re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"not a valid regular expression ({exc})") from None
+    groups = set(compiled.groupindex)
+    if "loss" not in groups:
+        raise ValueError("it needs a named group for the loss, e.g. 'loss (?P<loss>[0-9.]+)'")
+    unknown = groups - set(PATTERN_GROUPS)
+    if unknown:
+        raise ValueError(f"unknown named group(s) {sorted(unknown)}; known: "
+                         f"{', '.join(PATTERN_GROUPS)}")
+    return compiled
+
+
+class StdoutConfig(_Section):
+    """Stdout mode: progress read from what a script prints, for scripts that never call
+    ``attach()`` (nanoGPT's ``iter N: loss X``, Hugging Face Trainer's logged dicts,
+    Lightning's bar, torchtitan's step lines, a plain ``step N loss X``)."""
+
+    progress: Literal["auto", "off"] = "auto"
+    """``auto``: read the lowest printing rank's progress lines until a rank calls
+    ``attach()``; ``off``: never (status, metrics and hang detection then need ``attach()``)."""
+    pattern: str | None = None
+    """A regular expression replacing the built-in formats, with named groups ``loss``
+    (required) and optionally ``step``, ``grad_norm``, ``lr``, ``tokens``, ``step_time``
+    (seconds) or ``step_time_ms``, e.g. ``'it=(?P<step>\\d+) L=(?P<loss>\\S+)'``."""
+    checkpoint_dir: str | None = None
+    """The folder the script saves its own checkpoints in (nanoGPT's ``out_dir``), relative to
+    where babysit is started. babysit copies it each time it changes (into the run folder), so a
+    rollback can put back the copy from before a spike and relaunch with ``resume_args``.
+    Unset: spikes in stdout mode alert instead of rolling back."""
+    resume_args: list[str] = Field(default_factory=list)
+    """Arguments that make the script resume from ``checkpoint_dir``, appended to
+    ``launch.args`` when babysit relaunches from a copy (nanoGPT: ``[--init_from=resume]``)."""
+    keep: int = Field(3, ge=1)
+    """Copies of ``checkpoint_dir`` kept (the newest ones)."""
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern_shape(cls, value: str | None) -> str | None:
+        if value is not None:
+            compile_pattern(value)
+        return value
+
+    @model_validator(mode="after")
+    def _resume_needs_folder(self) -> StdoutConfig:
+        if (self.checkpoint_dir is None) != (not self.resume_args):
+            raise ValueError("set both checkpoint_dir (where the script saves) and resume_args "
+                             "(how it resumes from there), or neither")
+        return self
+
+
 class PolicyRef(_Section):
     """Which policy judges this run, and the fields it changes."""
 
@@ -280,6 +338,8 @@ class RunConfig(_Section):
     """The opt-in Prometheus ``/metrics`` endpoint."""
     nodes: NodesConfig = NodesConfig()
     """Multi-node runs: where the babysitters meet, and the secret they share."""
+    stdout: StdoutConfig = StdoutConfig()
+    """Stdout mode: progress, hangs and rollback for scripts that only print."""
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

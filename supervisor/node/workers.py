@@ -13,15 +13,18 @@ from __future__ import annotations
 import os
 import queue
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from babysit.policies.types import RankStep, Remedy
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract import protocol
 from babysit.supervisor.contract.control import ControlFile
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.node import flight_recorder, forensics, launcher
 from babysit.supervisor.node.intake import Intake
+from babysit.supervisor.node.printed import Entry, PrintedProgress, rank_pid
 
 
 class NodeWorkers:
@@ -42,9 +45,28 @@ class NodeWorkers:
         self.global_rank: dict[int, int] = {}
         """Local rank -> global rank, from the hellos (torchrun names log folders by local
         rank; on a node other than the first the two differ)."""
+        self.printed = PrintedProgress(plan.config.stdout, run_dir,
+                                       single_node=not plan.config.launch.multinode)
+        """Stdout mode: progress read from the output of a script that never attaches."""
 
     def open(self) -> None:
         self.intake.open()
+        self.printed.start()
+
+    def telemetry(self) -> list[RankStep | protocol.WorkerEvent]:
+        """Every report queued on the socket, then what the ranks' printed progress said since
+        the last call (stdout mode; nothing once a rank attached)."""
+        return self.printed.take(self.intake.drain(), time.time(), time.monotonic(),
+                                 self._local_pid)
+
+    def _local_pid(self, local_rank: int) -> int | None:
+        return rank_pid(self.group.processes(), local_rank) if self.group is not None else None
+
+    def restore_script_checkpoint(self, remedy: Remedy | None, attempt: int) -> list[Entry]:
+        """Stdout mode, before launching ``attempt`` for ``remedy``: put back the script's own
+        checkpoint copy it needs; the attempt then runs with ``stdout.resume_args``."""
+        aside = self.run_dir / "script_checkpoints" / f"set-aside-attempt-{attempt}"
+        return self.printed.restore(remedy, aside)
 
     def close(self) -> None:
         if self.group is not None and self.group.processes():
@@ -64,6 +86,9 @@ class NodeWorkers:
         directive.write(attempt_dir / "directive.json")
         self.control.new_attempt(attempt_dir)
         launch = self.plan.config.launch
+        if self.printed.resume_args:
+            launch = launch.model_copy(
+                update={"args": [*launch.args, *self.printed.resume_args]})
         if nnodes is not None or node_rank is not None:
             launch = launch.model_copy(update={
                 "nnodes": nnodes if nnodes is not None else launch.nnodes,
@@ -76,6 +101,7 @@ class NodeWorkers:
         self.rank_pids = {}
         self.closed_ranks = set()
         self.global_rank = {}
+        self.printed.new_attempt()
         self.group = launcher.WorkerGroup(command, self._env(attempt_dir, attempt), Path.cwd(),
                                           attempt_dir / "launcher.log", self.lines)
         self.group.start()
@@ -158,5 +184,6 @@ class NodeWorkers:
                 line = self.lines.get_nowait()
             except queue.Empty:
                 return
+            self.printed.line(line.rank, line.text, time.time())
             prefix = f"[r{line.rank}] " if line.rank is not None else "[torchrun] "
             yield prefix + line.text

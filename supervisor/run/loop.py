@@ -37,7 +37,7 @@ from babysit.supervisor.contract.directive import SkipRange
 from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node import forensics, launcher
 from babysit.supervisor.run import journal as journal_mod
-from babysit.supervisor.run import preemption, takeover
+from babysit.supervisor.run import preemption, stdout_mode, takeover
 from babysit.supervisor.run.background import Services
 from babysit.supervisor.run.cadence import (
     INTERRUPTING_ACTIONS,
@@ -473,7 +473,9 @@ class Supervisor:
             else None
         # Wall-clock time: the rules' cooldowns and budget windows span hours and must survive
         # a supervisor restart, even across a reboot (the monotonic clock restarts at boot).
-        remedy = self.watch.remedy(finding, time.time(), self.recovery.can_roll_back(finding))
+        can = stdout_mode.can_roll_back(self.members, finding,
+                                        self.recovery.can_roll_back(finding))
+        remedy = stdout_mode.remedy(self.members, self.watch.remedy(finding, time.time(), can))
         self._incident_dir = None
         if remedy.action in (Action.ROLLBACK, Action.RELAUNCH, Action.STOP):
             # The alert's title says what babysit does; this line says what it saw.
@@ -511,6 +513,7 @@ class Supervisor:
         else:
             resume, entries = self.recovery.resume_for(remedy)
         self._journal_all(entries)
+        self._journal_all(stdout_mode.restore(self.members, remedy, attempt))
         directive = self.watch.directive_for(attempt, remedy, resume)
         if self.watch.lr_change is not None:  # every change of the LR scale is on the record
             self._journal("lr_scale", **self.watch.lr_change)

@@ -147,7 +147,7 @@ class OwnNode(Generic[Out]):
         return out
 
     def _drain(self, now: float, out: NodeTick[Out]) -> None:
-        for message in self.workers.intake.drain():
+        for message in self.workers.telemetry():  # the socket, then printed progress
             if isinstance(message, RankStep):
                 out.newest = max(out.newest or 0, message.step)
                 out.outputs.append(self.judge.observe_rank(message, now))

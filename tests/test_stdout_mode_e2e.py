@@ -1,0 +1,109 @@
+"""Stdout mode end to end: an unmodified nanoGPT-shaped script under real babysit, torchrun and
+gloo, watched only through what it prints."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import (
+    FAST_POLICY,
+    WORKERS,
+    babysat,
+    babysit_env,
+    journal,
+    read_jsonl,
+    run_babysit,
+)
+
+SCRIPT = WORKERS / "printing_train.py"
+
+pytestmark = pytest.mark.e2e
+
+
+def _status(run_dir: Path) -> dict | None:
+    result = run_babysit("status", "--json", str(run_dir), cwd=run_dir.parent, timeout=30)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def _rank_pid(run_dir: Path, local_rank: int) -> int | None:
+    for p in psutil.process_iter():
+        try:
+            env = p.environ()
+        except psutil.Error:
+            continue
+        if env.get("BABYSIT_RUN_DIR") == str(run_dir) and env.get("LOCAL_RANK") == \
+                str(local_rank) and "printing_train.py" in " ".join(p.cmdline()):
+            return p.pid
+    return None
+
+
+def test_a_printing_script_shows_progress_and_a_frozen_rank_is_relaunched(
+        tmp_path: Path) -> None:
+    run_dir = tmp_path / "frozen"
+    config = tmp_path / "frozen.yaml"
+    config.write_text(
+        f"launch:\n  script: {SCRIPT}\n  nproc-per-node: 2\n  stop-grace-s: 2\n"
+        f"  args: [--max_iters=50, --sleep=0.03, --out_dir={tmp_path / 'out'}]\n"
+        f"run_dir: {run_dir}\npolicy: {{name: {FAST_POLICY}}}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)], cwd=tmp_path,
+                            env=babysit_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        status = None
+        while time.monotonic() < deadline:
+            status = _status(run_dir) if (run_dir / "events.jsonl").exists() else None
+            if status and (status.get("step") or 0) >= 10:
+                break
+            time.sleep(0.3)
+        assert status and status["step"] >= 10 and status["loss"] is not None, status
+        pid = _rank_pid(run_dir, 1)
+        assert pid is not None
+        psutil.Process(pid).send_signal(signal.SIGSTOP)  # rank 1 freezes; rank 0 waits on it
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    findings = journal(run_dir, "finding")
+    assert [f["finding"]["incident"] for f in findings] == ["hang"], findings
+    assert findings[0]["remedy"]["action"] == "relaunch"
+    hellos = journal(run_dir, "worker_hello")
+    assert hellos[0]["data"]["source"] == "output" and hellos[0]["data"]["format"] == "nanogpt"
+    assert len(journal(run_dir, "launch")) == 2
+    # The relaunched attempt ran to the end; every step is in metrics.jsonl, with its loss.
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["attempt"] == 1]
+    assert [r["step"] for r in rows] == list(range(50))
+    assert all(r["loss"] > 0 for r in rows)
+
+
+def test_with_its_checkpoint_keys_set_a_printing_script_rolls_back_over_poison(
+        tmp_path: Path) -> None:
+    out_dir = tmp_path / "out"
+    result, run_dir = babysat(
+        tmp_path, "poisoned", "--max_iters=40", f"--out_dir={out_dir}", "--poison=25:29",
+        script=SCRIPT, checkpoints="{}",
+        extra=f"stdout:\n  checkpoint_dir: {out_dir}\n  resume_args: [--init_from=resume]\n")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rollbacks = [f for f in journal(run_dir, "finding") if f["remedy"]["action"] == "rollback"]
+    assert len(rollbacks) == 1, journal(run_dir, "finding")
+    finding = rollbacks[0]
+    assert finding["finding"]["incident"] in ("loss_spike", "nonfinite")
+    restored = journal(run_dir, "script_checkpoint_restored")[0]
+    assert restored["checkpoint_step"] < finding["finding"]["onset_step"]
+    assert Path(restored["set_aside"], "ckpt.pt").exists()  # the poisoned save, kept aside
+    launches = journal(run_dir, "launch")
+    assert launches[-1]["command"][-1] == "--init_from=resume"
+    assert "resuming from iteration" in result.stdout
+    # The resumed attempt never met the poison (its data stream restarted) and ended healthy.
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["attempt"] == 1]
+    assert rows[-1]["step"] == 39 and rows[-1]["loss"] < 0.1
+    assert len(journal(run_dir, "checkpoint_saved")) >= 2
