@@ -107,6 +107,9 @@ def test_sigint_stops_cleanly_and_leaves_no_orphans(tmp_path: Path) -> None:
     assert journal[-1]["event"] == "run_finished" and journal[-1]["state"] == "stopped"
     assert any(e["event"] == "stop_workers" and "signal 2" in e["reason"] for e in journal)
     assert "stopped (signal 2)" in out
+    # torchrun's complaint about the stop babysit asked for stays in the attempt's log.
+    assert "SignalException" not in out
+    assert "SignalException" in (run_dir / "attempts" / "0" / "launcher.log").read_text()
 
 
 def test_user_code_crash_is_classified_and_not_retried_by_default(tmp_path: Path) -> None:

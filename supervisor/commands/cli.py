@@ -46,8 +46,15 @@ _TORCHRUN_OPTIONS: list[tuple[str, str, type]] = [
     ("monitor-interval", "monitor_interval", float),
     ("role", "role", str),
     ("max-restarts", "max_restarts", int),
+    ("local-ranks-filter", "local_ranks_filter", str),
 ]
-# torchrun options whose job babysit does itself; accepting them silently would mislead.
+# torchrun options babysit passes to torchrun as they are (into launch.torchrun_args): the
+# valued ones, then the switches.
+_PASSED_THROUGH = ["event-log-handler", "duplicate-stdout-filters", "duplicate-stderr-filters",
+                   "logs-specs", "numa-binding", "signals-to-handle", "shutdown-timeout"]
+_PASSED_SWITCHES = ["run-path", "virtual-local-rank"]
+# torchrun options whose job babysit does itself: accepted (a torchrun command line works as
+# it is) with a note saying what babysit does instead; ignoring them silently would mislead.
 _OWNED_BY_BABYSIT = {
     "log-dir": "babysit keeps every rank's stdout/stderr under the run directory "
                "(attempts/<n>/torchrun/); use --run-dir to choose where",
@@ -106,8 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
     torchrun.add_argument("-m", "--module", dest="module", action="store_true",
                           help="SCRIPT is a module name, as python -m")
     torchrun.add_argument("--no-python", "--no_python", dest="no_python", action="store_true")
+    for flag in _PASSED_THROUGH:
+        torchrun.add_argument(*_spellings(flag), dest=f"pass_{flag}", default=None,
+                              help="passed to torchrun as it is")
+    for flag in _PASSED_SWITCHES:
+        torchrun.add_argument(*_spellings(flag), dest=f"pass_{flag}", action="store_true",
+                              help="passed to torchrun as it is")
     for flag in _OWNED_BY_BABYSIT:
-        torchrun.add_argument(*_spellings(flag), dest=f"owned_{flag}", default=None,
+        short = {"redirects": ["-r"], "tee": ["-t"]}.get(flag, [])
+        torchrun.add_argument(*short, *_spellings(flag), dest=f"owned_{flag}", default=None,
                               help=argparse.SUPPRESS)
 
     validate = sub.add_parser("validate", help="check a config file without running it")
@@ -171,11 +185,18 @@ def main(argv: list[str] | None = None) -> int:
 def _launch_overrides(args: argparse.Namespace) -> dict[str, Any]:
     for flag, why in _OWNED_BY_BABYSIT.items():
         if getattr(args, f"owned_{flag}") is not None:
-            raise UsageError(f"--{flag} is not needed: {why}.")
+            print(f"babysit: --{flag} ignored: {why}.", file=sys.stderr)
     overrides = {key: getattr(args, key) for _, key, _ in _TORCHRUN_OPTIONS
                  if getattr(args, key) is not None}
     if args.no_python:
         overrides["no_python"] = True
+    passed = [f"--{flag}" for flag in _PASSED_SWITCHES if getattr(args, f"pass_{flag}")]
+    for flag in _PASSED_THROUGH:
+        value = getattr(args, f"pass_{flag}")
+        if value is not None:
+            passed += [f"--{flag}", value]
+    if passed:
+        overrides["torchrun_args"] = passed
     return overrides
 
 

@@ -89,6 +89,9 @@ class LaunchConfig(_Section):
     """Run ``launch.script`` as an executable instead of through Python, as ``--no-python``."""
     torchrun_args: list[str] = Field(default_factory=list)
     """Further torchrun options passed through verbatim, for options babysit does not model."""
+    local_ranks_filter: list[int] | None = None
+    """Show only these local ranks' output on the console, as torchrun's
+    ``--local-ranks-filter 0,1`` (babysit still reads and logs every rank's)."""
     stop_grace_s: float = Field(15.0, gt=0)
     """Seconds between SIGTERM and SIGKILL when babysit stops the workers."""
     max_restarts: int | None = Field(None, ge=0)
@@ -104,6 +107,19 @@ class LaunchConfig(_Section):
         if isinstance(value, str) and value.isdigit() and int(value) >= 1:
             return int(value)
         raise ValueError("must be a positive number of workers, or one of auto, cpu, gpu")
+
+    @field_validator("local_ranks_filter", mode="before")
+    @classmethod
+    def _ranks_list(cls, value: Any) -> Any:
+        # torchrun's spelling: "0,2"
+        if isinstance(value, str):
+            try:
+                return [int(v) for v in value.split(",") if v.strip()]
+            except ValueError:
+                raise ValueError("must be local ranks separated by commas, like 0,1") from None
+        if isinstance(value, int):
+            return [value]
+        return value
 
     @field_validator("nnodes", mode="before")
     @classmethod

@@ -31,7 +31,22 @@ import psutil
 from babysit.supervisor.config.schema import LaunchConfig
 
 _PR_SET_CHILD_SUBREAPER = 36
-_RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")
+
+
+def rank_prefix(role: str | None = None) -> re.Pattern[str]:
+    """torchrun's tee prefix of a worker's output, ``[default0]:`` (``[<role><local rank>]:``
+    with ``--role``)."""
+    return re.compile(rf"\[{re.escape(role or 'default')}(\d+)\]:")
+
+
+def split_rank(text: str, prefix: re.Pattern[str]) -> OutputLine:
+    """One tee'd line as (text, local rank). torchrun prefixes every *read* of a rank's log, so a
+    progress bar redrawn with carriage returns, read in pieces, carries the prefix again inside
+    the line: every copy goes, not only the first."""
+    match = prefix.match(text)
+    if match is None:
+        return OutputLine(text, None)
+    return OutputLine(prefix.sub("", text[match.end():]), int(match.group(1)))
 
 
 def become_subreaper() -> bool:
@@ -43,6 +58,14 @@ def become_subreaper() -> bool:
         return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
+
+
+def newest_state(text: str) -> str:
+    """What a terminal would show of a line redrawn with carriage returns: its last state."""
+    if "\r" not in text:
+        return text
+    parts = [p for p in text.split("\r") if p.strip()]
+    return parts[-1] if parts else ""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -109,8 +132,9 @@ class WorkerGroup:
     """
 
     def __init__(self, command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
-                 lines: queue.Queue[OutputLine]) -> None:
+                 lines: queue.Queue[OutputLine], role: str | None = None) -> None:
         self.command = command
+        self._prefix = rank_prefix(role)
         self._env = env
         self._cwd = cwd
         self.log_path = log_path
@@ -138,10 +162,7 @@ class WorkerGroup:
             for raw in iter(self._proc.stdout.readline, b""):
                 log.write(raw)
                 log.flush()
-                text = raw.decode("utf-8", "replace").rstrip("\n")
-                match = _RANK_PREFIX.match(text)
-                line = (OutputLine(text[match.end():], int(match.group(1))) if match
-                        else OutputLine(text, None))
+                line = split_rank(raw.decode("utf-8", "replace").rstrip("\n"), self._prefix)
                 try:
                     self._lines.put_nowait(line)
                 except queue.Full:

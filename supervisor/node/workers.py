@@ -45,6 +45,9 @@ class NodeWorkers:
         self.global_rank: dict[int, int] = {}
         """Local rank -> global rank, from the hellos (torchrun names log folders by local
         rank; on a node other than the first the two differ)."""
+        self._stopping = False
+        """A planned stop is under way: torchrun's own complaints about it (its
+        SignalException traceback) stay in the attempt's launcher.log, off the console."""
         self.printed = PrintedProgress(plan.config.stdout, run_dir,
                                        single_node=not plan.config.launch.multinode)
         """Stdout mode: progress read from the output of a script that never attaches."""
@@ -102,8 +105,9 @@ class NodeWorkers:
         self.closed_ranks = set()
         self.global_rank = {}
         self.printed.new_attempt()
+        self._stopping = False
         self.group = launcher.WorkerGroup(command, self._env(attempt_dir, attempt), Path.cwd(),
-                                          attempt_dir / "launcher.log", self.lines)
+                                          attempt_dir / "launcher.log", self.lines, launch.role)
         self.group.start()
         return command
 
@@ -175,15 +179,23 @@ class NodeWorkers:
         """Stop every process of the attempt (politely, then not); torchrun's exit code."""
         if self.group is None:
             return None
+        self._stopping = True
         return self.group.stop(self.plan.config.launch.stop_grace_s)
 
     def output(self) -> Iterator[str]:
-        """The lines printed since the last call, prefixed with the rank (or ``torchrun``)."""
+        """The lines printed since the last call, for the console, prefixed with the rank (or
+        ``torchrun``). Every line also goes to stdout mode; the console shows a redrawn
+        progress bar's newest state only, the ranks ``launch.local_ranks_filter`` names, and
+        nothing of torchrun's own during a planned stop (all of it stays in the logs)."""
+        shown = self.plan.config.launch.local_ranks_filter
         while True:
             try:
                 line = self.lines.get_nowait()
             except queue.Empty:
                 return
             self.printed.line(line.rank, line.text, time.time())
-            prefix = f"[r{line.rank}] " if line.rank is not None else "[torchrun] "
-            yield prefix + line.text
+            if line.rank is None:
+                if not self._stopping:
+                    yield "[torchrun] " + line.text
+            elif shown is None or line.rank in shown:
+                yield f"[r{line.rank}] " + launcher.newest_state(line.text)
