@@ -160,17 +160,17 @@ class PrintedProgress:
             "resume_args": self.resume_args})]
 
 
-def rank_pid(processes: Iterable[psutil.Process], rank: int) -> int | None:
-    """The pid of local rank ``rank`` (torchrun's output prefixes name local ranks) among an
-    attempt's processes: the topmost one whose environment says ``LOCAL_RANK=rank`` (its
-    data-loader workers inherit the variable)."""
-    ours = {}
+def rank_pids(processes: Iterable[psutil.Process]) -> dict[int, int]:
+    """Local rank -> pid among an attempt's processes (torchrun's output prefixes name local
+    ranks): the topmost process whose environment says ``LOCAL_RANK`` (its data-loader workers
+    inherit the variable)."""
+    ranks: dict[int, int] = {}
     for p in processes:
+        with contextlib.suppress(psutil.Error, ValueError, KeyError):
+            ranks[p.pid] = int(p.environ()["LOCAL_RANK"])
+    found: dict[int, int] = {}
+    for pid, rank in sorted(ranks.items()):
         with contextlib.suppress(psutil.Error):
-            if p.environ().get("LOCAL_RANK") == str(rank):
-                ours[p.pid] = p
-    for pid, p in sorted(ours.items()):
-        with contextlib.suppress(psutil.Error):
-            if p.ppid() not in ours:
-                return pid
-    return None
+            if ranks.get(psutil.Process(pid).ppid()) != rank:
+                found.setdefault(rank, pid)
+    return found

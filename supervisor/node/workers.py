@@ -24,7 +24,7 @@ from babysit.supervisor.contract.control import ControlFile
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.node import flight_recorder, forensics, launcher
 from babysit.supervisor.node.intake import Intake
-from babysit.supervisor.node.printed import Entry, PrintedProgress, rank_pid
+from babysit.supervisor.node.printed import Entry, PrintedProgress, rank_pids
 
 
 class NodeWorkers:
@@ -63,7 +63,13 @@ class NodeWorkers:
                                  self._local_pid)
 
     def _local_pid(self, local_rank: int) -> int | None:
-        return rank_pid(self.group.processes(), local_rank) if self.group is not None else None
+        """Stdout mode announces its printing rank: learn every local rank's pid then, so a
+        hang's stack dumps and the liveness check cover the ranks that print nothing too."""
+        if self.group is None:
+            return None
+        for rank, pid in rank_pids(self.group.processes()).items():
+            self.rank_pids.setdefault(self.global_rank.get(rank, rank), pid)
+        return self.rank_pids.get(local_rank)
 
     def restore_script_checkpoint(self, remedy: Remedy | None, attempt: int) -> list[Entry]:
         """Stdout mode, before launching ``attempt`` for ``remedy``: put back the script's own
