@@ -180,6 +180,22 @@ class Run:
             next(it, None)
         return it
 
+    def skip_at(self, cursor: int) -> SkipRange | None:
+        """For frameworks that own the data loop (``babysit.integrations``): the skip range the
+        batch at ``cursor`` falls in, reported to the supervisor, or None. Call with increasing
+        cursors; the caller then moves its data to ``range.end`` and sets ``cursor`` there."""
+        skip = self._skip_at(cursor)
+        if skip is not None:
+            self._event("skip", start=skip.start, end=skip.end)
+        return skip
+
+    def scale_lr(self, optimizer: Any) -> None:
+        """Apply the LR scale a rollback set to ``optimizer``, for frameworks that build it
+        after ``attach()`` (inside ``fit`` or ``train``). Call once per optimizer."""
+        self._optimizer = optimizer
+        if self.directive.lr_scale != 1.0:
+            self._install_lr_scale(optimizer, self.directive.lr_scale)
+
     def _skip_at(self, cursor: int) -> SkipRange | None:
         while self._skips and self._skips[0].end <= cursor:
             self._skips.pop(0)

@@ -1,0 +1,127 @@
+"""Lightning under babysit: ``lightning_fit(trainer, model, ...)`` in place of
+``trainer.fit(model, ...)``.
+
+Everything goes through Lightning's own machinery:
+
+- telemetry: after each optimizer step, the step's loss (what ``training_step`` returned), the
+  gradient norm (measured in ``on_before_optimizer_step``) and the first optimizer's LR, at
+  ``trainer.global_step``, on every rank.
+- checkpoints babysit chooses: every ``checkpoints.every_steps`` steps of babysit's config the
+  callback calls ``trainer.save_checkpoint`` (a ``.ckpt`` under ``default_root_dir/babysit``)
+  and registers it with babysit's catalog; a relaunch resumes through ``fit(ckpt_path=...)``
+  from the one babysit chose.
+- skipping: babysit's data cursor counts training batches; a batch in a rollback's bad range
+  never reaches ``training_step`` (the wrapper returns None, which Lightning's automatic
+  optimization treats as "skip this batch": no backward, no optimizer step).
+- the LR scale a rollback sets: step hooks on every optimizer (schedulers never see it).
+- phases: validation and checkpoint saves are declared, so the hang detector allows for them.
+
+Data position on resume is Lightning's business: exact when the train dataloader is resumable
+(``state_dict``/``load_state_dict``) or a checkpoint ends an epoch; Lightning warns otherwise.
+
+Calling rules: one ``lightning_fit`` per process, automatic optimization. Under plain torchrun it
+just fits. Needs ``pip install 'babysit[lightning]'``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from babysit.supervisor.rank.api import Run, attach
+
+
+class BabysitLightningCallback(Callback):  # type: ignore[misc]
+    """The callback ``lightning_fit`` installs; see the module docstring."""
+
+    def __init__(self, run: Run | None = None) -> None:
+        self.run = run if run is not None else attach()
+        self._skip_end: int | None = None
+        self._grad_norm: float | None = None
+        self._reported = -1
+        self._saved = -1
+        self._phase: contextlib.ExitStack | None = None
+
+    def wrap(self, module: LightningModule) -> None:
+        """Count the data cursor and skip bad ranges in ``module.training_step``."""
+        step = module.training_step
+        run = self.run
+
+        @functools.wraps(step)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            cursor = run.cursor
+            run.cursor += 1
+            if self._skip_end is None or cursor >= self._skip_end:
+                skip = run.skip_at(cursor)
+                self._skip_end = skip.end if skip is not None else None
+            if self._skip_end is not None and cursor < self._skip_end:
+                return None
+            return step(*args, **kwargs)
+
+        module.training_step = training_step
+
+    # -- callback hooks -------------------------------------------------------------------------
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for optimizer in trainer.optimizers:
+            self.run.scale_lr(optimizer)
+        self._reported = self._saved = trainer.global_step
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
+                                 optimizer: Any) -> None:
+        grads = [p.grad.detach() for p in pl_module.parameters() if p.grad is not None]
+        self._grad_norm = (float(torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else None)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._reported:  # skipped, or accumulating gradients
+            return
+        self._reported = step
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else None
+        lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
+        self.run.step_count = step - 1  # step() counts the report as one step
+        self.run.step(loss=value, grad_norm=self._grad_norm, lr=lr)
+        every = self.run.directive.checkpoint_every
+        if every and step % every == 0 and step != self._saved:
+            self._save(trainer, step)
+
+    def _save(self, trainer: Trainer, step: int) -> None:
+        self._saved = step
+        path = os.path.join(trainer.default_root_dir, "babysit", f"step-{step}.ckpt")
+        with self.run.phase("checkpoint"):
+            trainer.save_checkpoint(path)
+        self.run.checkpoint_saved(path)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._phase = contextlib.ExitStack()
+            self._phase.enter_context(self.run.phase("eval"))
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._phase is not None:
+            self._phase.close()
+            self._phase = None
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.run.close()
+
+
+def lightning_fit(trainer: Trainer, model: LightningModule, **kwargs: Any) -> None:
+    """``trainer.fit(model, **kwargs)`` under babysit: resumes from the checkpoint babysit chose
+    on a relaunch (``ckpt_path``), reports, saves, skips and scales as the module docstring
+    says."""
+    callback = BabysitLightningCallback()
+    callback.wrap(model)
+    trainer.callbacks.append(callback)
+    resume = callback.run.resume
+    if resume is not None and "ckpt_path" not in kwargs:
+        kwargs["ckpt_path"] = resume.path
+    trainer.fit(model, **kwargs)

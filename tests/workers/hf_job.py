@@ -1,0 +1,61 @@
+"""A tiny Hugging Face Trainer job (random-init 1-layer GPT-2, no downloads) for the integration
+test. With ``--babysit`` it trains through ``hf_train(trainer)``; without, ``trainer.train()``.
+
+The data: sequences ``(a + k * s) mod 64`` (learnable), read in order (sequential sampler), so
+optimizer step ``g`` of a 2-rank job trains on items ``[8g, 8g + 8)``. ``--poison A:B`` gives the
+items of steps ``A <= g < B`` wrong labels (all token 0): a loss spike that also damages the
+model.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--steps", type=int, default=60)
+parser.add_argument("--poison", default=None)
+parser.add_argument("--babysit", action="store_true")
+args = parser.parse_args()
+
+BATCH, LENGTH, VOCAB = 4, 16, 64
+world = int(os.environ.get("WORLD_SIZE", "1"))
+poison = tuple(int(v) for v in args.poison.split(":")) if args.poison else None
+
+
+class Sequences(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return (args.steps + 30) * world * BATCH  # room for the batches a rollback skips
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(i)
+        a = int(torch.randint(0, VOCAB, (1,), generator=g))
+        s = int(torch.randint(1, 4, (1,), generator=g))
+        ids = (a + s * torch.arange(LENGTH)) % VOCAB
+        if poison and poison[0] <= i // (world * BATCH) < poison[1]:
+            return {"input_ids": ids, "labels": torch.zeros_like(ids)}  # every label wrong
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=VOCAB,
+                                   n_positions=LENGTH))
+training = TrainingArguments(
+    output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=BATCH,
+    learning_rate=1e-2, warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[],
+    use_cpu=True, disable_tqdm=True, train_sampling_strategy="sequential", seed=0,
+    dataloader_num_workers=0)
+trainer = Trainer(model=model, args=training, train_dataset=Sequences())
+if args.babysit:
+    from babysit.integrations import hf_train
+
+    hf_train(trainer)
+else:
+    trainer.train()
+if int(os.environ.get("RANK", "0")) == 0:
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    print("FINAL " + json.dumps({"loss": sum(losses[-5:]) / 5, "step": trainer.state.global_step}),
+          flush=True)

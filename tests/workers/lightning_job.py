@@ -1,0 +1,89 @@
+"""A tiny Lightning job (a linear regression, 2 gloo ranks on CPU) for the integration test.
+With ``--babysit`` it fits through ``lightning_fit(trainer, model)``; without, ``trainer.fit``.
+
+Global batch ``i`` is a pure function of ``i``; each rank takes its half. The loader is
+resumable (Lightning's ``state_dict``/``load_state_dict``), so a mid-epoch checkpoint resumes
+at the right batch. ``--poison A:B`` multiplies the labels of global batches ``A <= i < B`` by
+40: a loss spike.
+"""
+
+import argparse
+import json
+import os
+
+import lightning.pytorch as pl
+import torch
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--steps", type=int, default=70)
+parser.add_argument("--poison", default=None)
+parser.add_argument("--babysit", action="store_true")
+args = parser.parse_args()
+poison = tuple(int(v) for v in args.poison.split(":")) if args.poison else None
+rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class Batches:
+    """This rank's rows of global batches 0, 1, 2, ...; remembers where it is."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.next = total, 0
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __iter__(self):
+        while self.next < self.total:
+            i = self.next
+            self.next += 1
+            g = torch.Generator().manual_seed(1000 + i)
+            x = torch.randn(4 * world, 16, generator=g)[rank * 4:(rank + 1) * 4]
+            y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(4, 1, generator=g)
+            if poison and poison[0] <= i < poison[1]:
+                y = y * 40.0
+            yield x, y
+        self.next = 0
+
+    def state_dict(self) -> dict:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next = int(state["next"])
+
+
+class Regression(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(16, 1)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return Batches(args.steps + 30)  # room for the batches a rollback skips
+
+
+torch.manual_seed(0)
+model = Regression()
+trainer = pl.Trainer(
+    accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
+    max_steps=args.steps, max_epochs=1, use_distributed_sampler=False, logger=False,
+    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    default_root_dir=args.out)
+if args.babysit:
+    from babysit.integrations import lightning_fit
+
+    lightning_fit(trainer, model)
+else:
+    trainer.fit(model)
+if rank == 0:
+    print("FINAL " + json.dumps({"loss": sum(model.losses[-5:]) / 5,
+                                 "step": trainer.global_step}), flush=True)
