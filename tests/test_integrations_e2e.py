@@ -56,7 +56,9 @@ def _check_rollback(run_dir: Path, result: subprocess.CompletedProcess[str],
     assert again and all(lr[1, s] == pytest.approx(lr[0, s] / 2) for s in again)
     final, reference = _final(result.stdout), _final(clean_out)
     assert final["step"] == steps
-    assert final["loss"] < reference["loss"] * 1.25, (final, reference)
+    # Close to the clean run: within 25 %, or 0.05 for a loss at its noise floor (the
+    # regression's starts near 16, its poisoned batches reach 10^4).
+    assert final["loss"] < reference["loss"] * 1.25 + 0.05, (final, reference)
 
 
 def test_a_trainer_job_rolls_back_through_its_callback(tmp_path: Path) -> None:

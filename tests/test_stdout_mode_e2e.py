@@ -24,6 +24,10 @@ from tests.conftest import (
 )
 
 SCRIPT = WORKERS / "printing_train.py"
+try:
+    from tensorboard.backend.event_processing import event_accumulator as TENSORBOARD
+except ImportError:  # the tensorboard extra is not installed: that check is left out
+    TENSORBOARD = None
 
 pytestmark = pytest.mark.e2e
 
@@ -52,7 +56,8 @@ def test_a_printing_script_shows_progress_and_a_frozen_rank_is_relaunched(
     config.write_text(
         f"launch:\n  script: {SCRIPT}\n  nproc-per-node: 2\n  stop-grace-s: 2\n"
         f"  args: [--max_iters=50, --sleep=0.03, --out_dir={tmp_path / 'out'}]\n"
-        f"run_dir: {run_dir}\npolicy: {{name: {FAST_POLICY}}}\n")
+        f"run_dir: {run_dir}\npolicy: {{name: {FAST_POLICY}}}\n"
+        + ("tensorboard: {enabled: true}\n" if TENSORBOARD else ""))
     proc = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)], cwd=tmp_path,
                             env=babysit_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -83,6 +88,13 @@ def test_a_printing_script_shows_progress_and_a_frozen_rank_is_relaunched(
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["attempt"] == 1]
     assert [r["step"] for r in rows] == list(range(50))
     assert all(r["loss"] > 0 for r in rows)
+    if TENSORBOARD:  # the same story, where the team looks
+        events = TENSORBOARD.EventAccumulator(str(run_dir / "tensorboard"),
+                                              size_guidance={TENSORBOARD.TENSORS: 0})
+        events.Reload()
+        assert len(events.Scalars("babysit/loss")) >= 60
+        (text,) = events.Tensors("babysit/incidents/text_summary")
+        assert "hang" in text.tensor_proto.string_val[0].decode()
 
 
 def test_with_its_checkpoint_keys_set_a_printing_script_rolls_back_over_poison(

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from babysit.supervisor.config.address import parse_address
 from babysit.supervisor.services.alerts.config import AlertsConfig
+from babysit.supervisor.services.dashboards import TensorBoardConfig
 from babysit.supervisor.services.exporter import ExporterConfig
 from babysit.supervisor.services.health import HealthConfig
 from babysit.supervisor.services.schedule import ScheduleConfig
@@ -356,6 +357,8 @@ class RunConfig(_Section):
     """Multi-node runs: where the babysitters meet, and the secret they share."""
     stdout: StdoutConfig = StdoutConfig()
     """Stdout mode: progress, hangs and rollback for scripts that only print."""
+    tensorboard: TensorBoardConfig = TensorBoardConfig()
+    """The opt-in TensorBoard sink: babysit's metrics and incidents beside the script's own."""
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

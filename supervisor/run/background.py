@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -27,6 +28,7 @@ from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.services.alerts import Alert, AlertDispatcher
 from babysit.supervisor.services.alerts.story import IncidentStory
+from babysit.supervisor.services.dashboards import TensorBoardSink
 from babysit.supervisor.services.exporter import Exporter
 from babysit.supervisor.services.schedule import (
     Digest,
@@ -63,14 +65,36 @@ class Services:
         self.story = IncidentStory(plan.name, socket.gethostname())
         self._linger_cut = threading.Event()
         self._directive: Directive | None = None
+        tb = config.tensorboard
+        self.tensorboard = TensorBoardSink(
+            Path(tb.dir).resolve() if tb.dir else plan.run_dir / "tensorboard") \
+            if tb.enabled else None
+        self._failures: list[Entry] = []
 
     def start(self) -> list[Entry]:
         self._jobs.start()
+        entries: list[Entry] = []
+        if self.tensorboard is not None:
+            try:
+                self.tensorboard.open()
+                entries.append(("tensorboard_started", {"dir": str(self.tensorboard.folder)}))
+            except (RuntimeError, OSError) as exc:
+                self.tensorboard = None
+                entries.append(("tensorboard_failed", {"error": str(exc)}))
         if self.exporter is None:
-            return []
+            return entries
         port = self.exporter.start()
-        return [("prometheus_started", {"url": f"http://{self._plan.config.prometheus.host}:"
-                                               f"{port}/metrics"})]
+        return [*entries, ("prometheus_started", {
+            "url": f"http://{self._plan.config.prometheus.host}:{port}/metrics"})]
+
+    def _dashboard(self, write: Any, *args: Any) -> None:
+        """A dashboard write; one that fails is journaled and the dashboard dropped."""
+        try:
+            write(*args)
+        except Exception as exc:  # a dashboard must never cost the run
+            self.tensorboard = None
+            self._failures.append(("tensorboard_failed", {"error": f"{type(exc).__name__}: "
+                                                                  f"{exc}"}))
 
     def publish(self, snapshot: DigestSnapshot, pids: tuple[int, ...]) -> None:
         # Plain attribute swaps: the job threads read whole immutable objects.
@@ -87,6 +111,8 @@ class Services:
         recovered = self.story.step(record.step, now)
         if recovered is not None:
             self._alerts.submit(recovered)
+        if self.tensorboard is not None:
+            self._dashboard(self.tensorboard.step, record)
         if self.exporter is not None:
             # Per-rank step times where the record has them (a multi-node leader has summaries).
             ranks = record.ranks if isinstance(record, StepRecord) else ()
@@ -158,12 +184,17 @@ class Services:
                         self.exporter.config.textfile, exc.strerror or exc)
 
     def count(self, finding: Finding, remedy: Remedy) -> None:
+        if self.tensorboard is not None:
+            self._dashboard(self.tensorboard.incident, finding, remedy, time.time())
         if self.exporter is not None:
             self.exporter.count_intervention(finding.incident.value, remedy.action.value)
 
     def drain(self) -> list[tuple[Entry, str | None]]:
         """Messages from the jobs as (journal entry, console line or None); alerts are sent."""
-        out: list[tuple[Entry, str | None]] = []
+        out: list[tuple[Entry, str | None]] = [
+            (entry, f"babysit: TensorBoard dropped: {entry[1]['error']}")
+            for entry in self._failures]
+        self._failures = []
         while True:
             try:
                 message = self._outbox.get_nowait()
@@ -198,6 +229,8 @@ class Services:
         """Stop the jobs; keep the final metrics up for ``prometheus.linger_s`` (SIGINT or
         SIGTERM ends the wait), then stop the endpoint. Call on the main thread."""
         self._jobs.shutdown()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.exporter is None:
             return
         self._write_textfile()

@@ -11,8 +11,10 @@ Everything goes through Lightning's own machinery:
   and registers it with babysit's catalog; a relaunch resumes through ``fit(ckpt_path=...)``
   from the one babysit chose.
 - skipping: babysit's data cursor counts training batches; a batch in a rollback's bad range
-  never reaches ``training_step`` (the wrapper returns None, which Lightning's automatic
-  optimization treats as "skip this batch": no backward, no optimizer step).
+  never reaches ``training_step``. Lightning refuses a skipped ``training_step`` under DDP, so
+  the wrapper returns a zero loss that touches every parameter (every rank's all-reduce still
+  matches) and the gradients are dropped before the optimizer step, which then leaves every
+  parameter and its optimizer state alone. Such a batch is not reported.
 - the LR scale a rollback sets: step hooks on every optimizer (schedulers never see it).
 - phases: validation and checkpoint saves are declared, so the hang detector allows for them.
 
@@ -42,6 +44,8 @@ class BabysitLightningCallback(Callback):  # type: ignore[misc]
     def __init__(self, run: Run | None = None) -> None:
         self.run = run if run is not None else attach()
         self._skip_end: int | None = None
+        self._skipped = False
+        """The current batch was skipped: drop its gradients, report nothing."""
         self._grad_norm: float | None = None
         self._reported = -1
         self._saved = -1
@@ -59,8 +63,10 @@ class BabysitLightningCallback(Callback):  # type: ignore[misc]
             if self._skip_end is None or cursor >= self._skip_end:
                 skip = run.skip_at(cursor)
                 self._skip_end = skip.end if skip is not None else None
-            if self._skip_end is not None and cursor < self._skip_end:
-                return None
+            self._skipped = self._skip_end is not None and cursor < self._skip_end
+            if self._skipped:
+                return sum((p.sum() * 0.0 for p in module.parameters() if p.requires_grad),
+                           torch.zeros(()))
             return step(*args, **kwargs)
 
         module.training_step = training_step
@@ -74,6 +80,10 @@ class BabysitLightningCallback(Callback):  # type: ignore[misc]
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
                                  optimizer: Any) -> None:
+        if self._skipped:  # torch optimizers leave parameters without a gradient untouched
+            for p in pl_module.parameters():
+                p.grad = None
+            return
         grads = [p.grad.detach() for p in pl_module.parameters() if p.grad is not None]
         self._grad_norm = (float(torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else None)
@@ -81,6 +91,8 @@ class BabysitLightningCallback(Callback):  # type: ignore[misc]
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
+        if self._skipped:
+            self._skipped, self._reported = False, step
         if step == self._reported:  # skipped, or accumulating gradients
             return
         self._reported = step
