@@ -193,8 +193,8 @@ class Run:
         """Apply the LR scale a rollback set to ``optimizer``, for frameworks that build it
         after ``attach()`` (inside ``fit`` or ``train``). Call once per optimizer."""
         self._optimizer = optimizer
-        if self.directive.lr_scale != 1.0:
-            self._install_lr_scale(optimizer, self.directive.lr_scale)
+        if self.directive.lr_scale != 1.0 or self.directive.lr_ramp:
+            self._install_lr_scale(optimizer)
 
     def _skip_at(self, cursor: int) -> SkipRange | None:
         while self._skips and self._skips[0].end <= cursor:
