@@ -129,11 +129,6 @@ def test_schema_documents_every_field(capsys) -> None:
     assert undocumented == []
 
 
-def test_cli_rejects_options_babysit_owns(tmp_path: Path, capsys) -> None:
-    assert main(["run", "--log-dir", "x", str(WORKERS / "plain_train.py")]) == 2
-    assert "babysit keeps every rank's stdout/stderr" in capsys.readouterr().err
-
-
 def test_cli_rejects_args_after_config(write_config, capsys) -> None:
     path = write_config("launch: {script: t.py}\n")
     assert main(["run", str(path), "--lr", "1"]) == 2
