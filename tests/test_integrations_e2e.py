@@ -24,7 +24,8 @@ POLICY = (f"{{name: {FAST_POLICY}, overrides: {{rollback: {{skip_before: 2, skip
 
 
 def _final(output: str) -> dict:
-    line = next(x for x in output.splitlines() if "FINAL " in x)
+    """The last attempt's final figures (an attempt stopped late may have printed its own)."""
+    line = [x for x in output.splitlines() if "FINAL " in x][-1]
     return json.loads(line.split("FINAL ", 1)[1])
 
 

@@ -10,6 +10,7 @@ at the right batch. ``--poison A:B`` multiplies the labels of global batches ``A
 import argparse
 import json
 import os
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -62,6 +63,7 @@ class Regression(pl.LightningModule):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.layer(x), y)
         self.losses.append(float(loss))
+        time.sleep(0.02)  # a step takes a moment, so babysit acts while the job still runs
         return loss
 
     def configure_optimizers(self):
