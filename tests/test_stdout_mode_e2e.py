@@ -80,8 +80,10 @@ def test_a_printing_script_shows_progress_and_a_frozen_rank_is_relaunched(
             proc.kill()
     assert proc.returncode == 0, out
     findings = journal(run_dir, "finding")
-    assert [f["finding"]["incident"] for f in findings] == ["hang"], findings
-    assert findings[0]["remedy"]["action"] == "relaunch"
+    hangs = [f for f in findings if f["finding"]["incident"] == "hang"]
+    assert len(hangs) == 1 and hangs[0]["remedy"]["action"] == "relaunch", findings
+    # Anything else seen (a slowdown on a loaded machine) was only alerted.
+    assert all(f["remedy"]["action"] in ("alert", "ignore") for f in findings if f not in hangs)
     hellos = journal(run_dir, "worker_hello")
     assert hellos[0]["data"]["source"] == "output" and hellos[0]["data"]["format"] == "nanogpt"
     assert len(journal(run_dir, "launch")) == 2
