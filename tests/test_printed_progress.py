@@ -62,6 +62,7 @@ def test_without_checkpoint_keys_a_rollback_alerts_and_says_what_would_enable_it
     printed = PrintedProgress(StdoutConfig(), tmp_path)
     printed.line(0, "iter 3: loss 2.5", now=1.0)
     take(printed)
+    assert printed.can_roll_back(_remedy(Action.ROLLBACK).finding)  # so remedy() can explain
     remedy = printed.remedy(_remedy(Action.ROLLBACK))
     assert remedy.action is Action.ALERT
     assert "stdout.checkpoint_dir" in remedy.reason and "resume_args" in remedy.reason
@@ -111,12 +112,14 @@ def test_a_rollback_with_checkpoint_keys_restores_and_resumes(tmp_path: Path) ->
     printed.start()
     printed.line(0, "iter 10: loss 2.0", now=1.0)
     take(printed, t=0.0)
+    assert not printed.can_roll_back(_remedy(Action.ROLLBACK).finding)  # no copy yet
     _save(folder, b"iter 10", 10)
     take(printed, t=1.0)
     printed.line(0, "iter 11: loss 2.0", now=2.0)
     out = take(printed, t=2.0)
     saved = [m for m in out if isinstance(m, WorkerEvent) and m.type == "checkpoint"]
     assert saved and saved[0].data["step"] == 10 and saved[0].data["source"] == "output"
+    assert printed.can_roll_back(_remedy(Action.ROLLBACK).finding)  # 10 < the onset, 25
     assert printed.remedy(_remedy(Action.ROLLBACK)).action is Action.ROLLBACK
     entries = printed.restore(_remedy(Action.ROLLBACK), tmp_path / "aside")
     assert entries[0][1]["checkpoint_step"] == 10
