@@ -3,8 +3,7 @@ test. With ``--babysit`` it trains through ``hf_train(trainer)``; without, ``tra
 
 The data: sequences ``(a + k * s) mod 64`` (learnable), read in order (sequential sampler), so
 optimizer step ``g`` of a 2-rank job trains on items ``[8g, 8g + 8)``. ``--poison A:B`` gives the
-items of steps ``A <= g < B`` wrong labels (all token 0): a loss spike that also damages the
-model.
+items of steps ``A <= g < B`` labels of pure noise: a loss spike that lasts as long as they do.
 """
 
 import argparse
@@ -35,8 +34,8 @@ class Sequences(torch.utils.data.Dataset):
         a = int(torch.randint(0, VOCAB, (1,), generator=g))
         s = int(torch.randint(1, 4, (1,), generator=g))
         ids = (a + s * torch.arange(LENGTH)) % VOCAB
-        if poison and poison[0] <= i // (world * BATCH) < poison[1]:
-            return {"input_ids": ids, "labels": torch.zeros_like(ids)}  # every label wrong
+        if poison and poison[0] <= i // (world * BATCH) < poison[1]:  # labels of pure noise
+            return {"input_ids": ids, "labels": torch.randint(0, VOCAB, (LENGTH,), generator=g)}
         return {"input_ids": ids, "labels": ids.clone()}
 
 
