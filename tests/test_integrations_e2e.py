@@ -16,10 +16,12 @@ from tests.conftest import FAST_POLICY, WORKERS, babysat, babysit_env, journal, 
 
 pytestmark = pytest.mark.e2e
 
-# The poison lasts 12 steps of 70; a rollback skips 2 batches before the onset to 14 after
-# the detection (the default 10:50 suits longer runs). The in-process grad-norm skip
-# (skip_step) needs attach(): with an integration, grad spikes alert.
+# The poison lasts 12 steps of 70: a spike still elevated 5 steps after its onset is rolled
+# back (the default patience, 80, suits long runs), skipping 2 batches before the onset to 14
+# after the detection (the default 10:50 likewise). The in-process grad-norm skip (skip_step)
+# needs attach(): with an integration, grad spikes alert.
 POLICY = (f"{{name: {FAST_POLICY}, overrides: {{rollback: {{skip_before: 2, skip_after: 14}}, "
+          f"detectors: {{loss_spike: {{patience: 5}}}}, "
           f"incidents: {{grad_spike: {{ladder: [alert]}}}}}}}}")
 
 
