@@ -109,8 +109,10 @@ def test_human_view_says_the_same_compactly(run_dir: Path) -> None:
     start, end = json.loads(status(run_dir, True)[1])["attempt_history"][1]["skip"][0]
     step = next(f["step"] for f in journal(run_dir, "finding")
                 if f["remedy"]["action"] == "rollback")
-    assert (f"skip batches {start}-{end - 1}, lr x0.5  (after nonfinite at step {step} -> "
-            f"rollback)") in out
+    # The LR cut wears off after the skipped batches (issue 14's re-warm), and the line says so.
+    assert f"skip batches {start}-{end - 1}, lr x0.5 from batch {start}, back to x1 over " \
+           f"batches {end}-" in out
+    assert f"(after nonfinite at step {step} -> rollback)" in out
     incident = next(line for line in lines if "-> rollback" in line and "ranks" in line)
     assert f"step {step:>6}  nonfinite" in incident and "non-finite" in incident
     assert lines[-1] == f"  journal     {run_dir / 'events.jsonl'}"
