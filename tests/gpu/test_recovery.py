@@ -14,16 +14,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import babysat, journal, read_jsonl
+from tests.test_recovery_e2e import assert_resumed_bit_exact
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
 CUDA = ("--device", "cuda")
 DETERMINISTIC = "  env: {CUBLAS_WORKSPACE_CONFIG: ':4096:8'}\n"
-
-
-def losses(run_dir: Path, attempt: int) -> dict[int, list[float]]:
-    return {m["step"]: m["loss_per_rank"] for m in read_jsonl(run_dir / "metrics.jsonl")
-            if m["attempt"] == attempt}
 
 
 def test_a_crash_resumes_bit_exact_from_a_checkpoint_of_cuda_tensors(tmp_path: Path) -> None:
@@ -36,13 +32,7 @@ def test_a_crash_resumes_bit_exact_from_a_checkpoint_of_cuda_tensors(tmp_path: P
                                checkpoints="{every_steps: 5, probation_steps: 5, "
                                            "async_save: true}")
     assert crashed.returncode == 0, crashed.stdout[-3000:] + crashed.stderr[-3000:]
-    (resume,) = [e for e in journal(run_dir, "resume") if e.get("from")]
-    start = resume["checkpoint_step"]
-    assert start in (5, 10) and resume["cursor"] == start
-    after = losses(run_dir, attempt=1)
-    assert sorted(after) == list(range(start + 1, 25))
-    reference = losses(clean_dir, attempt=0)
-    assert {s: reference[s] for s in after} == after
+    assert_resumed_bit_exact(run_dir, clean_dir, last_step=24)
 
 
 def test_a_loss_spike_rolls_back_to_a_cuda_checkpoint(tmp_path: Path) -> None:
