@@ -31,7 +31,7 @@ from babysit.supervisor.node.aggregate import with_rates
 from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
 from babysit.supervisor.node.workers import NodeWorkers
 from babysit.supervisor.run.members import Gathered, JobEnd, MembersMissing, OnThisNode, Voice
-from babysit.supervisor.run.own_node import OwnNode, positive
+from babysit.supervisor.run.own_node import OwnNode, mfu_inputs
 
 TICK_S = 0.1
 LOST_EXIT_CODE = 137
@@ -171,17 +171,13 @@ class ClusterMembers(OnThisNode):
             self._node_report(LEADER, summaries, findings, out)
         for event in tick.events:
             self._rank_event(LEADER, event, out)
-        out.entries += [("hang_cleared", fields) for fields in tick.cleared]
+        self.record_tick(tick, out)
         for hang in tick.hangs:
-            if hang.fields:
-                out.entries.append(("hang_diagnosis", hang.fields))
             self.cluster.hang(LEADER, hang.finding)
         if tick.rank_died:
             self.cluster.rank_died(LEADER)
         end = tick.exit
         if end is not None:
-            if end.teardown_code is not None:
-                self.teardown_crash(end.teardown_code, out)
             self.cluster.exited(LEADER, end.code, end.tails, end.root, end.exits)
 
     # -- the other nodes ------------------------------------------------------------------------
@@ -241,9 +237,8 @@ class ClusterMembers(OnThisNode):
         if event.type == "hello":
             self.cluster.rank_node[event.rank] = node
             event.data.setdefault("node", node)
-            if event.rank == 0:  # MFU's inputs: the script's own numbers, or none at all
-                self._flops_per_token = positive(event.data.get("flops_per_token"))
-                self._peak_flops = positive(event.data.get("peak_flops"))
+            if event.rank == 0:
+                self._flops_per_token, self._peak_flops = mfu_inputs(event.data)
         out.events.append(event)
 
     def _node_lost(self, node: int, why: str, out: Gathered, watching: bool) -> None:

@@ -362,7 +362,6 @@ class Supervisor:
                               **advice.to_json())
             self._journal("run_finished", state=self.machine.state.value, exit_code=action.code,
                           reason=self.machine.reason)
-            self._exit_code = action.code
             self.services.finished(self.machine, action.code)
             return action.code
         return None

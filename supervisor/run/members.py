@@ -21,7 +21,7 @@ from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node import forensics, launcher
 from babysit.supervisor.node.aggregate import metrics_row
 from babysit.supervisor.node.workers import NodeWorkers
-from babysit.supervisor.run.own_node import LocalJudge, OwnNode
+from babysit.supervisor.run.own_node import LocalJudge, NodeTick, OwnNode
 from babysit.supervisor.run.watch import Watch
 
 Entry = tuple[str, dict[str, Any]]
@@ -159,14 +159,19 @@ class OnThisNode:
     def output(self) -> Iterator[str]:
         return self.workers.output()
 
-    def teardown_crash(self, code: int, out: Gathered) -> None:
-        """torchrun exited ``code`` only because its teardown crashed after every rank closed
-        its run: journal it, warn, and count the attempt as finished (a relaunch would redo
-        nothing)."""
-        out.entries.append(("teardown_crash", {"exit_code": code,
-                                               "closed_ranks": sorted(self.workers.closed_ranks)}))
-        out.warnings.append(f"every rank finished and closed, then the process teardown crashed "
-                            f"(torchrun exit {code}); counted as finished")
+    def record_tick(self, tick: NodeTick[Any], out: Gathered) -> None:
+        """The journal entries and warnings of this node's tick, whoever judges its findings:
+        hangs the processes cleared, hangs diagnosed from the stacks, and an exit where only
+        torchrun's teardown crashed after every rank closed its run (counted as finished: a
+        relaunch would redo nothing)."""
+        out.entries += [("hang_cleared", fields) for fields in tick.cleared]
+        out.entries += [("hang_diagnosis", hang.fields) for hang in tick.hangs if hang.fields]
+        code = tick.exit.teardown_code if tick.exit is not None else None
+        if code is not None:
+            out.entries.append(("teardown_crash", {
+                "exit_code": code, "closed_ranks": sorted(self.workers.closed_ranks)}))
+            out.warnings.append(f"every rank finished and closed, then the process teardown "
+                                f"crashed (torchrun exit {code}); counted as finished")
 
 
 class LocalMembers(OnThisNode):
@@ -205,14 +210,9 @@ class LocalMembers(OnThisNode):
         attempt = self.node.attempt
         out.steps = [(record, metrics_row(record, attempt))
                      for records in tick.outputs for record in records]
-        out.entries += [("hang_cleared", fields) for fields in tick.cleared]
-        for hang in tick.hangs:
-            if hang.fields:
-                out.entries.append(("hang_diagnosis", hang.fields))
-            out.findings.append(hang.finding)
+        self.record_tick(tick, out)
+        out.findings += [hang.finding for hang in tick.hangs]
         if tick.exit is not None:
-            if tick.exit.teardown_code is not None:
-                self.teardown_crash(tick.exit.teardown_code, out)
             out.end = JobEnd(tick.exit.code, tick.exit.tails, tick.exit.root, tick.exit.exits)
         return out
 

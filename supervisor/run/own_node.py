@@ -202,9 +202,8 @@ class LocalJudge:
         world = event.data.get("world_size")
         if isinstance(world, int) and world > 0:
             self.aggregator.world_size = world
-        if event.rank == 0:  # MFU's inputs: the script's own numbers, or none at all
-            self.aggregator.flops_per_token = positive(event.data.get("flops_per_token"))
-            self.aggregator.peak_flops = positive(event.data.get("peak_flops"))
+        if event.rank == 0:
+            self.aggregator.flops_per_token, self.aggregator.peak_flops = mfu_inputs(event.data)
 
     def observe_rank(self, sample: RankStep, now: float) -> list[StepRecord]:
         self.watch.observe_rank(sample, now)
@@ -221,6 +220,12 @@ class LocalJudge:
 
     def name(self, finding: Finding) -> Finding:
         return finding
+
+
+def mfu_inputs(hello: dict[str, Any]) -> tuple[float | None, float | None]:
+    """MFU's inputs from rank 0's hello: FLOPs per token and one device's peak FLOP/s, the
+    script's own numbers or None (never a guess)."""
+    return positive(hello.get("flops_per_token")), positive(hello.get("peak_flops"))
 
 
 def positive(value: Any) -> float | None:
