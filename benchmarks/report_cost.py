@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -39,6 +40,19 @@ def drain(path: str, ready: mp.synchronize.Event, stop: mp.synchronize.Event,
         counts.value += len(intake.drain())
     counts.value += len(intake.drain())
     intake.close()
+
+
+def start_drainer() -> tuple[str, Any, Any, mp.Process]:
+    """A real intake in a temporary folder, drained by its own process (as the supervisor
+    would): its socket path, the event that stops it, its count of received reports, and the
+    process. Set the event and join the process when done."""
+    sock = os.path.join(tempfile.mkdtemp(prefix="babysit-bench-"), "telemetry.sock")
+    ready, stop = mp.Event(), mp.Event()
+    received = mp.Value("q", 0)
+    drainer = mp.Process(target=drain, args=(sock, ready, stop, received))
+    drainer.start()
+    ready.wait(10)
+    return sock, stop, received, drainer
 
 
 def timed(fn: Callable[[], object], calls: int) -> list[int]:
@@ -77,13 +91,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200_000)
     args = parser.parse_args()
 
-    folder = tempfile.mkdtemp(prefix="babysit-bench-")
-    sock = os.path.join(folder, "telemetry.sock")
-    ready, stop = mp.Event(), mp.Event()
-    received = mp.Value("q", 0)
-    drainer = mp.Process(target=drain, args=(sock, ready, stop, received))
-    drainer.start()
-    ready.wait(10)
+    sock, stop, received, drainer = start_drainer()
 
     os.environ.pop(protocol.ENV_SOCKET, None)
     noop = attach()

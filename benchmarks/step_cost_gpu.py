@@ -22,11 +22,9 @@ same rows on the CPU, to check the script itself).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from demo_train import GPT
-from report_cost import TOKEN, drain
+from report_cost import TOKEN, start_drainer
 
 from babysit.supervisor.contract import protocol
 from babysit.supervisor.rank.api import Run, attach
@@ -61,13 +59,7 @@ def main() -> None:
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    folder = tempfile.mkdtemp(prefix="babysit-bench-")
-    sock = os.path.join(folder, "telemetry.sock")
-    ready, stop = mp.Event(), mp.Event()
-    received = mp.Value("q", 0)
-    drainer = mp.Process(target=drain, args=(sock, ready, stop, received))
-    drainer.start()
-    ready.wait(10)
+    sock, stop, received, drainer = start_drainer()
     os.environ[protocol.ENV_SOCKET] = sock
     os.environ[protocol.ENV_TOKEN] = TOKEN.hex()
 
