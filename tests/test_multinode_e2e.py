@@ -60,6 +60,10 @@ class Nodes:
         try:
             return {n: p.wait(timeout=max(1.0, deadline - time.monotonic()))
                     for n, p in self.procs.items()}
+        except subprocess.TimeoutExpired as e:
+            tail = "\n".join(json.dumps(x) for x in self.journal()[-25:])
+            raise AssertionError(f"{e}; logs:\n{self.logs()}\n--- leader's journal, newest "
+                                 f"25:\n{tail}") from None
         finally:
             self.kill_all()
 

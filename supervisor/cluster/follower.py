@@ -255,8 +255,9 @@ class Follower:
             self._send({"type": "rank_died"})
         if tick.exit is not None:
             end = tick.exit
-            if end.teardown_code is not None:
-                self._journal("teardown_crash", exit_code=end.teardown_code)
+            teardown = end.teardown(self.workers.closed_ranks)
+            if teardown is not None:
+                self._journal(teardown[0], **teardown[1])
             self._journal("workers_exited", exit_code=end.code)
             self._send({"type": "exited", "attempt": self.attempt, "code": end.code,
                         "tails": {str(r): t for r, t in end.tails.items()}, "root": end.root,

@@ -95,6 +95,11 @@ class LaunchConfig(_Section):
     ``--local-ranks-filter 0,1`` (babysit still reads and logs every rank's)."""
     stop_grace_s: float = Field(15.0, gt=0)
     """Seconds between SIGTERM and SIGKILL when babysit stops the workers."""
+    teardown_idle_s: float = Field(30.0, gt=0)
+    """Once every rank of a node has closed its run, seconds its processes may sit with no CPU
+    progress before babysit calls the teardown stuck (a rank hung in gloo's teardown, say),
+    stops torchrun and counts the attempt finished. A script still working after
+    ``run.close()`` (saving, uploading) uses CPU and is waited for."""
     max_restarts: int | None = Field(None, ge=0)
     """Relaunches allowed after crashes; overrides the policy's crash budget when set. babysit
     owns restarts, so torchrun itself always runs with ``--max-restarts 0``."""

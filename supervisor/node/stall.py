@@ -145,6 +145,37 @@ def sample(pids: Mapping[int, int], window_s: float = WINDOW_S) -> dict[int, Ran
     return Sample(pids).finish(window_s)
 
 
+class Teardown:
+    """After every rank of a node closed its run, is the process teardown stuck?
+
+    torchrun exits once its ranks' processes do. A rank can hang in its teardown instead (gloo
+    in torch 2.13 sometimes blocks in a peer's destructor after a peer node aborted), and then
+    torchrun waits forever. ``stuck(now)`` each tick: True once the ranks' processes used less
+    than ``IDLE_CPU`` of a core over ``idle_s`` seconds since the last look, which a script
+    still working after ``run.close()`` (saving a model, an upload, an eval) does not."""
+
+    IDLE_CPU = 0.01
+    """Cores used over the whole window (0.3 s of CPU over 30 s): a process blocked on a socket
+    uses about 0; any work at all (TLS, serialization, a loop) uses more."""
+
+    def __init__(self, pids: Mapping[int, int], now: float, idle_s: float = 30.0) -> None:
+        self.pids = dict(pids)
+        self.idle_s = idle_s
+        self._since = now
+        self._sample = Sample(self.pids)
+        self.seen: dict[int, RankProcess] = {}
+        """The processes as of the last look (the journal's evidence)."""
+
+    def stuck(self, now: float) -> bool:
+        if now - self._since < self.idle_s:
+            return False
+        self.seen = self._sample.finish(0.0)
+        if all(p.cpu < self.IDLE_CPU and p.state != "disk-sleep" for p in self.seen.values()):
+            return True
+        self._since, self._sample = now, Sample(self.pids)  # working: look again later
+        return False
+
+
 # -- judging (pure) -------------------------------------------------------------------------------
 
 

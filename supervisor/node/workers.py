@@ -145,6 +145,11 @@ class NodeWorkers:
         elif event.type == "close":
             self.closed_ranks.add(event.rank)
 
+    @property
+    def all_closed(self) -> bool:
+        """Every rank that said hello in this attempt has closed its run (and one did)."""
+        return bool(self.rank_pids) and set(self.rank_pids) <= self.closed_ranks
+
     def teardown_only(self, code: int, attempt: int) -> bool:
         """torchrun's non-zero ``code`` came only from the process teardown after every rank
         closed its run (``forensics.teardown_only``)."""

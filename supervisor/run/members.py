@@ -162,16 +162,15 @@ class OnThisNode:
     def record_tick(self, tick: NodeTick[Any], out: Gathered) -> None:
         """The journal entries and warnings of this node's tick, whoever judges its findings:
         hangs the processes cleared, hangs diagnosed from the stacks, and an exit where only
-        torchrun's teardown crashed after every rank closed its run (counted as finished: a
-        relaunch would redo nothing)."""
+        the processes' teardown crashed or hung after every rank closed its run (counted as
+        finished: a relaunch would redo nothing)."""
         out.entries += [("hang_cleared", fields) for fields in tick.cleared]
         out.entries += [("hang_diagnosis", hang.fields) for hang in tick.hangs if hang.fields]
-        code = tick.exit.teardown_code if tick.exit is not None else None
-        if code is not None:
-            out.entries.append(("teardown_crash", {
-                "exit_code": code, "closed_ranks": sorted(self.workers.closed_ranks)}))
-            out.warnings.append(f"every rank finished and closed, then the process teardown "
-                                f"crashed (torchrun exit {code}); counted as finished")
+        teardown = tick.exit.teardown(self.workers.closed_ranks) if tick.exit else None
+        if teardown is not None:
+            event, fields, warning = teardown
+            out.entries.append((event, fields))
+            out.warnings.append(warning)
 
 
 class LocalMembers(OnThisNode):

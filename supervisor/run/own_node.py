@@ -6,6 +6,8 @@ things with the ranks on their machine each tick, and this is the one place that
     drain the telemetry socket    each report to the node's judge, each event noted
     has torchrun exited?          the exit code; 0 if only the teardown crashed after every
                                   rank closed; else every rank's log tail and torchrun's root
+    every rank closed, still up?  a teardown with no CPU progress for
+                                  ``launch.teardown_idle_s`` is stopped, counted as finished
     is anything hung?             the judge's hang timers, confirmed from the ranks' process
                                   state, CPU and stacks, and named (or cleared: working)
 
@@ -23,7 +25,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from babysit.policies.types import Finding, RankStep, StepRecord
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
-from babysit.supervisor.node import forensics
+from babysit.supervisor.node import forensics, stall
 from babysit.supervisor.node.aggregate import StepAggregator
 from babysit.supervisor.node.workers import NodeWorkers
 from babysit.supervisor.run.journal import finite
@@ -56,9 +58,28 @@ class NodeExit:
     root: int | None
     """The rank torchrun names as its first observed failure, if any."""
     teardown_code: int | None = None
-    """torchrun's own code when only its teardown crashed (``code`` is then 0)."""
+    """torchrun's own code when only its teardown failed (``code`` is then 0)."""
+    teardown_hung: dict[str, Any] | None = None
+    """When the teardown hung after every rank closed and babysit stopped torchrun: ``idle_s``
+    and the ranks' ``processes`` as last seen (``stall.RankProcess.to_json``); else None."""
     exits: dict[int, int] = field(default_factory=dict)
     """Each failed rank's own exit code by global rank (``NodeWorkers.rank_exits``)."""
+
+    def teardown(self, closed_ranks: set[int]) -> tuple[str, dict[str, Any], str] | None:
+        """The journal entry (event, fields) and console warning of an attempt counted as
+        finished although its teardown failed; None for any other exit."""
+        closed = sorted(closed_ranks)
+        if self.teardown_hung is not None:
+            idle = self.teardown_hung["idle_s"]
+            return ("teardown_hang", {"exit_code": self.teardown_code, "closed_ranks": closed,
+                                      **self.teardown_hung},
+                    f"every rank finished and closed, then the process teardown hung (no CPU "
+                    f"progress for {idle:g} s); torchrun stopped, counted as finished")
+        if self.teardown_code is not None:
+            return ("teardown_crash", {"exit_code": self.teardown_code, "closed_ranks": closed},
+                    f"every rank finished and closed, then the process teardown crashed "
+                    f"(torchrun exit {self.teardown_code}); counted as finished")
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +129,7 @@ class OwnNode(Generic[Out]):
         self.hang: Hang | None = None
         """The newest hang found here (its stacks go into the incident folder)."""
         self._death_told = False
+        self._teardown: stall.Teardown | None = None
 
     def launch(self, attempt: int, directive: Directive, now: float,
                start: Callable[[], list[str]]) -> list[str]:
@@ -115,6 +137,7 @@ class OwnNode(Generic[Out]):
         with this attempt's rendezvous); returns the torchrun command."""
         self.judge.new_attempt(now, directive)
         self.attempt, self.running, self.hang, self._death_told = attempt, True, None, False
+        self._teardown = None
         return start()
 
     def stop(self) -> int | None:
@@ -131,11 +154,18 @@ class OwnNode(Generic[Out]):
             return out
         code = self.workers.poll()
         if code is not None:
-            self.running = False
-            self._drain(now, out)  # the last reports before the exit
-            if self.flush_on_exit:
-                out.outputs.append(self.judge.flush())
-            out.exit = self._exit(code)
+            self._end(now, out, self._exit(code))
+        elif self.workers.all_closed:
+            # The training is over: only the processes' teardown is left, which no hang timer
+            # watches. One that sits with no CPU progress is stuck: torchrun would wait forever.
+            idle_s = self.workers.plan.config.launch.teardown_idle_s
+            if self._teardown is None:
+                self._teardown = stall.Teardown(self.workers.rank_pids, now, idle_s)
+            elif self._teardown.stuck(now):
+                seen = {str(r): p.to_json() for r, p in self._teardown.seen.items()}
+                stopped = self.workers.stop()
+                self._end(now, out, NodeExit(0, {}, None, teardown_code=stopped, teardown_hung={
+                    "idle_s": idle_s, "processes": seen}))
         elif self.workers.group is not None:
             if forensics.ranks_all_alive(self.workers.rank_pids.values()):
                 for finding in self.judge.check(now):
@@ -155,6 +185,13 @@ class OwnNode(Generic[Out]):
                 self.workers.note(message)
                 self.judge.observe_event(message, now)
                 out.events.append(message)
+
+    def _end(self, now: float, out: NodeTick[Out], end: NodeExit) -> None:
+        self.running = False
+        self._drain(now, out)  # the last reports before the exit
+        if self.flush_on_exit:
+            out.outputs.append(self.judge.flush())
+        out.exit = end
 
     def _exit(self, code: int) -> NodeExit:
         if code and self.workers.teardown_only(code, self.attempt):

@@ -36,8 +36,11 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
                            same job under ft_launcher: benchmarks/recovery.py)
     --step-log PATH        rank 0 appends "wall-time attempt step" per step (for benchmarks
                            that run without babysit's journal)
-    --after-close KIND     rank 0 then aborts (``abort``, as gloo's teardown sometimes does) or
-                           raises (``raise``) after the run closed cleanly
+    --after-close KIND     rank 0 then aborts (``abort``, as gloo's teardown sometimes does),
+                           raises (``raise``) or blocks forever (``hang``, as gloo's teardown
+                           sometimes does after a peer aborted) after the run closed cleanly
+    --work-after-close S   rank 1 then computes for S seconds before it exits (a script saving
+                           or uploading after ``run.close()``)
 
 On a GPU (the GPU suite): ``--device cuda`` puts the model, optimizer state and batches on
 ``cuda:LOCAL_RANK`` (modulo the GPUs present, so several ranks may share one GPU), and
@@ -49,6 +52,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -130,7 +134,8 @@ def main() -> None:
     p.add_argument("--exit-code", type=int, default=0)
     p.add_argument("--flood", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=0)
-    p.add_argument("--after-close", choices=["abort", "raise"])
+    p.add_argument("--after-close", choices=["abort", "raise", "hang"])
+    p.add_argument("--work-after-close", type=float, default=0.0)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     p.add_argument("--at", action="append", default=[], type=lambda t: t.split(":", 3))
@@ -218,6 +223,13 @@ def main() -> None:
         os.abort()
     if rank == 0 and args.after_close == "raise":
         raise RuntimeError("uploading the final model failed")
+    if rank == 0 and args.after_close == "hang":
+        threading.Event().wait()
+    if rank == 1 and args.work_after_close:
+        until = time.monotonic() + args.work_after_close
+        while time.monotonic() < until:
+            sum(i * i for i in range(10_000))
+        print(f"rank 1 worked {args.work_after_close:g} s after close", flush=True)
     sys.exit(args.exit_code if rank == 0 else 0)
 
 
