@@ -163,6 +163,18 @@ def test_the_default_policy_suspects_a_stall_in_seconds_and_defers_when_told() -
     assert late is not None and late.evidence["confirm"] is False
 
 
+def test_a_stall_looms_half_way_to_its_suspicion_and_never_inside_a_phase() -> None:
+    det = HangDetector(HangConfig(floor_s=2.0))
+    det.start(0.0)
+    for step in range(1, 21):
+        det.observe(RankStep(rank=0, step=step, time=0.05 * step), 0.05 * step)
+    assert not det.looming(1.9) and det.looming(2.1)  # 0.9 s, then 1.1 s after the last step
+    assert det.check(3.1) is not None and not det.looming(3.1)  # fired: nothing to read ahead
+    det.phase(0, "eval", True, 3.2)
+    det.defer(3.2, 2.2)
+    assert not det.looming(10.0)  # an eval has its own (long) allowance
+
+
 def test_progress_ends_a_deferral() -> None:
     det = HangDetector(HangConfig(floor_s=2.0))
     det.start(0.0)

@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from babysit.policies.types import Finding, Incident, Severity
+from babysit.supervisor.node.forensics import EarlyLook, confirm_hang
 from babysit.supervisor.node.incident import write_incident
 from babysit.supervisor.node.launcher import free_port
 from babysit.supervisor.node.stacks import (
@@ -269,3 +271,13 @@ def test_real_hang_names_the_rank_outside_the_collective(hung_job: dict[int, int
     assert "which rank:    rank 1" in text and "[suspect]" in text
     assert "c10d::" in (folder / "stacks" / "rank0.txt").read_text() or \
         "all_reduce" in (folder / "stacks" / "rank0.txt").read_text()
+
+    # Read ahead while the stall was only half-way to a suspicion, the native stacks serve the
+    # confirmation (no rank moved since), which then needs no native pass of its own.
+    early = EarlyLook(hung_job)
+    early.wait()
+    suspicion = Finding(Incident.HANG, "hang", Severity.CRITICAL, 5, 5, "no step for 2 s",
+                        evidence={"confirm": True})
+    named, _, fields = confirm_hang(suspicion, hung_job, early)
+    assert named is not None and named.ranks == (1,), fields
+    assert fields["read_ahead"] == ("c10d::" in dumps[0].raw), fields

@@ -27,7 +27,8 @@ Calling rules: the clock is always injected. ``start(now, ranks)`` at every atte
 ``observe(rank_step, now)`` for every report (``now`` = the supervisor's receive time; it
 defaults to ``rank_step.time``, which is only safe when worker and supervisor clocks agree);
 ``phase(rank, name, begin, now)`` when a rank declares a phase; ``check(now, ranks_alive)``
-periodically (every tick); ``defer(now, stalled_s)`` when the supervisor found a suspected
+periodically (every tick), and ``looming(now, ranks_alive)`` to read ahead before a suspicion;
+``defer(now, stalled_s)`` when the supervisor found a suspected
 hang's ranks working. One finding per hang: after it fires it stays quiet until a rank makes
 progress again, ``defer`` re-arms it, or ``start`` is called. Units: seconds.
 """
@@ -129,14 +130,44 @@ class HangDetector:
     def check(self, now: float, ranks_alive: Collection[int] | None = None) -> Finding | None:
         """Is anything hung at ``now``? ``ranks_alive``: ranks whose processes still run (dead
         ones are the crash classifier's business); ``None`` means every known rank."""
-        if self._fired or (self._quiet_until is not None and now < self._quiet_until):
+        if self._quiet(now):
             return None
+        step_allow = self.step_allowance()
+        stalled: dict[str, dict[str, Any]] = {}
+        for key, st, allow, why, since in self._stalls(ranks_alive, step_allow):
+            if now - since > allow:
+                stalled[key] = {
+                    "last_step": None if st is None else st["step"],
+                    "stalled_s": r4(now - since), "allowance_s": r4(allow), "waiting_in": why,
+                }
+        if not stalled:
+            return None
+        self._fired = True
+        return self._finding(now, stalled, step_allow)
+
+    def looming(self, now: float, ranks_alive: Collection[int] | None = None,
+                fraction: float = 0.5) -> bool:
+        """Has some rank gone ``fraction`` of the step allowance without a step (outside any
+        phase and past startup)? The supervisor then reads ahead what is slow to read about the
+        ranks (their native stacks), so that a suspicion is confirmed without waiting for it.
+        False while a finding stands or a deferral runs."""
+        if self._quiet(now):
+            return False
+        step_allow = self.step_allowance()
+        return any(why == "step" and now - since > fraction * step_allow
+                   for _, _, _, why, since in self._stalls(ranks_alive, step_allow))
+
+    def _quiet(self, now: float) -> bool:
+        return self._fired or (self._quiet_until is not None and now < self._quiet_until)
+
+    def _stalls(self, ranks_alive: Collection[int] | None, step_allow: float
+                ) -> list[tuple[str, dict[str, Any] | None, float, str, float]]:
+        """Each watched rank's (key, state, allowance, what it waits in, since when)."""
         if ranks_alive is None:
             keys = set(self._ranks) | {str(r) for r in self._expected}
         else:
             keys = {str(r) for r in ranks_alive}
-        step_allow = self.step_allowance()
-        stalled: dict[str, dict[str, Any]] = {}
+        out = []
         for key in keys:
             st = self._ranks.get(key)
             since: float
@@ -151,15 +182,8 @@ class HangDetector:
                 allow, why, since = self.config.startup_s, "startup", max(starts)
             else:
                 allow, why, since = step_allow, "step", st["since"]
-            if now - since > allow:
-                stalled[key] = {
-                    "last_step": None if st is None else st["step"],
-                    "stalled_s": r4(now - since), "allowance_s": r4(allow), "waiting_in": why,
-                }
-        if not stalled:
-            return None
-        self._fired = True
-        return self._finding(now, stalled, step_allow)
+            out.append((key, st, allow, why, since))
+        return out
 
     def defer(self, now: float, stalled_s: float) -> None:
         """The supervisor found the suspected ranks working (``stall.judge``): stay quiet for

@@ -95,6 +95,10 @@ class NodeView:
         """Hang timers over this node's ranks."""
         return [self.name(f) for f in self.watch.check(now)]
 
+    def looming(self, now: float) -> bool:
+        """Half-way to a hang suspicion on this node (its stacks are read ahead)."""
+        return self.watch.hang_looming(now)
+
     def defer_hang(self, finding: Finding, now: float) -> None:
         """The suspected hang's ranks were found working: keep watching."""
         self.watch.defer_hang(finding, now)

@@ -8,6 +8,7 @@ no alert: the loop does that with what they return.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -49,7 +50,63 @@ def ranks_all_alive(pids: Iterable[int]) -> bool:
     return True
 
 
-def confirm_hang(finding: Finding, rank_pids: Mapping[int, int]
+class EarlyLook:
+    """The slow part of a hang confirmation, read ahead while a stall is only half-way to a
+    suspicion (``HangDetector.looming``), in a thread of its own.
+
+    A rank waiting in DDP's all-reduce shows only ``backward`` in Python; telling it from a
+    rank stuck elsewhere needs its native frames, and ``py-spy dump --native`` takes about a
+    second on a rank that loaded libtorch. Read ahead, that second is spent before the
+    suspicion, not after it. The look is the confirmation's own first half (state and CPU over
+    ``stall.WINDOW_S``, Python stacks) and takes native stacks only where the confirmation
+    would (``stacks.deepen``), and only when no rank is busy: a working rank is not paused for
+    a stall that is about to resolve itself. ``native_for`` hands them to ``confirm_hang`` if
+    every rank's Python stack is still where it was."""
+
+    def __init__(self, rank_pids: Mapping[int, int]) -> None:
+        self.rank_pids = dict(rank_pids)
+        self.python: dict[int, stacks.StackDump] = {}
+        self.native: dict[int, stacks.StackDump] = {}
+        self._thread = threading.Thread(target=self._look, name="babysit-early-look",
+                                        daemon=True)
+        self._thread.start()
+
+    def _look(self) -> None:
+        sampling = stall.Sample(self.rank_pids)
+        readable = _readable(self.rank_pids, sampling.states())
+        dumps = stacks.dump_stacks(readable) if readable else {}
+        procs = sampling.finish()
+        if not dumps or any(p.busy for p in procs.values()):
+            return
+        deeper, _ = stacks.deepen(readable, dumps, stacks.odd_one_out(dumps))
+        self.python = dumps
+        self.native = {r: d for r, d in deeper.items() if d.native and d.error is None}
+
+    def wait(self, timeout_s: float = 15.0) -> None:
+        """Until the look is done (py-spy cannot attach to a rank another py-spy holds)."""
+        self._thread.join(timeout_s)
+
+    def native_for(self, dumps: Mapping[int, stacks.StackDump]
+                   ) -> dict[int, stacks.StackDump] | None:
+        """The native dumps read ahead, in place of ``dumps`` (Python stacks read now), if the
+        look took them and no rank moved since: the same main-thread frames in both reads."""
+        if self._thread.is_alive() or not self.native or set(self.python) != set(dumps):
+            return None
+        for rank, now in dumps.items():
+            before, after = self.python[rank].main_thread, now.main_thread
+            if before is None or after is None or before.frames != after.frames:
+                return None
+        return {r: self.native.get(r, d) for r, d in dumps.items()}
+
+
+def _readable(rank_pids: Mapping[int, int], states: Mapping[int, str]) -> dict[int, int]:
+    """The ranks py-spy can dump: a stopped one would make it wait."""
+    return {r: pid for r, pid in rank_pids.items()
+            if states[r] not in ("stopped", "tracing-stop")}
+
+
+def confirm_hang(finding: Finding, rank_pids: Mapping[int, int],
+                 early: EarlyLook | None = None
                  ) -> tuple[Finding | None, Diagnosis, dict[str, Any]]:
     """Look at every rank before acting on a hang finding: process state and CPU over
     ``stall.WINDOW_S``, then the stacks of the ranks that can be dumped (a stopped rank is not:
@@ -60,20 +117,27 @@ def confirm_hang(finding: Finding, rank_pids: Mapping[int, int]
 
     A finding without ``evidence["confirm"]`` (a startup or phase allowance ran out, or a stall
     went on for ``busy_s``) is acted on whatever the processes show; they still name the rank.
-    Takes the window plus the stack dumps: about 0.4 s, 1.3 s when native frames are needed."""
+    Takes the window plus the stack dumps: about 0.4 s, 1.3 s when native frames are needed
+    and ``early`` (an ``EarlyLook`` taken during the same stall) did not read them ahead."""
     started = time.monotonic()
+    if early is not None:
+        early.wait()
     sampling = stall.Sample(rank_pids)
-    states = sampling.states()
-    readable = {r: pid for r, pid in rank_pids.items()
-                if states[r] not in ("stopped", "tracing-stop")}
+    readable = _readable(rank_pids, sampling.states())
     # The Python dumps pause each rank for milliseconds: they fit inside the CPU window. The
-    # native pass (DDP waits in C++) pauses longer, so it waits until the window closed.
+    # native pass (DDP waits in C++) pauses longer, so it waits until the window closed, unless
+    # it was read ahead.
     dumps = stacks.dump_stacks(readable) if readable else {}
     procs = sampling.finish()
     verdict: stacks.StackVerdict | None = None
+    ahead = None
     if dumps:
         verdict = stacks.odd_one_out(dumps)
-        dumps, verdict = stacks.deepen(readable, dumps, verdict)
+        ahead = early.native_for(dumps) if early is not None else None
+        if ahead is not None:
+            dumps, verdict = ahead, stacks.odd_one_out(ahead)
+        else:
+            dumps, verdict = stacks.deepen(readable, dumps, verdict)
         if all(d.error is not None for d in dumps.values()):
             verdict = None  # no stack at all: judge by the processes alone
     judged = stall.judge(procs, verdict)
@@ -81,7 +145,8 @@ def confirm_hang(finding: Finding, rank_pids: Mapping[int, int]
         "suspects": list(judged.ranks), "reason": judged.reason, "hung": judged.hung,
         "processes": {str(r): p.to_json() for r, p in sorted(procs.items())},
         "evidence": verdict.to_dict().get("evidence") if verdict is not None else None,
-        "seconds": round(time.monotonic() - started, 3)}
+        "seconds": round(time.monotonic() - started, 3),
+        "read_ahead": ahead is not None}
     stack_info = verdict if verdict is not None else stacks.StackVerdict((), "no stack read")
     diagnosis: Diagnosis = (dumps, stack_info)
     act = judged.hung or not finding.evidence.get("confirm", False)

@@ -9,7 +9,8 @@ things with the ranks on their machine each tick, and this is the one place that
     every rank closed, still up?  a teardown with no CPU progress for
                                   ``launch.teardown_idle_s`` is stopped, counted as finished
     is anything hung?             the judge's hang timers, confirmed from the ranks' process
-                                  state, CPU and stacks, and named (or cleared: working)
+                                  state, CPU and stacks, and named (or cleared: working); half-way
+                                  to a suspicion, the slow native stacks are read ahead
 
 What a report *means* is the judge's business: ``LocalJudge`` turns this node's reports into
 the job's steps (a single-node run: this node is the job), ``cluster.node_view.NodeView`` into
@@ -43,6 +44,7 @@ class NodeJudge(Protocol[Out_co]):
     def observe_rank(self, sample: RankStep, now: float) -> Out_co: ...
     def flush(self) -> Out_co: ...
     def check(self, now: float) -> list[Finding]: ...
+    def looming(self, now: float) -> bool: ...
     def defer_hang(self, finding: Finding, now: float) -> None: ...
     def name(self, finding: Finding) -> Finding: ...
 
@@ -130,6 +132,8 @@ class OwnNode(Generic[Out]):
         """The newest hang found here (its stacks go into the incident folder)."""
         self._death_told = False
         self._teardown: stall.Teardown | None = None
+        self._early: forensics.EarlyLook | None = None
+        """Native stacks read ahead while a stall is half-way to a hang suspicion."""
 
     def launch(self, attempt: int, directive: Directive, now: float,
                start: Callable[[], list[str]]) -> list[str]:
@@ -137,7 +141,7 @@ class OwnNode(Generic[Out]):
         with this attempt's rendezvous); returns the torchrun command."""
         self.judge.new_attempt(now, directive)
         self.attempt, self.running, self.hang, self._death_told = attempt, True, None, False
-        self._teardown = None
+        self._teardown = self._early = None
         return start()
 
     def stop(self) -> int | None:
@@ -168,6 +172,10 @@ class OwnNode(Generic[Out]):
                     "idle_s": idle_s, "processes": seen}))
         elif self.workers.group is not None:
             if forensics.ranks_all_alive(self.workers.rank_pids.values()):
+                if not self.judge.looming(now):
+                    self._early = None
+                elif self._early is None and self.workers.rank_pids:
+                    self._early = forensics.EarlyLook(self.workers.rank_pids)
                 for finding in self.judge.check(now):
                     self._confirm(finding, now, out)
             elif not self._death_told:
@@ -211,7 +219,9 @@ class OwnNode(Generic[Out]):
             return
         if self.on_suspect is not None:
             self.on_suspect(finding)
-        named, diagnosis, fields = forensics.confirm_hang(finding, self.workers.rank_pids)
+        named, diagnosis, fields = forensics.confirm_hang(finding, self.workers.rank_pids,
+                                                          self._early)
+        self._early = None
         if named is None:
             self.judge.defer_hang(finding, now)
             out.cleared.append(fields)
@@ -251,6 +261,9 @@ class LocalJudge:
 
     def check(self, now: float) -> list[Finding]:
         return self.watch.check(now)
+
+    def looming(self, now: float) -> bool:
+        return self.watch.hang_looming(now)
 
     def defer_hang(self, finding: Finding, now: float) -> None:
         self.watch.defer_hang(finding, now)

@@ -175,6 +175,10 @@ class Watch:
         finding = self.hang.check(now, ranks_alive=self._alive)
         return [finding] if finding is not None else []
 
+    def hang_looming(self, now: float) -> bool:
+        """Half-way to a hang suspicion (``HangDetector.looming``)."""
+        return bool(self._alive) and self.hang.looming(now, ranks_alive=self._alive)
+
     def defer_hang(self, finding: Finding, now: float) -> None:
         """The ranks of a suspected hang (``finding``) were found working: suspect again only
         after as long again as the stall has lasted."""
