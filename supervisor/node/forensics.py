@@ -134,9 +134,10 @@ def confirm_hang(finding: Finding, rank_pids: Mapping[int, int],
     if dumps:
         verdict = stacks.odd_one_out(dumps)
         ahead = early.native_for(dumps) if early is not None else None
+        working = any(procs[r].busy and stacks.outside_torch(d) for r, d in dumps.items())
         if ahead is not None:
             dumps, verdict = ahead, stacks.odd_one_out(ahead)
-        else:
+        elif not working:  # a rank busy in its own code decides: no need to pause it longer
             dumps, verdict = stacks.deepen(readable, dumps, verdict)
         if all(d.error is not None for d in dumps.values()):
             verdict = None  # no stack at all: judge by the processes alone

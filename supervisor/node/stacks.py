@@ -333,6 +333,20 @@ def collective_frame(frames: Iterable[Frame]) -> Frame | None:
     return None
 
 
+def outside_torch(dump: StackDump) -> bool:
+    """The rank's main thread is in code of its own, not inside torch: its innermost meaningful
+    Python frame is not in a ``torch/`` file. A busy rank there is working (computing, loading,
+    writing) whatever its peers wait in, so no native pass is needed to judge it."""
+    main = dump.main_thread
+    if dump.error is not None or main is None:
+        return False
+    python = [f for f in _meaningful(main.frames) if not f.native]
+    if not python:
+        return False
+    file = "/" + python[0].file.replace("\\", "/")
+    return "/torch/" not in file
+
+
 def _meaningful(frames: Iterable[Frame]) -> list[Frame]:
     return [f for f in frames if not _NOISE.search(f.file)]
 
