@@ -82,6 +82,7 @@ def test_a_printing_script_shows_progress_and_a_frozen_rank_is_relaunched(
     findings = journal(run_dir, "finding")
     hangs = [f for f in findings if f["finding"]["incident"] == "hang"]
     assert len(hangs) == 1 and hangs[0]["remedy"]["action"] == "relaunch", findings
+    assert hangs[0]["finding"]["ranks"] == [1], hangs  # the frozen rank, not the printing one
     # Anything else seen (a slowdown on a loaded machine) was only alerted.
     assert all(f["remedy"]["action"] in ("alert", "ignore") for f in findings if f not in hangs)
     hellos = journal(run_dir, "worker_hello")
