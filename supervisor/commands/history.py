@@ -47,6 +47,13 @@ as in the journal)::
                                 incident that made babysit launch it, or null}
     checkpoint_dir              the checkpoint root looked at (str)
     checkpoints                 [{step, cursor, verdict, reason, path}], oldest first
+    goodput                     the goodput ledger (``babysit.supervisor.services.goodput``):
+                                {wall_s, goodput (0..1, productive / wall), seconds: {category:
+                                s} for productive, startup, checkpoint, restore, detection,
+                                lost, relaunch, backoff, down, straggler, shutdown, other (they
+                                sum to wall_s), attempts: [{attempt, wall_s, seconds}]}; a live
+                                run's counts up to now. It reads the whole metrics file: one
+                                pass, about 1 s per 100k steps
 """
 
 from __future__ import annotations
@@ -61,10 +68,12 @@ from babysit.supervisor.commands.metrics_file import (
     finite_float,
     median_mfu,
     rates,
+    read_metrics,
     read_metrics_tail,
     row_loss_spread,
 )
 from babysit.supervisor.run import journal as journal_mod
+from babysit.supervisor.services import goodput as goodput_mod
 
 EVENTS = "events.jsonl"
 RECENT_INCIDENTS = 10
@@ -329,6 +338,12 @@ def nodes(h: History) -> dict[str, Any] | None:
     return {"attempt": launch.get("attempt"), "nodes": launch["hosts"], "lost": lost[-5:]}
 
 
+def goodput(h: History, now: float | None = None) -> goodput_mod.Goodput:
+    """The run's goodput ledger from its journal and every metrics row; ``now``: a live run's
+    time counts up to it."""
+    return goodput_mod.ledger(h.events, read_metrics(h.run_dir / METRICS), now)
+
+
 def snapshot(run_dir: str | Path, now: float | None = None) -> dict[str, Any]:
     """The status object documented in the module docstring. Raises NotARunDir."""
     now = time.time() if now is None else now
@@ -371,6 +386,7 @@ def snapshot(run_dir: str | Path, now: float | None = None) -> dict[str, Any]:
         "incidents": [i.to_json() for i in h.incidents[-RECENT_INCIDENTS:]],
         "attempt_history": [a.to_json() for a in h.attempts],
         "checkpoint_dir": str(h.checkpoint_root), "checkpoints": checkpoints(h),
+        "goodput": goodput(h, now if live else None).to_json(),
     }
 
 

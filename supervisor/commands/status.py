@@ -54,6 +54,17 @@ def describe_attempt(a: dict[str, Any], why: bool = True) -> str:
     return ", ".join(told) + (f"  ({reason})" if reason else "")
 
 
+def goodput_line(g: dict[str, Any]) -> str:
+    """The ledger (``snapshot()['goodput']``) in one line: the productive share, then every
+    badput category of at least 0.05 s, largest first."""
+    if g.get("goodput") is None:
+        return "- (no time recorded yet)"
+    bad = sorted(((v, k) for k, v in g["seconds"].items() if k != "productive" and v >= 0.05),
+                 reverse=True)
+    return (f"{100 * g['goodput']:.1f}% of {duration(g['wall_s'])} productive"
+            + ("; badput " + ", ".join(f"{k} {duration(v)}" for v, k in bad) if bad else ""))
+
+
 def render(s: dict[str, Any], now: float | None = None) -> str:
     """The human view of a ``snapshot``: aligned label/value lines, newest incidents last."""
     now = time.time() if now is None else now
@@ -101,6 +112,8 @@ def render(s: dict[str, Any], now: float | None = None) -> str:
         adopted = s["cadence"]["adopted_every"]
         row("cadence", str(s["cadence"].get("summary", "-"))
             + (f" (auto: now every {adopted} steps)" if adopted else ""))
+    if s.get("goodput") is not None:
+        row("goodput", goodput_line(s["goodput"]))
     row("incidents", f"{s['incident_count']} acted on, {s['ignored_findings']} ignored"
                      + (" (newest last):" if s["incidents"] else ""))
     for i in s["incidents"]:

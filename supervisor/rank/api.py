@@ -434,12 +434,16 @@ def attach(
     if directive_path:
         run._checkpointer.control = Path(directive_path).with_name(CONTROL_FILE)
         run._closed_marker = Path(directive_path).with_name(CLOSED_DIR) / f"{rank}.json"
+    loading = _perf()
     restored = run._checkpointer.resume()
+    # How long the load took, for the goodput ledger's "restore" (0 on a fresh start).
+    restore_s = round(_perf() - loading, 6) if restored is not None else 0.0
     if restored is not None:
         run.step_count, run.cursor = restored
     run._event("hello", pid=os.getpid(), host=socket.gethostname(), world_size=world_size,
                local_rank=int(os.environ.get("LOCAL_RANK", "0")), step=run.step_count,
-               cursor=run.cursor, flops_per_token=flops_per_token, peak_flops=peak_flops)
+               cursor=run.cursor, flops_per_token=flops_per_token, peak_flops=peak_flops,
+               restore_s=restore_s)
     return run
 
 
