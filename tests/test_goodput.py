@@ -164,8 +164,8 @@ def test_live_totals_count_up_to_now_and_a_running_step_is_other() -> None:
 def test_late_rows_and_unknown_entries_change_nothing() -> None:
     entries = [ev(0.0, "run_started"), launch(0.0, 0), finding(5.5, "hang", "relaunch"),
                ev(5.6, "alert_delivery"), {"event": "launch"}, ev(6.0, "run_finished")]
-    metrics = rows(0, range(1, 6), t0=1.0) + [{"step": 6, "time": 5.8, "attempt": 0},
-                                              {"step": "x", "time": 5.9}]
+    metrics = [*rows(0, range(1, 6), t0=1.0), {"step": 6, "time": 5.8, "attempt": 0},
+               {"step": "x", "time": 5.9}]
     g = ledger(entries, metrics)
     assert_sums(g)
     assert g.seconds["detection"] == pytest.approx(0.5)

@@ -17,7 +17,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -30,6 +31,7 @@ from babysit.supervisor.services.alerts import Alert, AlertDispatcher
 from babysit.supervisor.services.alerts.story import IncidentStory
 from babysit.supervisor.services.dashboards import TensorBoardSink
 from babysit.supervisor.services.exporter import Exporter
+from babysit.supervisor.services.goodput import Goodput, Ledger
 from babysit.supervisor.services.schedule import (
     Digest,
     DigestSnapshot,
@@ -46,9 +48,10 @@ log = logging.getLogger(__name__)
 
 class Services:
     """Calling rules: ``start()`` once, then from the loop thread only: ``publish()`` every tick,
-    ``drain()`` every tick, ``observe_step()`` per merged step, ``count()`` per remedy; the
-    facts of the run's story as they happen (``notify``, ``launched``, ``transition``,
-    ``entries``, ``finished``); ``stop()`` once. The constructor starts nothing."""
+    ``drain()`` every tick, ``observe_step()`` per merged step, ``count()`` per remedy,
+    ``journaled()`` per journal entry (any thread); the facts of the run's story as they happen
+    (``notify``, ``launched``, ``transition``, ``entries``, ``finished``); ``stop()`` once. The
+    constructor starts nothing."""
 
     def __init__(self, plan: RunPlan, alerts: AlertDispatcher) -> None:
         self._plan = plan
@@ -70,6 +73,9 @@ class Services:
             Path(tb.dir).resolve() if tb.dir else plan.run_dir / "tensorboard") \
             if tb.enabled else None
         self._failures: list[Entry] = []
+        self.ledger = Ledger()
+        """This session's goodput ledger, fed as the loop journals and records."""
+        self._ledger_lock = threading.Lock()
 
     def start(self) -> list[Entry]:
         self._jobs.start()
@@ -97,16 +103,33 @@ class Services:
                                                                   f"{exc}"}))
 
     def publish(self, snapshot: DigestSnapshot, pids: tuple[int, ...]) -> None:
+        ledger = self.goodput()
         # Plain attribute swaps: the job threads read whole immutable objects.
-        self._snapshot = snapshot
+        self._snapshot = replace(snapshot, goodput=ledger.goodput)
         self._pids = pids
         if self.exporter is not None:
             self.exporter.update(state=snapshot.state, attempt=snapshot.attempt,
                                  steps_per_second=snapshot.steps_per_second,
                                  tokens_per_second=snapshot.tokens_per_second,
                                  mfu=snapshot.mfu)
+            self.exporter.observe_goodput(ledger.wall_s, ledger.seconds)
 
-    def observe_step(self, record: JobStep) -> None:
+    def journaled(self, entry: Mapping[str, Any]) -> None:
+        """A journal entry was written (the goodput ledger's input). Any thread: alert
+        deliveries are journaled on sender threads."""
+        with self._ledger_lock:
+            self.ledger.entry(entry)
+
+    def goodput(self) -> Goodput:
+        """This session's goodput ledger up to now."""
+        with self._ledger_lock:
+            return self.ledger.totals(time.time())
+
+    def observe_step(self, record: JobStep, row: Mapping[str, Any] | None = None) -> None:
+        """A merged step; ``row``: its ``metrics.jsonl`` row, for the goodput ledger."""
+        if row is not None:
+            with self._ledger_lock:
+                self.ledger.row(row)
         now = time.time()
         recovered = self.story.step(record.step, now)
         if recovered is not None:
@@ -163,14 +186,16 @@ class Services:
                     int(fields["checkpoint_step"]),
                     float(created) if isinstance(created, (int, float)) else None)
 
-    def finished(self, machine: sm.Machine, exit_code: int, goodput: float | None = None) -> None:
-        """The run ended: the "finished"/"failed" message, and the exporter's final state.
-        ``goodput`` is the seam for a goodput ledger (none exists yet)."""
+    def finished(self, machine: sm.Machine, exit_code: int) -> None:
+        """The run ended (after its ``run_finished`` entry): the "finished"/"failed" message
+        with this session's goodput, and the exporter's final state and ledger."""
+        ledger = self.goodput()
         self._alerts.submit(self.story.finished(
             state=machine.state.value, exit_code=exit_code, reason=machine.reason,
             attempt=machine.attempt, step=machine.step or None, now=time.time(),
-            goodput=goodput))
+            goodput=ledger.goodput))
         if self.exporter is not None:
+            self.exporter.observe_goodput(ledger.wall_s, ledger.seconds)
             self.exporter.update(state=machine.state.value)
             self.exporter.observe_run(exit_code=exit_code)
             self._write_textfile()

@@ -397,7 +397,7 @@ class Supervisor:
         self.progress.observe(record)
         if record.step_time is not None:
             self.cadence.advisor.on_step_time(record.step_time)
-        self.services.observe_step(record)
+        self.services.observe_step(record, row)
         if self.machine.state not in (sm.State.STARTING, sm.State.RUNNING):
             return  # the workers are being replaced: their last steps judge nothing
         pending.extend(self.watch.observe_record(record))
@@ -570,8 +570,8 @@ class Supervisor:
         line = self.progress.summary(m, self.clock() - self._started,
                                      m.attempt - self._first_attempt + 1)
         self.console.close()
-        self.console.log(f"{line} Journal: {self.plan.run_dir / 'events.jsonl'}; exit code "
-                         f"{code}.")
+        self.console.log(f"{line} {self.services.goodput().summary().capitalize()}. Journal: "
+                         f"{self.plan.run_dir / 'events.jsonl'}; exit code {code}.")
 
     def _journal_all(self, entries: list[tuple[str, dict[str, Any]]]) -> None:
         self.services.entries(entries)
@@ -579,6 +579,7 @@ class Supervisor:
             self._journal(event, **fields)
 
     def _journal(self, event: str, /, step: int | None = None, **evidence: Any) -> None:
-        self.journal.write(event, time.time(), self.machine.attempt,
-                           step if step is not None else (self.machine.step or None), **evidence)
+        self.services.journaled(self.journal.write(
+            event, time.time(), self.machine.attempt,
+            step if step is not None else (self.machine.step or None), **evidence))
 

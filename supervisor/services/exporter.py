@@ -43,6 +43,13 @@ Metrics (gauges unless said otherwise; a value not yet known is absent, not 0)::
     babysit_disk_free_bytes
     babysit_gpu_temperature_celsius{gpu}
     babysit_gpu_memory_used_bytes{gpu}
+    babysit_goodput_ratio                        productive step time / wall time, 0..1, so far
+    babysit_goodput_wall_seconds                 the wall time the ledger covers (this session)
+    babysit_goodput_seconds{category}            the goodput ledger: seconds per category
+                                                 (productive, startup, checkpoint, restore,
+                                                 detection, lost, relaunch, backoff, down,
+                                                 straggler, shutdown, other); they sum to the
+                                                 wall time. Live: updated every tick
 """
 
 from __future__ import annotations
@@ -118,6 +125,7 @@ class Exporter:
         self._gpus: dict[int, tuple[float | None, float | None]] = {}
         self._transitions: dict[tuple[str, str], int] = {}
         self._checkpoint_created: float | None = None
+        self._goodput: dict[str, float] = {}
         from prometheus_client import CollectorRegistry
 
         self._registry = CollectorRegistry(auto_describe=False)
@@ -238,6 +246,15 @@ class Exporter:
 
             write_to_textfile(self.config.textfile, self._registry)
 
+    def observe_goodput(self, wall_s: float, seconds: Mapping[str, float]) -> None:
+        """The goodput ledger so far (``services.goodput.Goodput``'s ``wall_s`` and
+        ``seconds``, category -> seconds)."""
+        with self._lock:
+            self._values["goodput_wall_s"] = wall_s
+            if wall_s > 0:
+                self._values["goodput"] = seconds.get("productive", 0.0) / wall_s
+            self._goodput = dict(seconds)
+
     def count_intervention(self, incident: str, action: str) -> None:
         """One remedy was taken (e.g. ``"loss_spike"``, ``"rollback"``)."""
         with self._lock:
@@ -266,6 +283,7 @@ class Exporter:
             gpus = sorted(self._gpus.items())
             transitions = sorted(self._transitions.items())
             created = self._checkpoint_created
+            ledger = dict(self._goodput)
         if self.run_name is not None:
             info = GaugeMetricFamily("babysit_run_info", "The babysat run.", labels=["name"])
             info.add_metric([self.run_name], 1)
@@ -318,6 +336,14 @@ class Exporter:
                 used.add_metric([str(index)], used_bytes)
         yield temp
         yield used
+        if ledger:
+            split = GaugeMetricFamily(
+                "babysit_goodput_seconds",
+                "The goodput ledger: wall-clock seconds by category (productive or a cause of "
+                "badput); they sum to babysit_goodput_wall_seconds.", labels=["category"])
+            for category, seconds in ledger.items():
+                split.add_metric([category], seconds)
+            yield split
 
 
 _SCALARS = (
@@ -335,6 +361,10 @@ _SCALARS = (
      "When the newest step was merged, in Unix seconds."),
     ("good_checkpoint_step", "babysit_last_good_checkpoint_step",
      "Step of the newest checkpoint that passed probation (a rollback's likely target)."),
+    ("goodput", "babysit_goodput_ratio",
+     "Productive step time over wall time so far, 0..1 (this supervisor's session)."),
+    ("goodput_wall_s", "babysit_goodput_wall_seconds",
+     "Wall-clock seconds the goodput ledger covers (this supervisor's session)."),
     ("exit_code", "babysit_exit_code", "The supervisor's exit code, once the run has ended."),
     ("host_memory_available", "babysit_host_memory_available_bytes",
      "Host memory available to new allocations."),

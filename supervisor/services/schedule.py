@@ -115,6 +115,9 @@ class DigestSnapshot:
     """Remedies taken since babysit started (cumulative; the digest reports the difference)."""
     last_incident: str | None = None
     """e.g. ``"loss_spike@1100"``."""
+    goodput: float | None = None
+    """This supervisor's goodput so far, 0..1 (``services.goodput``): productive step time
+    over wall time."""
 
 
 # -- the digest (pure) -----------------------------------------------------------------------------
@@ -146,6 +149,8 @@ def digest(now: DigestSnapshot, before: DigestSnapshot | None, period_s: float,
     if interventions_since and now.last_incident:
         interventions += f" (last: {now.last_incident})"
     parts.append(interventions)
+    if now.goodput is not None:
+        parts.append(f"goodput {100 * now.goodput:.1f}%")
     kinds = sorted({w.kind.value for w in health})
     parts.append("health: " + (", ".join(kinds) if kinds else "ok"))
     text = f"babysit digest, last {_duration(period_s)}: " + ", ".join(parts)
@@ -156,6 +161,7 @@ def digest(now: DigestSnapshot, before: DigestSnapshot | None, period_s: float,
         "mfu": now.mfu,
         "interventions_since": interventions_since, "interventions_total": now.interventions,
         "last_incident": now.last_incident, "health_warnings": kinds,
+        "goodput": now.goodput,
     }
     return Digest(text, fields)
 

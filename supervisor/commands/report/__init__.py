@@ -12,6 +12,8 @@ after it (``RUN_DIR/report/*.png``), linked relatively so the pair can be copied
 - ``step_times.png``: each rank's step time over the run, and each rank's median (large worlds:
   the median, p99 and slowest rank's step time, and which ranks were the slowest most often);
 - ``timeline.png``: every finding over time, by kind, coloured by the policy's action.
+- ``goodput.png``: each attempt's wall time stacked by the goodput ledger's categories
+  (productive steps and badput by cause), with the ledger's table in the page.
 
 Hangs (a band from the last progress to the finding) and crashes (a line) are marked on both
 time plots (``marks``); the page also shows the run's config, and the journal's other events
@@ -35,7 +37,7 @@ __all__ = ["report_main", "write_report"]
 
 def write_report(run_dir: str | Path, out_path: str | Path | None = None) -> Path:
     """Write the report and its figures; return the HTML path. Raises ``status.NotARunDir``."""
-    from babysit.supervisor.commands.report import html, plots, scalars
+    from babysit.supervisor.commands.report import html, ledger, plots, scalars
     from babysit.supervisor.commands.report.data import RunData
 
     run_dir = Path(run_dir)
@@ -55,6 +57,10 @@ def write_report(run_dir: str | Path, out_path: str | Path | None = None) -> Pat
         png = fig_dir / f"{name}.png"
         png.unlink(missing_ok=True)  # a figure this run no longer has must not linger
         figures[name] = f"{fig_dir.name}/{png.name}" if draw(data, png) else None
+    png = fig_dir / "goodput.png"
+    png.unlink(missing_ok=True)
+    figures["goodput"] = f"{fig_dir.name}/{png.name}" \
+        if ledger.plot_goodput(snap.get("goodput"), png) else None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(html.render(data, snap, figures, out), encoding="utf-8")

@@ -19,8 +19,9 @@ import numpy as np
 
 from babysit.supervisor.commands.history import sdc_disagreement
 from babysit.supervisor.commands.metrics_file import to_float
+from babysit.supervisor.commands.report import ledger
 from babysit.supervisor.commands.report.data import RunData
-from babysit.supervisor.commands.status import describe_attempt, duration
+from babysit.supervisor.commands.status import describe_attempt, duration, goodput_line
 
 # The journal events the report already shows in its own sections; others are listed raw.
 KNOWN_EVENTS = {"run_started", "launch", "worker_hello", "worker_close", "worker_skip", "state",
@@ -77,7 +78,8 @@ def render(data: RunData, snap: dict[str, Any], figures: dict[str, str | None],
              f"</title><style>{CSS}</style></head><body>",
              f"<h1>babysit report: {_e(name)}</h1>",
              f"<p class='muted'>{_e(snap['run_dir'])}; generated {_clock(time.time())}</p>",
-             _summary(data, snap), _figures(data, figures), "<h2>Attempts</h2>",
+             _summary(data, snap), _figures(data, figures),
+             ledger.section(snap.get("goodput"), figures.get("goodput")), "<h2>Attempts</h2>",
              _attempts(data, snap), "<h2>Incidents</h2>", _incidents(data, page), _sdc(data),
              "<h2>Checkpoints</h2>", _checkpoints(snap), _cadence(data), _config(data),
              _other_events(data),
@@ -105,6 +107,7 @@ def _summary(data: RunData, s: dict[str, Any]) -> str:
             ("speed (last 50 steps)", speed),
             ("throughput (whole run)", _throughput(data)),
             ("rank losses (last step)", _spread(s.get("loss_spread"))),
+            ("goodput", _e(goodput_line(s["goodput"])) if s.get("goodput") else None),
             ("incidents", f"{s['incident_count']} acted on, {s['ignored_findings']} ignored")]
     return _table([], [[f"<b>{_e(k)}</b>", v] for k, v in rows if v is not None], "kv")
 
