@@ -84,6 +84,18 @@ def test_a_rollback_loses_the_re_trained_steps_and_pays_detection_restore_and_re
     assert g.attempts[1]["lost"] == 0.0
 
 
+def test_a_restore_reported_after_the_first_step_still_counts() -> None:
+    # The hello (journaled when the supervisor takes it) can trail the first step's row.
+    entries = [ev(0.0, "run_started"), launch(0.0, 0), finding(5.5, "hang", "relaunch"),
+               launch(6.0, 1, resume=2),
+               ev(9.2, "worker_hello", 1, rank=0, data={"restore_s": 0.7}),
+               ev(12.0, "run_finished", 1, state="succeeded")]
+    g = ledger(entries, rows(0, range(1, 6), t0=1.0) + rows(1, range(3, 6), t0=9.0))
+    assert_sums(g)
+    assert g.seconds["restore"] == pytest.approx(0.7)
+    assert g.attempts[1]["relaunch"] == pytest.approx(3.0 - 0.7)
+
+
 def test_a_second_rollback_to_an_older_checkpoint_loses_each_step_once() -> None:
     entries = [ev(0.0, "run_started"), launch(0.0, 0), finding(10.5, "hang", "relaunch"),
                launch(11.0, 1, resume=6), finding(16.5, "crash", "relaunch", 1),

@@ -8,6 +8,8 @@ come back.
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -107,7 +109,10 @@ def test_nan_loss_rolls_back_at_once(tmp_path: Path) -> None:
 
 
 def test_hang_names_the_stuck_rank_from_its_stack_and_relaunches(tmp_path: Path) -> None:
-    result, run_dir = babysat(tmp_path, "hang", "--steps", "40", "--hang", "1:15")
+    # One run, three faults (the goodput ledger's real run): attempt 0 hangs at step 15,
+    # attempt 1 meets poisoned batches 22-25 and rolls back, attempt 2 is killed at step 33.
+    result, run_dir = babysat(tmp_path, "hang", "--steps", "40", "--hang", "1:15",
+                              "--spike", "22:26", "--at", "2:0:33:SIGKILL")
     assert result.returncode == 0, result.stdout + result.stderr
     # Telemetry alone cannot tell them apart (both last reported step 14); the stacks can.
     (diagnosis,) = journal(run_dir, "hang_diagnosis")
@@ -115,13 +120,42 @@ def test_hang_names_the_stuck_rank_from_its_stack_and_relaunches(tmp_path: Path)
     finding = next(e for e in journal(run_dir, "finding") if e["finding"]["incident"] == "hang")
     assert finding["finding"]["ranks"] == [1]
     assert finding["remedy"]["action"] == "relaunch"
-    (record,) = journal(run_dir, "incident")
+    record = next(e for e in journal(run_dir, "incident") if e["incident"] == "hang")
     folder = Path(record["dir"])
     assert "rank 1" in (folder / "summary.txt").read_text()
     assert "tiny_train.py" in (folder / "stacks" / "rank1.txt").read_text()
-    (resume,) = [e for e in journal(run_dir, "resume") if e.get("from")]
-    assert resume["checkpoint_step"] == 10
+    resumes = [e for e in journal(run_dir, "resume") if e.get("from")]
+    assert resumes[0]["checkpoint_step"] == 10
     assert read_jsonl(run_dir / "events.jsonl")[-1]["state"] == "succeeded"
+    assert_goodput_ledger(run_dir, result.stdout)
+
+
+def assert_goodput_ledger(run_dir: Path, stdout: str) -> None:
+    """The ledger of a real run with a hang, a rollback and a crash: every fault's cost is in
+    its category, and the categories sum to the wall time."""
+    remedies = [(e["attempt"], e["finding"]["incident"], e["remedy"]["action"])
+                for e in journal(run_dir, "finding") if e["remedy"]["action"] != "ignore"]
+    assert [r[2] for r in remedies] == ["relaunch", "rollback", "relaunch"], remedies
+    assert remedies[2][1] == "crash"
+    status = run_babysit("status", "--json", str(run_dir), cwd=run_dir, timeout=60)
+    ledger = json.loads(status.stdout)["goodput"]
+    seconds, wall = ledger["seconds"], ledger["wall_s"]
+    assert abs(sum(seconds.values()) - wall) < 0.01, ledger
+    assert sum(a["wall_s"] for a in ledger["attempts"]) == pytest.approx(wall, abs=0.01)
+    (started,) = journal(run_dir, "run_started")
+    (finished,) = journal(run_dir, "run_finished")
+    assert wall == pytest.approx(finished["time"] - started["time"], abs=0.01)
+    by_attempt = {a["attempt"]: a["seconds"] for a in ledger["attempts"]}
+    assert by_attempt[0]["detection"] >= 2.5  # the hang: at least most of its 3 s floor
+    assert by_attempt[0]["lost"] > 0 and by_attempt[1]["lost"] > 0 and by_attempt[2]["lost"] > 0
+    for category in ("productive", "startup", "checkpoint", "relaunch", "backoff"):
+        assert seconds[category] > 0, (category, ledger)
+    assert all(by_attempt[a]["restore"] > 0 for a in (1, 2, 3))  # each resumed: a load
+    assert seconds["other"] < 0.01 * wall
+    # The supervisor's own (live) ledger, in its last words, tells the same story.
+    live = re.search(r"Goodput ([0-9.]+)% of", stdout)
+    assert live, stdout[-2000:]
+    assert float(live.group(1)) == pytest.approx(100 * ledger["goodput"], abs=2.0)
 
 
 def test_straggler_is_named_and_alerted(tmp_path: Path) -> None:

@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write the reference to PATH instead of printing it (to regenerate "
                              "docs/config.md and docs/policy.md)")
 
-    status = sub.add_parser("status", help="state, progress, incidents and checkpoints of a run")
+    status = sub.add_parser("status", help="state, progress, goodput, incidents and checkpoints "
+                                           "of a run")
     status.add_argument("run_dir", metavar="RUN_DIR")
     status.add_argument("--json", action="store_true", help="one JSON object, for scripts")
 

@@ -570,7 +570,8 @@ class Supervisor:
         line = self.progress.summary(m, self.clock() - self._started,
                                      m.attempt - self._first_attempt + 1)
         self.console.close()
-        self.console.log(f"{line} {self.services.goodput().summary().capitalize()}. Journal: "
+        goodput = self.services.goodput().summary()
+        self.console.log(f"{line} {goodput[:1].upper()}{goodput[1:]}. Journal: "
                          f"{self.plan.run_dir / 'events.jsonl'}; exit code {code}.")
 
     def _journal_all(self, entries: list[tuple[str, dict[str, Any]]]) -> None:

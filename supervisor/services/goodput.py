@@ -141,6 +141,7 @@ class _Attempt:
         self.cumulative = array("d")
         self.kept_to: int | None = None  # steps above this were moved to ``lost`` already
         self.restore_s = 0.0
+        self.restore_moved = 0.0
         self.pre_s = 0.0  # launch -> first step, accumulated under startup/relaunch
         self.pre_label = "relaunch"
         self.first_row = True
@@ -199,6 +200,8 @@ class Ledger:
             restore = _num(data.get("restore_s")) if data else None
             if self._attempt is not None and restore is not None and restore > 0:
                 self._attempt.restore_s = max(self._attempt.restore_s, restore)
+                if not self._attempt.first_row:
+                    self._take_restore(self._attempt)  # the hello came after the first step
         elif kind == "checkpoint_saved":
             data = e.get("data") if isinstance(e.get("data"), Mapping) else {}
             step = e.get("step")
@@ -236,8 +239,7 @@ class Ledger:
         if a.first_row:
             # Launch -> first step is start-up; the checkpoint load inside it is ``restore``.
             a.first_row = False
-            moved = min(a.restore_s, a.pre_s)
-            self._move(a.pre_label, "restore", moved, a.number)
+            self._take_restore(a)
             self._open_step = 0.0
         else:
             interval = self._open_step
@@ -322,6 +324,14 @@ class Ledger:
         self._label = a.pre_label
         self._backoff_until = None
         self._pending_ckpt = 0.0
+
+    def _take_restore(self, a: _Attempt) -> None:
+        """Move the attempt's checkpoint load out of its start-up, as far as known yet (a
+        rank's hello can be taken after the first step it sent)."""
+        moved = min(a.restore_s, a.pre_s) - a.restore_moved
+        if moved > 0:
+            self._move(a.pre_label, "restore", moved, a.number)
+            a.restore_moved += moved
 
     def _end_attempt(self, tail: str, then: str) -> None:
         """The running attempt ended now: the time since its last step goes to ``tail``

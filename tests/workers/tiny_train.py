@@ -24,7 +24,10 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
     --spike START:END      global batches START <= i < END are poisoned: a real loss spike
     --spike-rank RANK      ...only on that rank's shard (one node's rank of a multi-node job)
     --nan-at CURSOR        that global batch gives a non-finite loss
-    --slow-data RANK:SEC   that rank waits SEC seconds for every batch (a slow loader)
+    --slow-data RANK:SEC[:START:END]  that rank waits SEC seconds for every batch (a slow
+                           loader), or only for global batches START <= i < END
+    --loss-every N         rank 0 prints "step S loss L" every N steps (for runs without
+                           babysit's metrics: benchmarks/goodput.py under plain torchrun)
     --flood LINES          rank 0 prints LINES lines of junk every step
     --eval-every N         every N steps, report an "eval_loss" scalar with the step
     --at ATTEMPT:RANK:STEP:WHAT  on that attempt, just before that step, that rank: sends itself
@@ -109,8 +112,9 @@ class Batches:
                 y = y * 40.0  # poisoned labels: the loss jumps by orders of magnitude
             if self.args.nan_at == i:
                 x = x * float("nan")
-            if self.args.slow_data and self.args.slow_data[0] == self.rank:
-                time.sleep(self.args.slow_data[1])
+            slow = self.args.slow_data
+            if slow and slow[0] == self.rank and (len(slow) == 2 or slow[2] <= i < slow[3]):
+                time.sleep(slow[1])
             yield x, y
             i += 1
 
@@ -130,7 +134,9 @@ def main() -> None:
     p.add_argument("--spike", type=pair)
     p.add_argument("--spike-rank", type=int)
     p.add_argument("--nan-at", type=int)
-    p.add_argument("--slow-data", type=pair)
+    p.add_argument("--slow-data", type=lambda t: [float(x) if "." in x else int(x)
+                                                  for x in t.split(":")])
+    p.add_argument("--loss-every", type=int, default=0)
     p.add_argument("--exit-code", type=int, default=0)
     p.add_argument("--flood", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=0)
@@ -211,6 +217,8 @@ def main() -> None:
         sched.step()
         if heartbeat is not None:
             heartbeat.send_heartbeat()
+        if args.loss_every and rank == 0 and run.step_count % args.loss_every == 0:
+            print(f"step {run.step_count} loss {loss.item():.6f}", flush=True)
         if step_log is not None:
             step_log.write(f"{time.time()} {attempt} {run.step_count}\n")
             step_log.flush()

@@ -1,0 +1,158 @@
+"""Goodput under a fault schedule: babysit (default policy) beside plain torchrun, same job.
+
+    .venv/bin/python benchmarks/goodput.py [--minutes 2] [--stall-s 30]
+
+The job is ``tests/workers/tiny_train.py``, 2 gloo ranks on this CPU, 0.05 s of sleep per
+step, sized to about ``--minutes`` of fault-free training (the issue's figure is for 10), with
+four faults placed at fractions of its steps:
+
+- 20%: a data spike: 4 poisoned global batches (``--spike``), a loss jump;
+- 40%: a hang: rank 1 sleeps forever outside the all-reduce (``--at ...:hang``);
+- 60%: a crash: rank 0 killed by SIGKILL (``--at ...:SIGKILL``), as the OOM killer would;
+- 75-85%: a straggler: rank 1's loader waits 0.05 s for each batch (``--slow-data``).
+
+babysit runs with its default policy and a checkpoint every 25 steps; goodput is its ledger's
+(``babysit status --json``: productive step time / wall time), the final loss its last metrics
+row's. Each fault strikes once: babysit's attempts are numbered, so the hang is placed in the
+attempt after the spike's rollback and the crash in the one after the hang's relaunch.
+
+torchrun (``python -m torch.distributed.run --standalone``) gets the same faults, all in its
+only attempt. It trains through the spike, then hangs: gloo would wait 30 minutes before its
+collective times out, so the script stops it after ``--stall-s`` seconds without a step and
+says so. Its goodput is rank 0's step time (``--step-log``: each step's wall time) over the
+wall time until it was stopped; its loss is the last one rank 0 printed (``--loss-every``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "workers" / "tiny_train.py"
+GLOO_TIMEOUT_S = 1800.0  # torch's default_pg_timeout for gloo
+STEP_S = 0.08  # about what one step of the job takes here (0.05 s sleep + compute + reports)
+
+
+def env() -> dict[str, str]:
+    return {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HOME": os.environ.get("HOME", "/"),
+            "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
+
+
+def schedule(steps: int) -> dict[str, int]:
+    """Where the faults strike, in steps (the data spike and the straggler in global batches,
+    which track steps until a rollback skips some)."""
+    return {"spike": int(0.2 * steps), "hang": int(0.4 * steps), "crash": int(0.6 * steps),
+            "slow_start": int(0.75 * steps), "slow_end": int(0.85 * steps)}
+
+
+def job(steps: int, at: dict[str, int], hang_attempt: int, crash_attempt: int) -> list[str]:
+    return ["--steps", str(steps), "--step-sleep", "0.05", "--loss-every", "10",
+            "--spike", f"{at['spike']}:{at['spike'] + 4}",
+            "--at", f"{hang_attempt}:1:{at['hang']}:hang",
+            "--at", f"{crash_attempt}:0:{at['crash']}:SIGKILL",
+            "--slow-data", f"1:0.05:{at['slow_start']}:{at['slow_end']}"]
+
+
+def under_babysit(workdir: Path, steps: int, at: dict[str, int]) -> dict[str, Any]:
+    run_dir = workdir / "babysit"
+    config = workdir / "run.yaml"
+    config.write_text(
+        f"launch:\n  script: {WORKER}\n  nproc-per-node: 2\n"
+        f"  args: {json.dumps(job(steps, at, hang_attempt=1, crash_attempt=2))}\n"
+        f"run_dir: {run_dir}\ncheckpoints: {{every_steps: 25, probation_steps: 5}}\n")
+    started = time.time()
+    done = subprocess.run([sys.executable, "-m", "babysit", "run", str(config)], cwd=workdir,
+                          env=env(), capture_output=True, text=True, timeout=6 * 3600)
+    wall = time.time() - started
+    status = subprocess.run([sys.executable, "-m", "babysit", "status", "--json", str(run_dir)],
+                            cwd=workdir, env=env(), capture_output=True, text=True, check=True)
+    snap = json.loads(status.stdout)
+    remedies = [f"{i['incident']} -> {i['action']}" for i in snap["incidents"]]
+    return {"exit": done.returncode, "wall_s": wall, "ledger": snap["goodput"],
+            "step": snap["step"], "loss": snap["loss"], "remedies": remedies,
+            "tail": done.stdout[-1500:]}
+
+
+def under_torchrun(workdir: Path, steps: int, at: dict[str, int],
+                   stall_s: float) -> dict[str, Any]:
+    log = workdir / "torchrun-steps.log"
+    out = workdir / "torchrun.out"
+    args = [*job(steps, at, hang_attempt=0, crash_attempt=0), "--step-log", str(log)]
+    started = time.time()
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", str(WORKER), *args], cwd=workdir, env=env(), stdout=sink,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        how = "finished"
+        last_progress = started
+        seen = 0
+        while proc.poll() is None:
+            time.sleep(1.0)
+            lines = log.read_text().count("\n") if log.exists() else 0
+            if lines != seen:
+                seen, last_progress = lines, time.time()
+            if time.time() - last_progress > stall_s:
+                how = f"hung: no step for {stall_s:g} s, stopped (gloo's own timeout is 30 min)"
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if how == "finished" and proc.returncode:
+            how = f"crashed (exit {proc.returncode})"
+    ended = time.time()
+    times = [float(line.split()[0]) for line in log.read_text().splitlines()] \
+        if log.exists() else []
+    productive = sum(b - a for a, b in itertools.pairwise(times))
+    losses = re.findall(r"step (\d+) loss ([0-9.einfa]+)", out.read_text())
+    return {"how": how, "wall_s": ended - started, "goodput": productive / (ended - started),
+            "step": len(times), "loss": float(losses[-1][1]) if losses else None,
+            "loss_step": int(losses[-1][0]) if losses else None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=2.0,
+                   help="fault-free training time the job is sized to (the issue: 10)")
+    p.add_argument("--stall-s", type=float, default=30.0,
+                   help="stop torchrun after this long without a step")
+    args = p.parse_args()
+    steps = int(args.minutes * 60 / STEP_S)
+    at = schedule(steps)
+    print(f"job: {steps} steps (~{args.minutes:g} min fault-free); spike at batch "
+          f"{at['spike']}, hang at step {at['hang']}, crash at step {at['crash']}, slow loader "
+          f"batches {at['slow_start']}-{at['slow_end'] - 1}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="babysit-goodput-") as tmp:
+        workdir = Path(tmp)
+        b = under_babysit(workdir, steps, at)
+        ledger = b["ledger"]
+        bad = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(
+            ledger["seconds"].items(), key=lambda kv: -kv[1]) if k != "productive" and v >= 0.05)
+        print(f"babysit:  goodput {100 * ledger['goodput']:.1f}% of {ledger['wall_s']:.1f} s "
+              f"(exit {b['exit']}), step {b['step']}, final loss {b['loss']:.4f}; "
+              f"{'; '.join(b['remedies'])}", flush=True)
+        print(f"          badput: {bad}", flush=True)
+        if b["exit"] != 0:
+            print(b["tail"])
+        t = under_torchrun(workdir, steps, at, args.stall_s)
+        loss = (f"last loss {t['loss']:.4f} at step {t['loss_step']}" if t["loss"] is not None
+                else "no loss printed")
+        waited = ""
+        if t["how"].startswith("hung"):  # what gloo's 30-minute timeout would have made of it
+            total = t["wall_s"] - args.stall_s + GLOO_TIMEOUT_S
+            waited = f" (to gloo's timeout: {100 * t['goodput'] * t['wall_s'] / total:.1f}%)"
+        print(f"torchrun: goodput {100 * t['goodput']:.1f}%{waited} of {t['wall_s']:.1f} s, "
+              f"{t['how']}; {t['step']} of {steps} steps, {loss}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
