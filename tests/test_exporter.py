@@ -150,3 +150,23 @@ def test_updates_are_cheap_enough_for_every_step(tmp_path: Path) -> None:
         exp.update(steps_per_second=5.0)
     per_step_us = (time.perf_counter() - t0) / 10_000 * 1e6
     assert per_step_us < 50, per_step_us  # a few microseconds here; generous for loaded CI
+
+
+def test_the_goodput_ledger_is_exported_by_category(exporter: Exporter) -> None:
+    from babysit.supervisor.services.goodput import Ledger
+
+    led = Ledger()
+    led.entry({"time": 0.0, "event": "run_started", "attempt": 0})
+    led.entry({"time": 0.0, "event": "launch", "attempt": 0, "directive": {"attempt": 0}})
+    for step in range(1, 5):
+        led.row({"time": 2.0 + step, "step": step, "attempt": 0})
+    g = led.totals(now=7.0)
+    exporter.observe_goodput(g.wall_s, g.seconds)
+    assert exporter.port
+    _, samples = scrape(exporter.port)
+    assert samples[("babysit_goodput_wall_seconds", ())] == pytest.approx(7.0)
+    assert samples[("babysit_goodput_ratio", ())] == pytest.approx(3.0 / 7.0)
+    split = {dict(labels)["category"]: v for (name, labels), v in samples.items()
+             if name == "babysit_goodput_seconds"}
+    assert split["productive"] == pytest.approx(3.0) and split["startup"] == pytest.approx(3.0)
+    assert sum(split.values()) == pytest.approx(7.0)

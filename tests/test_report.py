@@ -28,8 +28,8 @@ from tests.conftest import read_jsonl
 from tests.test_status import real_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-FIGURES = ("training.png", "step_times.png", "timeline.png")
-REAL_FIGURES = ("training.png", "scalars.png", "step_times.png", "timeline.png")
+FIGURES = ("training.png", "step_times.png", "timeline.png", "goodput.png")
+REAL_FIGURES = ("training.png", "scalars.png", "step_times.png", "timeline.png", "goodput.png")
 """The real run's: the demo script reports its eval loss (``run.scalars``) at its last step."""
 T0 = 1_700_000_000.0
 
@@ -126,7 +126,8 @@ def test_a_run_without_metrics_still_gets_a_timeline(tmp_path: Path, run_dir: Pa
     (run / "metrics.jsonl").write_text("")
     assert report(run)[0] == 0
     # The eval loss comes from the journal, not the metrics: it is still drawn.
-    assert [p.name for p in images(run / "report.html")] == ["scalars.png", "timeline.png"]
+    assert [p.name for p in images(run / "report.html")] == [
+        "scalars.png", "timeline.png", "goodput.png"]
     assert "No metrics." in (run / "report.html").read_text()
     assert not (run / "report" / "training.png").exists()
 
@@ -223,13 +224,16 @@ def test_throughput_mfu_and_rank_departures(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", small_world_rows(), (
         finding(155, "rank_departure", [1], message="rank 1's loss departs from the others"),))
     code, out, err = report(run)
-    assert code == 0 and err == "" and "with 4 plot(s)" in out
+    assert code == 0 and err == "" and "with 5 plot(s)" in out
     page = run / "report.html"
     assert [p.name for p in images(page)] == [
-        "training.png", "throughput.png", "step_times.png", "timeline.png"]
+        "training.png", "throughput.png", "step_times.png", "timeline.png", "goodput.png"]
     for png in images(page):
         assert_png(png)
     text = page.read_text()
+    # The ledger: launch at +1 s, first step at +2 s, one step a second, end a second later.
+    assert "<h2>Goodput</h2>" in text and re.search(r"9[0-9]\.[0-9]% of [0-9.]+ (s|min) "
+                                                    r"productive", text)
     # Newest 50 rows (the speed line) and the whole run (the throughput line) both median 41%.
     assert "MFU 41.0% (median)" in text
     assert "120,000 tokens/s, MFU 41.0% (medians over all steps)" in text
@@ -284,7 +288,7 @@ def test_large_world_rows_draw_step_time_quantiles(tmp_path: Path) -> None:
     assert code == 0, err
     page = run / "report.html"
     assert [p.name for p in images(page)] == [
-        "training.png", "throughput.png", "step_times.png", "timeline.png"]
+        "training.png", "throughput.png", "step_times.png", "timeline.png", "goodput.png"]
     for png in images(page):
         assert_png(png)
     data = RunData.load(run)

@@ -227,3 +227,8 @@ def test_digest_before_any_step() -> None:
     d = digest(DigestSnapshot("starting", 0), None, 3 * 3600)
     assert d.text == ("babysit digest, last 3.0 h: starting, attempt 0, 0 intervention(s), "
                       "health: ok")
+
+
+def test_digest_says_the_goodput_so_far() -> None:
+    d = digest(DigestSnapshot("running", 1, step=50, goodput=0.912), None, 600)
+    assert "goodput 91.2%" in d.text and d.fields["goodput"] == 0.912

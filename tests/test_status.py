@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,7 +32,7 @@ STATUS_KEYS = {
     "supervisor_pid", "started", "finished", "elapsed_s", "last_update", "attempt", "attempts",
     "step", "loss", "steps_per_s", "tokens_per_s", "incident_count", "ignored_findings",
     "incidents", "attempt_history", "checkpoint_dir", "checkpoints", "mfu", "loss_spread", "sdc",
-    "cadence", "nodes",
+    "cadence", "nodes", "goodput",
 }
 
 
@@ -94,6 +95,11 @@ def test_json_agrees_with_the_journal_and_metrics(run_dir: Path) -> None:
     assert again["lr_scale"] == told["lr_scale"] == 0.5
     assert again["cause"]["incident"] == "nonfinite" and s["attempt_history"][0]["cause"] is None
     assert s["checkpoints"] == [] and s["checkpoint_dir"] == str(run_dir / "checkpoints")
+    # The ledger of this run (a NaN rollback): its categories make up its wall time.
+    g = s["goodput"]
+    assert g["wall_s"] == pytest.approx(s["elapsed_s"], abs=0.01)
+    assert sum(g["seconds"].values()) == pytest.approx(g["wall_s"], abs=0.01)
+    assert g["seconds"]["lost"] > 0 and g["seconds"]["relaunch"] > 0 and 0 < g["goodput"] < 1
 
 
 def test_human_view_says_the_same_compactly(run_dir: Path) -> None:
@@ -102,8 +108,9 @@ def test_human_view_says_the_same_compactly(run_dir: Path) -> None:
     lines = out.splitlines()
     assert lines[0] == f"babysit status: demo_train  ({run_dir})"
     labels = [line[2:14].strip() for line in lines[1:] if line.startswith("  ") and line[2] != " "]
-    assert labels == ["state", "time", "progress", "speed", "rank loss", "incidents",
-                      "attempts", "checkpoints", "journal"]
+    assert labels == ["state", "time", "progress", "speed", "rank loss", "goodput",
+                      "incidents", "attempts", "checkpoints", "journal"]
+    assert re.search(r"  goodput     \d+\.\d% of [0-9.]+ s productive; badput .*lost", out)
     assert "  state       succeeded (workers finished), exit code 0" in lines
     assert "attempt 1 (2 launched), step 60, loss " in out
     start, end = json.loads(status(run_dir, True)[1])["attempt_history"][1]["skip"][0]
@@ -162,3 +169,5 @@ def test_reads_only_the_tail_of_a_huge_metrics_file(tmp_path: Path, run_dir: Pat
     s = snapshot(tmp_path)
     assert time.perf_counter() - started < 0.5
     assert s["step"] == 60 and s["steps_per_s"] > 0
+    # Not a 4 GiB read for the ledger either: the one the supervisor journaled at its end.
+    assert s["goodput"]["source"] == "journal" and s["goodput"]["wall_s"] > 0

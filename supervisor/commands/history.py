@@ -51,9 +51,11 @@ as in the journal)::
                                 {wall_s, goodput (0..1, productive / wall), seconds: {category:
                                 s} for productive, startup, checkpoint, restore, detection,
                                 lost, relaunch, backoff, down, straggler, shutdown, other (they
-                                sum to wall_s), attempts: [{attempt, wall_s, seconds}]}; a live
-                                run's counts up to now. It reads the whole metrics file: one
-                                pass, about 1 s per 100k steps
+                                sum to wall_s), attempts: [{attempt, wall_s, seconds}],
+                                source: "files" (computed from the journal and every metrics
+                                row; a live run's counts up to now) or "journal" (a metrics file
+                                over 64 MiB: the ledger the supervisor journaled at its end)};
+                                null for a metrics file over 64 MiB with no journaled ledger
 """
 
 from __future__ import annotations
@@ -338,10 +340,30 @@ def nodes(h: History) -> dict[str, Any] | None:
     return {"attempt": launch.get("attempt"), "nodes": launch["hosts"], "lost": lost[-5:]}
 
 
-def goodput(h: History, now: float | None = None) -> goodput_mod.Goodput:
-    """The run's goodput ledger from its journal and every metrics row; ``now``: a live run's
-    time counts up to it."""
-    return goodput_mod.ledger(h.events, read_metrics(h.run_dir / METRICS), now)
+LEDGER_MAX_BYTES = 64 << 20
+"""Above this size (about 150k steps of a small world) ``status`` does not read the whole metrics
+file for the ledger; it shows the one the supervisor journaled when the run ended."""
+
+
+def goodput(h: History, now: float | None = None) -> dict[str, Any] | None:
+    """The run's goodput ledger (``Goodput.to_json()`` plus ``source``): from its journal and
+    every metrics row (``"files"``; ``now``: a live run's time counts up to it), or, for a
+    metrics file above ``LEDGER_MAX_BYTES``, the newest ``goodput`` entry the supervisor
+    journaled at the end of its session (``"journal"``); None when neither is at hand."""
+    path = h.run_dir / METRICS
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0
+    if size <= LEDGER_MAX_BYTES:
+        led = goodput_mod.ledger(h.events, read_metrics(path), now)
+        return {**led.to_json(), "source": "files"}
+    entry = next((e for e in reversed(h.events) if e.get("event") == "goodput"), None)
+    if entry is None:
+        return None
+    return {"wall_s": entry.get("wall_s"), "goodput": entry.get("goodput"),
+            "seconds": entry.get("seconds"), "attempts": entry.get("attempts"),
+            "source": "journal"}
 
 
 def snapshot(run_dir: str | Path, now: float | None = None) -> dict[str, Any]:
@@ -386,7 +408,7 @@ def snapshot(run_dir: str | Path, now: float | None = None) -> dict[str, Any]:
         "incidents": [i.to_json() for i in h.incidents[-RECENT_INCIDENTS:]],
         "attempt_history": [a.to_json() for a in h.attempts],
         "checkpoint_dir": str(h.checkpoint_root), "checkpoints": checkpoints(h),
-        "goodput": goodput(h, now if live else None).to_json(),
+        "goodput": goodput(h, now if live else None),
     }
 
 

@@ -362,6 +362,7 @@ class Supervisor:
                               **advice.to_json())
             self._journal("run_finished", state=self.machine.state.value, exit_code=action.code,
                           reason=self.machine.reason)
+            self._journal("goodput", **self.services.goodput().to_json())  # for status
             self.services.finished(self.machine, action.code)
             return action.code
         return None
