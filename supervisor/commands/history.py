@@ -54,8 +54,8 @@ as in the journal)::
                                 sum to wall_s), attempts: [{attempt, wall_s, seconds}],
                                 source: "files" (computed from the journal and every metrics
                                 row; a live run's counts up to now) or "journal" (a metrics file
-                                over 64 MiB: the ledger the supervisor journaled at its end)};
-                                null for a metrics file over 64 MiB with no journaled ledger
+                                over 16 MiB: the ledger the supervisor journaled at its end)};
+                                null for a metrics file over 16 MiB with no journaled ledger
 """
 
 from __future__ import annotations
@@ -340,22 +340,25 @@ def nodes(h: History) -> dict[str, Any] | None:
     return {"attempt": launch.get("attempt"), "nodes": launch["hosts"], "lost": lost[-5:]}
 
 
-LEDGER_MAX_BYTES = 64 << 20
-"""Above this size (about 150k steps of a small world) ``status`` does not read the whole metrics
-file for the ledger; it shows the one the supervisor journaled when the run ended."""
+LEDGER_MAX_BYTES = 16 << 20
+"""Above this size (about 27k steps of a 2-rank run; reading that much takes 0.6 s here),
+``status`` does not read the whole metrics file for the ledger; it shows the one the supervisor
+journaled when the run ended."""
 
 
-def goodput(h: History, now: float | None = None) -> dict[str, Any] | None:
+def goodput(h: History, now: float | None = None,
+            max_bytes: int | None = LEDGER_MAX_BYTES) -> dict[str, Any] | None:
     """The run's goodput ledger (``Goodput.to_json()`` plus ``source``): from its journal and
     every metrics row (``"files"``; ``now``: a live run's time counts up to it), or, for a
-    metrics file above ``LEDGER_MAX_BYTES``, the newest ``goodput`` entry the supervisor
-    journaled at the end of its session (``"journal"``); None when neither is at hand."""
+    metrics file above ``max_bytes`` (None: no limit), the newest ``goodput`` entry the
+    supervisor journaled at the end of its session (``"journal"``); None when neither is at
+    hand."""
     path = h.run_dir / METRICS
     try:
         size = path.stat().st_size
     except OSError:
         size = 0
-    if size <= LEDGER_MAX_BYTES:
+    if max_bytes is None or size <= max_bytes:
         led = goodput_mod.ledger(h.events, read_metrics(path), now)
         return {**led.to_json(), "source": "files"}
     entry = next((e for e in reversed(h.events) if e.get("event") == "goodput"), None)

@@ -113,7 +113,7 @@ def render(s: dict[str, Any], now: float | None = None) -> str:
         row("cadence", str(s["cadence"].get("summary", "-"))
             + (f" (auto: now every {adopted} steps)" if adopted else ""))
     row("goodput", goodput_line(s["goodput"]) if s.get("goodput") else
-        "- (metrics.jsonl over 64 MiB and no ledger journaled yet: see the run's Prometheus "
+        "- (metrics.jsonl over 16 MiB and no ledger journaled yet: see the run's Prometheus "
         "gauges, or its end)")
     row("incidents", f"{s['incident_count']} acted on, {s['ignored_findings']} ignored"
                      + (" (newest last):" if s["incidents"] else ""))

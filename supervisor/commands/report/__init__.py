@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from babysit.supervisor.commands.history import NotARunDir, snapshot
+from babysit.supervisor.commands.history import NotARunDir, goodput, snapshot
 
 __all__ = ["report_main", "write_report"]
 
@@ -43,6 +43,8 @@ def write_report(run_dir: str | Path, out_path: str | Path | None = None) -> Pat
     run_dir = Path(run_dir)
     data = RunData.load(run_dir)
     snap = snapshot(run_dir)
+    if (snap["goodput"] or {}).get("source") != "files":  # status's size limit: not here
+        snap["goodput"] = goodput(data.history, max_bytes=None)
     out = Path(out_path) if out_path is not None else run_dir / "report.html"
     if out.is_dir():
         out = out / "report.html"

@@ -27,7 +27,7 @@ from babysit.supervisor.commands.status import describe_attempt, duration, goodp
 KNOWN_EVENTS = {"run_started", "launch", "worker_hello", "worker_close", "worker_skip", "state",
                 "finding", "alert", "stop_workers", "workers_stopped", "backoff", "run_finished",
                 "finding_set_aside", "incident", "resume", "sdc_check", "cadence_advice",
-                "cadence_adopted"}
+                "cadence_adopted", "goodput"}
 SHOWN = 20  # newest SDC disagreements and cadence changes listed; older ones are counted
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1240px; color: #222; }
