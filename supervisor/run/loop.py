@@ -360,9 +360,11 @@ class Supervisor:
             if advice is not None:  # the whole run's figures, for status and report
                 self._journal("cadence_advice", summary=advice.summary(), final=True,
                               **advice.to_json())
+            # This session's ledger, for status on a run too big to read it back (just before
+            # run_finished, which stays the journal's last word).
+            self._journal("goodput", **self.services.goodput().to_json())
             self._journal("run_finished", state=self.machine.state.value, exit_code=action.code,
                           reason=self.machine.reason)
-            self._journal("goodput", **self.services.goodput().to_json())  # for status
             self.services.finished(self.machine, action.code)
             return action.code
         return None
