@@ -135,6 +135,12 @@ def test_a_hang_and_a_spike_are_told_in_full_and_the_final_state_stays_scrapeabl
         assert samples[("babysit_last_good_checkpoint_age_seconds", ())] >= 0
         assert ("babysit_grad_norm", ()) in samples
         assert ("babysit_step_duration_seconds", ()) in samples
+        # The goodput ledger, as the run ended: its categories make up the wall time.
+        split = {dict(labels)["category"]: v for (name, labels), v in samples.items()
+                 if name == "babysit_goodput_seconds"}
+        assert sum(split.values()) == pytest.approx(samples[("babysit_goodput_wall_seconds", ())])
+        assert split["detection"] > 0 and split["lost"] > 0  # the hang, the rollback
+        assert 0 < samples[("babysit_goodput_ratio", ())] < 1
         assert 'babysit_run_state{state="succeeded"} 1.0' in prom.read_text()
         bodies = wait_for(lambda: [r["body"] for r in received
                                    if r["body"].get("kind") == "finished"], timeout=15)
@@ -167,6 +173,7 @@ def test_a_hang_and_a_spike_are_told_in_full_and_the_final_state_stays_scrapeabl
     # The end: one "finished" message, and nothing after it.
     assert bodies[-1]["kind"] == "finished" and bodies[-1]["evidence"]["incidents"] == 2
     assert "run finished" in bodies[-1]["title"]
+    assert 0 < bodies[-1]["evidence"]["goodput"] < 1 and "goodput" in bodies[-1]["title"]
 
     report = run_babysit("report", str(run_dir), cwd=tmp_path)
     assert report.returncode == 0, report.stderr

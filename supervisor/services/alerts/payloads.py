@@ -42,11 +42,11 @@ that applies it started: ``remedy.resume_step``, ``skipped_batches``, ``lr_scale
 ``recovered`` (the first step past the trouble; ``evidence.time_lost_s``), ``warning`` (a
 finding whose remedy is only to tell you), ``finished`` / ``stopped`` / ``failed`` (the run
 ended: succeeded, stopped by a signal, or failed;
-``evidence`` has ``exit_code``, ``incidents``, ``elapsed_s``, ``time_lost_s`` and, once a goodput
-ledger exists, ``goodput``), and ``alert`` for everything else (health, digests, tests). Every
-message of one incident has the same ``incident_id`` and its title starts with
-``[<run> #<incident_id>]``: Slack incoming webhooks cannot thread replies, so that prefix is what
-groups an incident in a channel.
+``evidence`` has ``exit_code``, ``incidents``, ``elapsed_s``, ``time_lost_s`` and ``goodput``,
+the productive share of the supervisor's goodput ledger, 0..1), and ``alert`` for everything
+else (health, digests, tests). Every message of one incident has the same ``incident_id`` and
+its title starts with ``[<run> #<incident_id>]``: Slack incoming webhooks cannot thread replies,
+so that prefix is what groups an incident in a channel.
 
 Changes within version 1: ``kind``, ``incident_id``, ``host``, ``node``, ``needs`` and
 ``remedy`` were added (babysit 0.1, issue 18); older consumers that ignore unknown keys keep
