@@ -89,7 +89,8 @@ _STEP = "step"  # the pseudo-label of time inside an attempt's step interval, no
 class Goodput:
     """The ledger at one moment. ``seconds``: category -> seconds, every category present, in
     ``CATEGORIES`` order; ``attempts``: attempt number -> the same split of that attempt's
-    share (the time before a launch counts for the attempt it leads to); both sum to
+    share (an attempt's runs from its launch to the next launch: its start-up, its steps, the
+    detection, stopping and backoff after it; the run's start counts for the first); both sum to
     ``wall_s``."""
 
     wall_s: float

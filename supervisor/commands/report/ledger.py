@@ -69,9 +69,10 @@ def section(ledger: dict[str, Any] | None, figure: str | None) -> str:
         f"<td class='muted'>{html.escape(MEANING.get(k, ''))}</td></tr>"
         for k, v in ledger["seconds"].items() if v > 0 or k == "productive")
     img = (f"<figure><img src='{html.escape(figure)}' alt='goodput'><figcaption class='muted'>"
-           f"Each attempt's wall time by category; the time before a launch counts for the "
-           f"attempt it led to, and a step later trained again counts as lost in the attempt "
-           f"that first ran it.</figcaption></figure>") if figure else ""
+           f"Each attempt's wall time by category, from its launch to the next one (its "
+           f"start-up, its steps, then the detection, stopping and backoff that ended it; the "
+           f"run's start counts for the first). A step a later attempt trained again counts as "
+           f"lost in the attempt that first ran it.</figcaption></figure>") if figure else ""
     return (f"<h2>Goodput</h2><p>{html.escape(goodput_line(ledger))}. The categories sum to "
             f"the wall time; see docs/monitoring.md for each one's exact rule.</p>{img}"
             f"<table><tr><th>category</th><th>time</th><th>share</th><th>what</th></tr>"
