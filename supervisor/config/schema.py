@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from babysit.supervisor.config.address import parse_address
 from babysit.supervisor.services.alerts.config import AlertsConfig
-from babysit.supervisor.services.dashboards import TensorBoardConfig
+from babysit.supervisor.services.dashboards import TensorBoardConfig, WandbConfig
 from babysit.supervisor.services.exporter import ExporterConfig
 from babysit.supervisor.services.health import HealthConfig
 from babysit.supervisor.services.schedule import ScheduleConfig
@@ -364,6 +364,9 @@ class RunConfig(_Section):
     """Stdout mode: progress, hangs and rollback for scripts that only print."""
     tensorboard: TensorBoardConfig = TensorBoardConfig()
     """The opt-in TensorBoard sink: babysit's metrics and incidents beside the script's own."""
+    wandb: WandbConfig = WandbConfig()
+    """The opt-in Weights & Biases sink: babysit's metrics and incidents in a run of their own,
+    beside the script's."""
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

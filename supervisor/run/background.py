@@ -1,4 +1,5 @@
-"""The loop's background helpers: scheduled jobs and the opt-in Prometheus endpoint.
+"""The loop's background helpers: scheduled jobs, the opt-in Prometheus endpoint and the
+dashboards (TensorBoard, W&B: ``babysit.supervisor.services.dashboards``, each on its own thread).
 
 The jobs (health sampling, the periodic digest) run on apscheduler's threads and never touch the
 loop's state: the loop *publishes* an immutable snapshot each tick and *drains* their messages
@@ -29,7 +30,7 @@ from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.services.alerts import Alert, AlertDispatcher
 from babysit.supervisor.services.alerts.story import IncidentStory
-from babysit.supervisor.services.dashboards import TensorBoardSink
+from babysit.supervisor.services.dashboards import Dashboards, Sink, TensorBoardSink, WandbSink
 from babysit.supervisor.services.exporter import Exporter
 from babysit.supervisor.services.goodput import Goodput, Ledger
 from babysit.supervisor.services.schedule import (
@@ -68,39 +69,27 @@ class Services:
         self.story = IncidentStory(plan.name, socket.gethostname())
         self._linger_cut = threading.Event()
         self._directive: Directive | None = None
-        tb = config.tensorboard
-        self.tensorboard = TensorBoardSink(
-            Path(tb.dir).resolve() if tb.dir else plan.run_dir / "tensorboard") \
-            if tb.enabled else None
-        self._failures: list[Entry] = []
+        tb, wb = config.tensorboard, config.wandb
+        sinks: list[Sink] = []
+        if tb.enabled:
+            sinks.append(TensorBoardSink(
+                Path(tb.dir).resolve() if tb.dir else plan.run_dir / "tensorboard"))
+        if wb.enabled:
+            sinks.append(WandbSink(wb, plan.name,
+                                   Path(wb.dir).resolve() if wb.dir else plan.run_dir))
+        self.dashboards = Dashboards(sinks)
         self.ledger = Ledger()
         """This session's goodput ledger, fed as the loop journals and records."""
         self._ledger_lock = threading.Lock()
 
     def start(self) -> list[Entry]:
         self._jobs.start()
-        entries: list[Entry] = []
-        if self.tensorboard is not None:
-            try:
-                self.tensorboard.open()
-                entries.append(("tensorboard_started", {"dir": str(self.tensorboard.folder)}))
-            except (RuntimeError, OSError) as exc:
-                self.tensorboard = None
-                entries.append(("tensorboard_failed", {"error": str(exc)}))
+        self.dashboards.start()  # each opens on its own thread; drain() says how it went
         if self.exporter is None:
-            return entries
+            return []
         port = self.exporter.start()
-        return [*entries, ("prometheus_started", {
+        return [("prometheus_started", {
             "url": f"http://{self._plan.config.prometheus.host}:{port}/metrics"})]
-
-    def _dashboard(self, write: Any, *args: Any) -> None:
-        """A dashboard write; one that fails is journaled and the dashboard dropped."""
-        try:
-            write(*args)
-        except Exception as exc:  # a dashboard must never cost the run
-            self.tensorboard = None
-            self._failures.append(("tensorboard_failed", {"error": f"{type(exc).__name__}: "
-                                                                  f"{exc}"}))
 
     def publish(self, snapshot: DigestSnapshot, pids: tuple[int, ...]) -> None:
         ledger = self.goodput()
@@ -134,8 +123,7 @@ class Services:
         recovered = self.story.step(record.step, now)
         if recovered is not None:
             self._alerts.submit(recovered)
-        if self.tensorboard is not None:
-            self._dashboard(self.tensorboard.step, record)
+        self.dashboards.step(record)
         if self.exporter is not None:
             # Per-rank step times where the record has them (a multi-node leader has summaries).
             ranks = record.ranks if isinstance(record, StepRecord) else ()
@@ -209,17 +197,14 @@ class Services:
                         self.exporter.config.textfile, exc.strerror or exc)
 
     def count(self, finding: Finding, remedy: Remedy) -> None:
-        if self.tensorboard is not None:
-            self._dashboard(self.tensorboard.incident, finding, remedy, time.time())
+        self.dashboards.incident(finding, remedy, time.time())
         if self.exporter is not None:
             self.exporter.count_intervention(finding.incident.value, remedy.action.value)
 
     def drain(self) -> list[tuple[Entry, str | None]]:
-        """Messages from the jobs as (journal entry, console line or None); alerts are sent."""
-        out: list[tuple[Entry, str | None]] = [
-            (entry, f"babysit: TensorBoard dropped: {entry[1]['error']}")
-            for entry in self._failures]
-        self._failures = []
+        """Messages from the jobs and the dashboards as (journal entry, console line or
+        None); alerts are sent."""
+        out = self.dashboards.drain()
         while True:
             try:
                 message = self._outbox.get_nowait()
@@ -254,8 +239,8 @@ class Services:
         """Stop the jobs; keep the final metrics up for ``prometheus.linger_s`` (SIGINT or
         SIGTERM ends the wait), then stop the endpoint. Call on the main thread."""
         self._jobs.shutdown()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for line in self.dashboards.stop():
+            say(line)
         if self.exporter is None:
             return
         self._write_textfile()
