@@ -80,10 +80,13 @@ def test_metrics_and_incidents_are_in_the_event_file(tmp_path: Path) -> None:
     assert text.step == 5 and "loss_spike" in body and "rollback" in body and "onset 3" in body
 
 
-def test_metrics_and_incidents_are_in_the_offline_wandb_run(tmp_path: Path) -> None:
+def test_metrics_and_incidents_are_in_the_offline_wandb_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("wandb", reason="needs the wandb extra: pip install -e '.[wandb]'")
-    from tests.wandb_records import history, run_file
+    from tests.wandb_records import history, own_dirs, run_file
 
+    for key, value in own_dirs(tmp_path, {}).items():
+        monkeypatch.setenv(key, value)
     sink = WandbSink(WandbConfig(enabled=True, mode="offline", project="p", group="g"),
                      "spiky", tmp_path)
     dashboards = Dashboards([sink])

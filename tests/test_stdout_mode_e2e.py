@@ -28,6 +28,10 @@ try:
     from tensorboard.backend.event_processing import event_accumulator as TENSORBOARD
 except ImportError:  # the tensorboard extra is not installed: that check is left out
     TENSORBOARD = None
+try:
+    from tests import wandb_records as WANDB
+except ImportError:  # the wandb extra is not installed: that check is left out
+    WANDB = None
 
 pytestmark = pytest.mark.e2e
 
@@ -57,10 +61,11 @@ def test_a_printing_script_shows_progress_and_a_frozen_rank_is_relaunched(
         f"launch:\n  script: {SCRIPT}\n  nproc-per-node: 2\n  stop-grace-s: 2\n"
         f"  args: [--max_iters=150, --sleep=0.03, --out_dir={tmp_path / 'out'}]\n"
         f"run_dir: {run_dir}\npolicy: {{name: {FAST_POLICY}}}\n"
-        + ("tensorboard: {enabled: true}\n" if TENSORBOARD else ""))
+        + ("tensorboard: {enabled: true}\n" if TENSORBOARD else "")
+        + ("wandb: {enabled: true, mode: offline, project: frozen}\n" if WANDB else ""))
+    env = WANDB.own_dirs(tmp_path, babysit_env()) if WANDB else babysit_env()
     proc = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)], cwd=tmp_path,
-                            env=babysit_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 90
         metrics = run_dir / "metrics.jsonl"
@@ -99,6 +104,13 @@ def test_a_printing_script_shows_progress_and_a_frozen_rank_is_relaunched(
         assert len(events.Scalars("babysit/loss")) >= 160
         (text,) = events.Tensors("babysit/incidents/text_summary")
         assert "hang" in text.tensor_proto.string_val[0].decode()
+    if WANDB:  # and in W&B's own records of its offline run
+        logged = WANDB.history(WANDB.run_file(run_dir))
+        assert len([r for r in logged if "babysit/loss" in r]) >= 160
+        (incident,) = [r["babysit/incidents"] for r in logged if "babysit/incidents" in r]
+        table = json.loads(next(run_dir.glob(f"wandb/*/files/{incident['path']}")).read_text())
+        assert [row[2] for row in table["data"]] == ["hang"]
+        assert table["data"][0][5] == "relaunch"
 
 
 def test_with_its_checkpoint_keys_set_a_printing_script_rolls_back_over_poison(

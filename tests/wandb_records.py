@@ -80,3 +80,10 @@ def run_file(folder: Path) -> Path:
     """The one ``.wandb`` file of the one run wandb wrote under ``folder``."""
     (path,) = folder.glob("wandb/*run-*/run-*.wandb")
     return path
+
+
+def own_dirs(folder: Path, env: dict[str, str]) -> dict[str, str]:
+    """``env`` with wandb's cache, data and config folders under ``folder``, so that a test
+    leaves nothing in the home directory."""
+    return {**env, **{f"WANDB_{kind}_DIR": str(folder / f"wandb-{kind.lower()}")
+                      for kind in ("CACHE", "DATA", "CONFIG")}}

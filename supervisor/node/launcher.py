@@ -7,7 +7,8 @@ babysit owns restarts. torchrun's in-agent restart fails to reconnect gloo worke
 torchrun starts each worker in a session of its own too, so signalling the launcher's process
 group does not reach them, and a worker whose launcher died is re-parented away from it. babysit
 therefore marks itself a *child subreaper* (Linux): every orphan of the tree is re-parented to
-babysit, and ``psutil.Process().children(recursive=True)`` always finds every process to stop.
+babysit, and babysit's children that carry the attempt's environment, with torchrun's tree, are
+every process to stop (babysit's own helpers, such as wandb's service, are left alone).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 import psutil
 
 from babysit.supervisor.config.schema import LaunchConfig
+from babysit.supervisor.contract.protocol import ENV_ATTEMPT, ENV_RUN_DIR
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -126,9 +128,10 @@ class WorkerGroup:
     """One attempt's torchrun and everything it starts.
 
     ``start()`` launches; ``poll()`` returns torchrun's exit code once it ended; ``stop()`` ends
-    every process of the tree, politely first. Output lines are written to ``log_path`` and queued
-    on ``lines`` for the console; when the console falls behind, queued lines are dropped (the log
-    file keeps them all).
+    every process of the tree, politely first. Output lines are written to ``log_path`` and
+    queued on ``lines`` for the console; when the console falls behind, queued lines are dropped
+    (the log file keeps them all). ``env`` carries the attempt's ``BABYSIT_RUN_DIR`` and
+    ``BABYSIT_ATTEMPT``: they tell its orphans from babysit's own helpers.
     """
 
     def __init__(self, command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
@@ -187,14 +190,23 @@ class WorkerGroup:
         if self._proc is not None:
             with contextlib.suppress(psutil.NoSuchProcess):
                 roots.append(psutil.Process(self._proc.pid))
-        # Orphans re-parented to us (as subreaper) are our children now.
+        # Orphans re-parented to us (as subreaper) are our children now. So are babysit's own
+        # helpers (wandb's service process, a py-spy dump), which no attempt may stop: an
+        # orphan is known by the environment it inherited from this attempt's torchrun.
         with contextlib.suppress(psutil.NoSuchProcess):
-            roots.extend(psutil.Process().children(recursive=True))
+            roots.extend(p for p in psutil.Process().children() if self._inherited_env(p))
         for proc in roots:
             with contextlib.suppress(psutil.NoSuchProcess):
                 for p in [proc, *proc.children(recursive=True)]:
                     self._known.setdefault(p.pid, p)
         self._known = {pid: p for pid, p in self._known.items() if _alive(p)}
+
+    def _inherited_env(self, proc: psutil.Process) -> bool:
+        try:
+            env = proc.environ()
+        except psutil.Error:
+            return False
+        return all(env.get(key) == self._env.get(key) for key in (ENV_RUN_DIR, ENV_ATTEMPT))
 
     def stop(self, grace_s: float) -> int | None:
         """SIGTERM every process group of the tree, wait up to ``grace_s``, then SIGKILL.
