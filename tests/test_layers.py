@@ -113,7 +113,18 @@ def test_no_import_cycles() -> None:
 def test_the_rank_side_stays_light() -> None:
     """``import babysit`` runs in every training rank: no pydantic, matplotlib or requests."""
     code = ("import sys, babysit; heavy = {'pydantic', 'matplotlib', 'requests', 'yaml', "
-            "'apscheduler', 'prometheus_client'} & set(sys.modules); print(sorted(heavy))")
+            "'apscheduler', 'prometheus_client', 'wandb', 'tensorboard'} & set(sys.modules); "
+            "print(sorted(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout.strip()
+    assert out == "[]"
+
+
+def test_the_supervisor_imports_no_optional_library_it_is_not_asked_for() -> None:
+    """The dashboards' and frameworks' libraries are imported only when a run enables them."""
+    code = ("import sys, babysit.supervisor.commands.cli, babysit.supervisor.run.loop; "
+            "optional = {'wandb', 'tensorboard', 'transformers', 'lightning'} & "
+            "set(sys.modules); print(sorted(optional))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout.strip()
     assert out == "[]"
