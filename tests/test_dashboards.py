@@ -83,7 +83,7 @@ def test_metrics_and_incidents_are_in_the_event_file(tmp_path: Path) -> None:
 def test_metrics_and_incidents_are_in_the_offline_wandb_run(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("wandb", reason="needs the wandb extra: pip install -e '.[wandb]'")
-    from tests.wandb_records import history, own_dirs, run_file
+    from tests.wandb_records import history, own_dirs, records, run_file
 
     for key, value in own_dirs(tmp_path, {}).items():
         monkeypatch.setenv(key, value)
@@ -96,6 +96,8 @@ def test_metrics_and_incidents_are_in_the_offline_wandb_run(
     assert started["url"] is None  # offline
     _stopped(dashboards)
 
+    # Closed means complete: wandb's own last record is in the file once stop() returns.
+    assert [r.WhichOneof("record_type") for r in records(run_file(tmp_path))][-1] == "exit"
     rows = history(run_file(tmp_path))
     # Every step is there, the repeated ones too: babysit/step is the x-axis, not W&B's _step.
     losses = [(r["babysit/step"], round(r["babysit/loss"], 4)) for r in rows

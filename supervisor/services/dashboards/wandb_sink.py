@@ -98,3 +98,6 @@ class WandbSink:
         if self._run is not None:
             self._run.finish()
             self._run = None
+            # finish() returns before wandb's service has written the run's last records; its
+            # teardown waits for them (and, online, for the upload).
+            self._wandb.teardown()
