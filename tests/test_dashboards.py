@@ -4,6 +4,7 @@ from the records wandb's own service wrote, and the feed that keeps either from 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -162,3 +163,13 @@ def _drained(dashboards: Dashboards, count: int) -> dict[str, dict]:
         drained += dashboards.drain()
         time.sleep(0.01)
     return {event: fields for (event, fields), _ in drained}
+
+
+def test_a_missing_library_says_which_extra_to_install(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
+    dashboards = Dashboards([WandbSink(WandbConfig(enabled=True), "r", tmp_path)])
+    dashboards.start()
+    failed = _drained(dashboards, 1)["wandb_failed"]
+    assert "pip install 'babysit[wandb]'" in failed["error"]
+    assert dashboards.stop() == []
