@@ -173,3 +173,4 @@ def test_a_missing_library_says_which_extra_to_install(
     failed = _drained(dashboards, 1)["wandb_failed"]
     assert "pip install 'babysit[wandb]'" in failed["error"]
     assert dashboards.stop() == []
+    assert Dashboards([WandbSink(WandbConfig(), "r", tmp_path)]).stop() == []  # never started

@@ -66,7 +66,10 @@ class _Feed:
             self._queue.put_nowait(_CLOSE)
 
     def wait(self, seconds: float) -> bool:
-        """True when the sink's thread ended within ``seconds``."""
+        """True when the sink's thread ended within ``seconds`` (or never started: the run
+        stopped before ``start()``)."""
+        if self._thread.ident is None:
+            return True
         self._thread.join(max(0.0, seconds))
         return not self._thread.is_alive()
 
