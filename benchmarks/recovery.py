@@ -1,16 +1,20 @@
 """Hang -> first step of the next attempt: babysit's default policy beside NVIDIA's ft_launcher.
 
-    .venv/bin/python benchmarks/recovery.py [--repeats 3] [--nvrx-venv PATH] [--no-nvrx]
+    .venv/bin/python benchmarks/recovery.py [--repeats 3] [--cold] [--nvrx-venv PATH] [--no-nvrx]
 
 The same job both ways: ``tests/workers/tiny_train.py``, 2 gloo ranks on this CPU, 0.05 s steps,
-rank 1 sleeping forever at step 40 of the first attempt, outside the all-reduce rank 0 then
-waits in. Rank 0 logs the wall time of every step it finishes (``--step-log``), and the figure
-is the same for both: the last step of the first attempt -> the first step of the next one.
+rank 1 sleeping forever at step 300 of the first attempt (some 15 s in), outside the all-reduce
+rank 0 then waits in. Rank 0 logs the wall time of every step it finishes (``--step-log``), and
+the figure is the same for both: the last step of the first attempt -> the first step of the
+next one.
 
 - babysit: ``babysit run`` with the *default* policy (no hand-set floor): the stall is
   suspected after max(2 s, 5 x p99 step time), confirmed from the ranks' stacks, process state
   and CPU, then the attempt is stopped and relaunched from the newest checkpoint (every 10
-  steps). The journal splits the time: suspicion, confirmation, stop, relaunch.
+  steps), by promoting the warm standby (``launch.warm_standby``, on by default: started 5 s
+  after the first step, waiting in ``attach()``). The journal splits the time: suspicion,
+  confirmation, stop, relaunch -> every rank attached (the checkpoint restored) -> first step.
+  ``--cold`` also runs babysit with ``warm_standby: false``, a column of its own.
 - NVRx: ``ft_launcher`` from ``nvidia-resiliency-ext==0.4.1`` with a hand-set 5 s rank
   heartbeat timeout (each rank beats once per step: ``--nvrx``), restarting the workers in
   place (``--max-restarts 3``), from step 0 (the job keeps no checkpoint of its own there;
@@ -37,7 +41,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "tiny_train.py"
-JOB = ["--steps", "60", "--step-sleep", "0.05", "--at", "0:1:40:hang"]
+JOB = ["--steps", "320", "--step-sleep", "0.05", "--at", "0:1:300:hang"]
 NVRX = "nvidia-resiliency-ext==0.4.1"
 HEARTBEAT_S = 5.0
 
@@ -68,12 +72,13 @@ def gap(log: Path) -> float:
     return min(times[1]) - max(times[0])
 
 
-def babysit_run(workdir: Path) -> dict[str, float]:
+def babysit_run(workdir: Path, warm: bool = True) -> dict[str, float]:
     log = workdir / "steps.log"
     config = workdir / "run.yaml"
     config.write_text(
         f"launch:\n  script: {WORKER}\n  nproc-per-node: 2\n"
         f"  args: {json.dumps([*JOB, '--step-log', str(log)])}\n"
+        f"  warm_standby: {'true' if warm else 'false'}\n"
         f"run_dir: {workdir / 'run'}\n"
         f"checkpoints: {{every_steps: 10, probation_steps: 5}}\n")
     done = subprocess.run([sys.executable, "-m", "babysit", "run", str(config)],
@@ -89,12 +94,19 @@ def babysit_run(workdir: Path) -> dict[str, float]:
     diagnosis = first("hang_diagnosis", 0)
     confirmed = diagnosis["time"]
     suspected = confirmed - diagnosis["seconds"]
+    launch = first("launch", 1)
+    if launch.get("standby") is not warm:
+        raise SystemExit(f"attempt 1 was launched {'cold' if warm else 'warm'}: {launch}")
+    attached = max(e["time"] for e in journal if e["event"] == "worker_hello"
+                   and e["attempt"] == 1)
     return {
         "hang -> first step of the next attempt": gap(log),
         "  last step -> stall suspected": suspected - last,
         "  confirmation (CPU window, stacks)": diagnosis["seconds"],
         "  stop workers": first("workers_stopped", 0)["time"] - confirmed,
-        "  relaunch -> first step": min(steps(log)[1]) - first("launch", 1)["time"],
+        "  relaunch -> first step": min(steps(log)[1]) - launch["time"],
+        "    relaunch -> ranks attached, checkpoint loaded": attached - launch["time"],
+        "    attached -> first step": min(steps(log)[1]) - attached,
     }
 
 
@@ -135,6 +147,8 @@ def main() -> None:
     parser.add_argument("--nvrx-venv", type=Path,
                         default=Path(tempfile.gettempdir()) / "babysit-bench-nvrx-0.4.1")
     parser.add_argument("--no-nvrx", action="store_true", help="babysit's side only")
+    parser.add_argument("--cold", action="store_true",
+                        help="also run babysit with launch.warm_standby: false")
     args = parser.parse_args()
     from torch.distributed.constants import default_pg_timeout
 
@@ -148,10 +162,14 @@ def main() -> None:
         except (RuntimeError, OSError) as exc:
             nvrx_error = str(exc)
     ours: list[dict[str, float]] = []
+    cold: list[dict[str, float]] = []
     theirs: list[dict[str, float]] = []
     for i in range(args.repeats):  # interleaved: the machine's load falls on both alike
         with tempfile.TemporaryDirectory(prefix="babysit-bench-") as tmp:
             ours.append(babysit_run(Path(tmp)))
+        if args.cold:
+            with tempfile.TemporaryDirectory(prefix="babysit-bench-cold-") as tmp:
+                cold.append(babysit_run(Path(tmp), warm=False))
         if python is not None and nvrx_error is None:
             with tempfile.TemporaryDirectory(prefix="nvrx-bench-") as tmp:
                 try:
@@ -161,15 +179,20 @@ def main() -> None:
         print(f"repeat {i + 1}/{args.repeats} done", file=sys.stderr)
 
     head = f"seconds (median of {len(ours)})"
-    print(f"{head:48s} {'babysit':>9s} {'NVRx 5 s':>9s} {'torchrun':>9s}")
+    cold_head = f" {'cold':>9s}" if cold else ""
+    print(f"{head:48s} {'babysit':>9s}{cold_head} {'NVRx 5 s':>9s} {'torchrun':>9s}")
     timeout = default_pg_timeout.total_seconds()
+
+    def column(runs: list[dict[str, float]], key: str) -> str:
+        return f"{statistics.median(r[key] for r in runs):9.2f}" if runs and key in runs[0] \
+            else f"{'':9s}"
+
     for key in ours[0]:
-        median = statistics.median(r[key] for r in ours)
-        other = f"{statistics.median(r[key] for r in theirs):9.2f}" \
-            if theirs and key in theirs[0] else f"{'':9s}"
         ref = f"{timeout:9.0f}" if key.startswith("hang") else ""
-        print(f"{key:48s} {median:9.2f} {other} {ref}")
-    print(f"\nbabysit: the default policy, nothing hand-set. NVRx: ft_launcher with "
+        warm_cold = column(ours, key) + (" " + column(cold, key) if cold else "")
+        print(f"{key:48s} {warm_cold} {column(theirs, key)} {ref}")
+    print(f"\nbabysit: the default policy, nothing hand-set, warm standby on (cold: "
+          f"launch.warm_standby false). NVRx: ft_launcher with "
           f"rank_heartbeat_timeout={HEARTBEAT_S:g} s set by hand. torchrun: torch's default "
           f"gloo process-group timeout ({timeout:.0f} s), not waited for.")
     if nvrx_error is not None:

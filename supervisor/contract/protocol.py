@@ -163,6 +163,13 @@ ENV_TOKEN = "BABYSIT_TOKEN"
 ENV_RUN_DIR = "BABYSIT_RUN_DIR"
 ENV_ATTEMPT = "BABYSIT_ATTEMPT"
 ENV_DIRECTIVE = "BABYSIT_DIRECTIVE"
+ENV_STANDBY = "BABYSIT_STANDBY"
+"""Set only for a warm standby's ranks (``node.standby``): the folder where ``attach()`` says
+it is ready (``ready/<local rank>``) and then waits for ``go`` before it reads the directive."""
+ENV_SUPERVISOR_PID = "BABYSIT_SUPERVISOR_PID"
+"""With ``ENV_STANDBY``: a waiting standby rank exits when this process is gone."""
+STANDBY_READY = "ready"
+STANDBY_GO = "go"
 
 
 def connect(path: str, timeout_s: float = 5.0) -> socket.socket:

@@ -135,8 +135,14 @@ class WorkerGroup:
     """
 
     def __init__(self, command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
-                 lines: queue.Queue[OutputLine], role: str | None = None) -> None:
+                 lines: queue.Queue[OutputLine], role: str | None = None,
+                 siblings: set[int] | None = None) -> None:
+        """``siblings``: the launcher pids of this node's other live groups (a warm standby
+        beside the running attempt), shared and kept current by the caller: babysit's children
+        too, but never this group's to reap (their own ``Popen`` must see their exit)."""
         self.command = command
+        self.siblings = siblings if siblings is not None else set()
+        self._lines_lock = threading.Lock()
         self._prefix = rank_prefix(role)
         self._env = env
         self._cwd = cwd
@@ -166,10 +172,26 @@ class WorkerGroup:
                 log.write(raw)
                 log.flush()
                 line = split_rank(raw.decode("utf-8", "replace").rstrip("\n"), self._prefix)
+                with self._lines_lock:
+                    try:
+                        self._lines.put_nowait(line)
+                    except queue.Full:
+                        self.dropped_lines += 1
+
+    def redirect(self, lines: queue.Queue[OutputLine]) -> None:
+        """Send output to ``lines`` from now on, after what was queued so far (a standby's
+        start-up output reaches the console once it is the running attempt)."""
+        with self._lines_lock:
+            while True:
                 try:
-                    self._lines.put_nowait(line)
+                    line = self._lines.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    lines.put_nowait(line)
                 except queue.Full:
                     self.dropped_lines += 1
+            self._lines = lines
 
     def poll(self) -> int | None:
         """torchrun's exit code (negative for a signal), or None while it runs."""
@@ -242,7 +264,8 @@ class WorkerGroup:
         launcher = self._proc.pid if self._proc is not None else None
         with contextlib.suppress(psutil.Error):
             for p in psutil.Process().children():
-                if p.pid != launcher and p.status() == psutil.STATUS_ZOMBIE:
+                if p.pid != launcher and p.pid not in self.siblings \
+                        and p.status() == psutil.STATUS_ZOMBIE:
                     with contextlib.suppress(ChildProcessError, OSError):
                         os.waitpid(p.pid, os.WNOHANG)
 

@@ -22,7 +22,7 @@ from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract import protocol
 from babysit.supervisor.contract.control import ControlFile
 from babysit.supervisor.contract.directive import Directive
-from babysit.supervisor.node import flight_recorder, forensics, launcher
+from babysit.supervisor.node import flight_recorder, forensics, launcher, standby
 from babysit.supervisor.node.intake import Intake
 from babysit.supervisor.node.printed import Entry, PrintedProgress, rank_pids
 
@@ -51,6 +51,12 @@ class NodeWorkers:
         self.printed = PrintedProgress(plan.config.stdout, run_dir,
                                        single_node=not plan.config.launch.multinode)
         """Stdout mode: progress read from the output of a script that never attaches."""
+        self.standby: standby.Standby | None = None
+        """The next attempt's workers, started ahead and waiting in ``attach()``."""
+        self.standby_entries: list[tuple[str, dict[str, object]]] = []
+        """Journal entries about the standby, for the caller to take."""
+        self._launchers: set[int] = set()
+        """The torchrun pids of the running attempt and the standby (``WorkerGroup.siblings``)."""
 
     def open(self) -> None:
         self.intake.open()
@@ -80,6 +86,7 @@ class NodeWorkers:
     def close(self) -> None:
         if self.group is not None and self.group.processes():
             self.group.stop(self.plan.config.launch.stop_grace_s)
+        self.drop_standby("the run ended")
         self.intake.close()
 
     def attempt_dir(self, attempt: int) -> Path:
@@ -105,6 +112,11 @@ class NodeWorkers:
         command = launcher.torchrun_command(
             launch, self.plan.script, python=self.plan.python, rdzv_id=rdzv_id,
             rdzv_endpoint=rdzv_endpoint, log_dir=attempt_dir / "torchrun")
+        self._new_attempt()
+        self.group = self._group(command, attempt_dir, attempt, self.lines)
+        return command
+
+    def _new_attempt(self) -> None:
         # Anything still queued belongs to the attempt being replaced.
         self.intake.forget_connections()
         self.rank_pids = {}
@@ -112,10 +124,83 @@ class NodeWorkers:
         self.global_rank = {}
         self.printed.new_attempt()
         self._stopping = False
-        self.group = launcher.WorkerGroup(command, self._env(attempt_dir, attempt), Path.cwd(),
-                                          attempt_dir / "launcher.log", self.lines, launch.role)
-        self.group.start()
-        return command
+        if self.group is not None and self.group.pid is not None:
+            self._launchers.discard(self.group.pid)
+
+    def _group(self, command: list[str], attempt_dir: Path, attempt: int,
+               lines: queue.Queue[launcher.OutputLine],
+               extra_env: dict[str, str] | None = None) -> launcher.WorkerGroup:
+        group = launcher.WorkerGroup(command, {**self._env(attempt_dir, attempt),
+                                               **(extra_env or {})},
+                                     Path.cwd(), attempt_dir / "launcher.log", lines,
+                                     self.plan.config.launch.role, siblings=self._launchers)
+        group.start()
+        assert group.pid is not None
+        self._launchers.add(group.pid)
+        return group
+
+    # -- the warm standby (node.standby) ------------------------------------------------------
+
+    def start_standby(self, attempt: int, *, rdzv_endpoint: str, rdzv_id: str) -> None:
+        """Start ``attempt``'s workers now, to wait in ``attach()`` until ``promote``. Only for
+        a run whose ``standby.off_reason`` is None (single node, its own rendezvous)."""
+        attempt_dir = self.attempt_dir(attempt)
+        folder = attempt_dir / standby.FOLDER
+        folder.mkdir(parents=True, exist_ok=True)
+        command = launcher.torchrun_command(
+            self.plan.config.launch, self.plan.script, python=self.plan.python,
+            rdzv_id=rdzv_id, rdzv_endpoint=rdzv_endpoint, log_dir=attempt_dir / "torchrun")
+        group = self._group(command, attempt_dir, attempt, queue.Queue(maxsize=10_000),
+                            standby.environment(folder))
+        self.standby = standby.Standby(attempt, group, folder, rdzv_endpoint)
+        self.standby_entries.append(("standby_started", {
+            "for_attempt": attempt, "pid": group.pid, "rdzv_endpoint": rdzv_endpoint}))
+
+    def promote(self, attempt: int, directive: Directive) -> standby.Standby | None:
+        """Make the standby attempt ``attempt``, with ``directive``: the cold ``launch`` minus
+        starting anything. None (and any standby stopped) when there is none fit for it."""
+        spare, self.standby = self.standby, None
+        if spare is None:
+            return None
+        code = spare.group.poll()
+        if spare.attempt != attempt or code is not None:
+            self._discard(spare, "it exited on its own" if code is not None
+                          else f"it was for attempt {spare.attempt}")
+            return None
+        attempt_dir = self.attempt_dir(attempt)
+        directive.write(attempt_dir / "directive.json")
+        self.control.new_attempt(attempt_dir)
+        self._new_attempt()
+        self.group = spare.group
+        spare.group.redirect(self.lines)
+        spare.promote()
+        return spare
+
+    def standby_exit(self) -> None:
+        """Journal (and forget) a standby that ended on its own: never this attempt's crash."""
+        if self.standby is not None and self.standby.group.poll() is not None:
+            spare, self.standby = self.standby, None
+            self._discard(spare, "it exited on its own")
+
+    def drop_standby(self, reason: str) -> None:
+        """Stop the standby's whole process tree, if there is one."""
+        if self.standby is not None:
+            spare, self.standby = self.standby, None
+            self._discard(spare, reason)
+
+    def _discard(self, spare: standby.Standby, reason: str) -> None:
+        code = spare.group.poll()
+        if code is None:
+            code = spare.group.stop(self.plan.config.launch.stop_grace_s)
+            self.standby_entries.append(("standby_stopped", {
+                "for_attempt": spare.attempt, "reason": reason, "exit_code": code}))
+        else:
+            log = spare.group.log_path
+            self.standby_entries.append(("standby_exited", {
+                "for_attempt": spare.attempt, "exit_code": code,
+                "tail": launcher.tail(log, 4096), "log": str(log)}))
+        if spare.group.pid is not None:
+            self._launchers.discard(spare.group.pid)
 
     def _env(self, attempt_dir: Path, attempt: int) -> dict[str, str]:
         env = dict(os.environ)

@@ -418,6 +418,10 @@ def attach(
     if not path or not token_hex:
         return Run(rank=rank, world_size=world_size, directive=Directive(), sock=None, token=b"",
                    optimizer=optimizer)
+    standby = os.environ.get(protocol.ENV_STANDBY)
+    if standby:  # a warm standby: everything above this call is done; the attempt's facts wait
+        _await_promotion(Path(standby), world_size,
+                         int(os.environ.get(protocol.ENV_SUPERVISOR_PID, "0")))
     directive_path = os.environ.get(protocol.ENV_DIRECTIVE)
     directive = Directive.read(directive_path) if directive_path else Directive()
     sock: socket.socket | None
@@ -445,6 +449,34 @@ def attach(
                cursor=run.cursor, flops_per_token=flops_per_token, peak_flops=peak_flops,
                restore_s=restore_s)
     return run
+
+
+_STANDBY_POLL_S = 0.01
+"""How often a waiting standby rank looks for ``go``: a stat() every 10 ms costs nothing
+measurable and bounds the promotion's latency."""
+_ORPHAN_CHECK_S = 1.0
+
+
+def _await_promotion(folder: Path, world_size: int, supervisor: int) -> None:
+    """A warm standby rank (``node.standby``): say it is ready, then wait until babysit writes
+    ``go`` (after the attempt's directive), or exit quietly when babysit is gone (a standby
+    nobody can promote must not linger). Sends nothing and reads no directive before ``go``."""
+    ready = folder / protocol.STANDBY_READY
+    ready.mkdir(parents=True, exist_ok=True)
+    mine = ready / os.environ.get("LOCAL_RANK", "0")
+    tmp = mine.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"world_size": world_size, "time": _wall(), "pid": os.getpid()}))
+    os.replace(tmp, mine)
+    go = folder / protocol.STANDBY_GO
+    checked = _perf()
+    while not go.exists():
+        time.sleep(_STANDBY_POLL_S)
+        if supervisor > 0 and _perf() - checked >= _ORPHAN_CHECK_S:
+            checked = _perf()
+            try:
+                os.kill(supervisor, 0)
+            except (ProcessLookupError, PermissionError):  # gone (or its pid another user's)
+                raise SystemExit(0) from None
 
 
 def _positive(name: str, value: Any) -> float:

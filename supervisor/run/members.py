@@ -10,6 +10,7 @@ the attempt's end. So one loop serves both, and a test can drive it with members
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -18,8 +19,9 @@ from babysit.policies.types import Finding, JobStep, Severity, StepRecord
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
-from babysit.supervisor.node import forensics, launcher
+from babysit.supervisor.node import forensics, launcher, standby
 from babysit.supervisor.node.aggregate import metrics_row
+from babysit.supervisor.node.printed import SOURCE
 from babysit.supervisor.node.workers import NodeWorkers
 from babysit.supervisor.run.own_node import LocalJudge, NodeTick, OwnNode
 from babysit.supervisor.run.watch import Watch
@@ -184,18 +186,50 @@ class LocalMembers(OnThisNode):
         self.judge = LocalJudge(watch, plan.world_size or 1)
         self.node: OwnNode[list[StepRecord]] = OwnNode(self.workers, self.judge,
                                                         flush_on_exit=False)
+        self.standby = standby.Trigger(standby.off_reason(plan.config.launch))
+        """When to start the next attempt's warm standby (``node.standby``)."""
 
     def ready(self, voice: Voice) -> None:
         return None
 
     def launch(self, attempt: int, directive: Directive, now: float) -> dict[str, Any]:
-        launch = self.plan.config.launch
-        endpoint = launch.rdzv_endpoint or f"127.0.0.1:{launcher.free_port()}"
-        command = self.node.launch(attempt, directive, now, lambda: self.workers.launch(
-            attempt, directive, rdzv_endpoint=endpoint,
-            rdzv_id=launch.rdzv_id or f"{self.plan.name}-{attempt}"))
+        fields: dict[str, Any] = {}
+
+        def start() -> list[str]:
+            promoted = self.workers.promote(attempt, directive)
+            if promoted is not None:  # warm: its ranks wait in attach() for this directive
+                fields.update(promoted.launch_fields(time.time()))
+                return promoted.group.command
+            endpoint = self._endpoint()
+            fields.update(standby=False, rdzv_endpoint=endpoint)
+            return self.workers.launch(attempt, directive, rdzv_endpoint=endpoint,
+                                       rdzv_id=self._rdzv_id(attempt))
+
+        command = self.node.launch(attempt, directive, now, start)
+        self.standby.new_attempt(attempt)
         assert self.workers.group is not None
-        return {"pid": self.workers.group.pid, "command": command, "rdzv_endpoint": endpoint}
+        return {"pid": self.workers.group.pid, "command": command, **fields}
+
+    def _endpoint(self) -> str:
+        return self.plan.config.launch.rdzv_endpoint or f"127.0.0.1:{launcher.free_port()}"
+
+    def _rdzv_id(self, attempt: int) -> str:
+        return self.plan.config.launch.rdzv_id or f"{self.plan.name}-{attempt}"
+
+    def _keep_standby(self, tick: NodeTick[Any], now: float, watching: bool) -> list[Entry]:
+        """Start the next attempt's standby when due; journal one that ended on its own."""
+        self.workers.standby_exit()
+        # A hello of stdout mode's own (the script never attaches) would start no waiter.
+        self.standby.observe(now, hello=any(e.type == "hello" and e.data.get("source") != SOURCE
+                                            for e in tick.events), stepped=any(tick.outputs))
+        have = self.workers.standby.attempt if self.workers.standby is not None else None
+        target = self.standby.due(now, watching and self.node.running, have)
+        if target is not None:
+            self.workers.drop_standby(f"attempt {target} needs one")
+            self.workers.start_standby(target, rdzv_endpoint=self._endpoint(),
+                                       rdzv_id=self._rdzv_id(target))
+        entries, self.workers.standby_entries = self.workers.standby_entries, []
+        return entries
 
     def stop(self, reason: str) -> int | None:
         return self.node.stop()
@@ -210,6 +244,7 @@ class LocalMembers(OnThisNode):
         out.steps = [(record, metrics_row(record, attempt))
                      for records in tick.outputs for record in records]
         self.record_tick(tick, out)
+        out.entries += self._keep_standby(tick, now, watching)
         out.findings += [hang.finding for hang in tick.hangs]
         if tick.exit is not None:
             out.end = JobEnd(tick.exit.code, tick.exit.tails, tick.exit.root, tick.exit.exits)

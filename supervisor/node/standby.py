@@ -1,0 +1,148 @@
+"""The warm standby: the next attempt's workers, started while this one trains, held in
+``attach()`` until a relaunch promotes them.
+
+A cold relaunch pays for a new torchrun, its rendezvous, the interpreters, ``import torch`` and
+the user's imports, ``init_process_group`` and the model build before the first step; the
+checkpoint load and the step itself are the only parts that need the new attempt's facts. So
+once attempt N has made its first step (its own start-up no longer competes for the CPU) and
+trained ``AFTER_S`` seconds, babysit starts attempt N+1's torchrun with a rendezvous of its own
+and ``BABYSIT_STANDBY`` set. Each of its ranks runs the script up to ``attach()``, which says
+it is ready (a file per rank) and waits there, before it reads the directive or connects to
+the telemetry socket, so it sends nothing and judges nothing. The states::
+
+    off        launch.warm_standby is false, the run is multi-node, its rendezvous endpoint
+               is fixed, or its script never attached (stdout mode): every relaunch is cold
+    starting   torchrun and the ranks are up to attach(); no rank said ready yet
+    ready      every rank waits in attach() (``Standby.ready_at``)
+    promoted   the relaunch wrote the attempt's directive, then the ``go`` file: the ranks
+               read it and go on exactly as a fresh attempt's do; it is the attempt now
+    exited     it ended on its own (an import error, say): journaled, never used, never the
+               running attempt's crash; the next relaunch is cold and shows the error
+    stopped    the run ended, or babysit stops: its whole process tree goes too
+
+The cost: a second torchrun and set of rank processes with torch imported and whatever the
+script built before ``attach()`` (on a GPU, their CUDA contexts and any model already on the
+device); for 2 CPU ranks of ``tests/workers/tiny_train.py``, about 0.8 GB resident (0.57 GB
+unique) and 6.5 CPU-seconds to get ready (docs/recovery.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from babysit.supervisor.config.schema import LaunchConfig
+from babysit.supervisor.contract import protocol
+from babysit.supervisor.node.launcher import WorkerGroup
+
+FOLDER = "standby"
+"""Inside the standby's attempt folder: ``ready/<local rank>`` per waiting rank, then ``go``."""
+GO = protocol.STANDBY_GO
+READY = protocol.STANDBY_READY
+
+
+def off_reason(launch: LaunchConfig) -> str | None:
+    """Why this run's relaunches are cold whatever happens, or None when a standby may run.
+    Pure."""
+    if not launch.warm_standby:
+        return "launch.warm_standby is false"
+    if launch.multinode:
+        return "multi-node runs relaunch cold: a standby would need a rendezvous across nodes"
+    if launch.rdzv_endpoint is not None or launch.master_port is not None:
+        return ("the rendezvous endpoint is fixed (launch.rdzv_endpoint or master_port): a "
+                "standby needs one of its own while the attempt holds it")
+    return None
+
+
+AFTER_S = 5.0
+"""Seconds after the attempt's first step before its standby starts: an attempt that ends
+sooner (a smoke test, a script that crashes at once every time) would pay the standby's
+start-up, several CPU-seconds, for nothing; a long run loses nothing by waiting."""
+
+
+class Trigger:
+    """When to start a standby, and for which attempt. Pure: told what happened, never acts.
+
+    A standby starts once the running attempt has attached (a rank's hello: a script that never
+    attaches would not wait, it would train a second time) and made its first step ``after_s``
+    seconds ago (so its own start-up does not compete with the standby's), at most once per
+    attempt: one that exited on its own is not started again for the same attempt.
+    """
+
+    def __init__(self, off: str | None, after_s: float = AFTER_S) -> None:
+        self.off = off
+        self.after_s = after_s
+        self.attempt = -1
+        self._attached = False
+        self._first_step: float | None = None
+        self._tried: set[int] = set()
+
+    def new_attempt(self, attempt: int) -> None:
+        self.attempt, self._attached, self._first_step = attempt, False, None
+
+    def observe(self, now: float, *, hello: bool, stepped: bool) -> None:
+        """What this tick saw of the running attempt (``now``: monotonic seconds)."""
+        self._attached = self._attached or hello
+        if stepped and self._first_step is None:
+            self._first_step = now
+
+    def due(self, now: float, running: bool, have: int | None) -> int | None:
+        """The attempt to start a standby for now, or None. ``running``: the attempt runs and
+        the loop watches it; ``have``: the attempt the standby already there is for."""
+        target = self.attempt + 1
+        if (self.off is not None or not running or self.attempt < 0 or not self._attached
+                or self._first_step is None or now - self._first_step < self.after_s
+                or have == target or target in self._tried):
+            return None
+        self._tried.add(target)
+        return target
+
+
+@dataclass
+class Standby:
+    """One attempt's workers started ahead, not yet promoted."""
+
+    attempt: int
+    group: WorkerGroup
+    folder: Path
+    """``attempts/<attempt>/standby``: the ranks' ready files and the go file."""
+    rdzv_endpoint: str
+    started: float = field(default_factory=time.time)
+    """Wall time torchrun was started."""
+
+    def ready_at(self) -> float | None:
+        """Wall time the last of its ranks said it waits in ``attach()``, once all did."""
+        times, world = [], None
+        for path in (self.folder / READY).glob("*"):
+            if not path.name.isdigit():  # a rank's file half-written
+                continue
+            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+                said = json.loads(path.read_text())
+                world = int(said["world_size"])
+                times.append(float(said["time"]))
+        return max(times) if world is not None and len(times) >= world else None
+
+    def promote(self) -> None:
+        """Let its ranks go on. Call after the attempt's directive is written."""
+        tmp = self.folder / (GO + ".tmp")
+        tmp.write_text(str(time.time()))
+        os.replace(tmp, self.folder / GO)
+
+    def launch_fields(self, now: float) -> dict[str, Any]:
+        """The ``launch`` entry's fields of a promotion: seconds since the standby started, and
+        how long every rank had been waiting (None: some were still starting; they go on as
+        soon as they reach ``attach()``)."""
+        ready = self.ready_at()
+        return {"standby": True, "rdzv_endpoint": self.rdzv_endpoint,
+                "standby_age_s": round(now - self.started, 3),
+                "standby_ready_s": None if ready is None else round(max(0.0, now - ready), 3)}
+
+
+def environment(folder: Path) -> dict[str, str]:
+    """What a standby's ranks find in their environment (``rank.api`` reads it)."""
+    return {protocol.ENV_STANDBY: str(folder), protocol.ENV_SUPERVISOR_PID: str(os.getpid())}
