@@ -143,6 +143,18 @@ class Standby:
                 "standby_ready_s": None if ready is None else round(max(0.0, now - ready), 3)}
 
 
+def set_aside(attempt_dir: Path) -> None:
+    """Before a cold start in ``attempt_dir``: move the logs of a standby that ran there and was
+    never promoted (it exited on its own, or a supervisor died and the next one takes over)
+    into its own folder, so no rank's log tail of the attempt is the standby's."""
+    folder = attempt_dir / FOLDER
+    if not folder.is_dir():
+        return
+    for name in ("torchrun", "launcher.log"):
+        with contextlib.suppress(OSError):
+            (attempt_dir / name).rename(folder / name)
+
+
 def environment(folder: Path) -> dict[str, str]:
     """What a standby's ranks find in their environment (``rank.api`` reads it)."""
     return {protocol.ENV_STANDBY: str(folder), protocol.ENV_SUPERVISOR_PID: str(os.getpid())}

@@ -99,6 +99,7 @@ class NodeWorkers:
         decides which nodes take part)."""
         attempt_dir = self.attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=True)
+        standby.set_aside(attempt_dir)
         directive.write(attempt_dir / "directive.json")
         self.control.new_attempt(attempt_dir)
         launch = self.plan.config.launch
@@ -194,11 +195,10 @@ class NodeWorkers:
             code = spare.group.stop(self.plan.config.launch.stop_grace_s)
             self.standby_entries.append(("standby_stopped", {
                 "for_attempt": spare.attempt, "reason": reason, "exit_code": code}))
-        else:
-            log = spare.group.log_path
+        else:  # its logs move under attempts/N/standby/ if attempt N starts cold
             self.standby_entries.append(("standby_exited", {
                 "for_attempt": spare.attempt, "exit_code": code,
-                "tail": launcher.tail(log, 4096), "log": str(log)}))
+                "tail": launcher.tail(spare.group.log_path, 4096)}))
         if spare.group.pid is not None:
             self._launchers.discard(spare.group.pid)
 
