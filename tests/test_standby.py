@@ -141,6 +141,7 @@ def test_a_standby_waits_silent_until_promoted_and_one_that_fails_is_journaled(
     (tmp_path / "train.py").write_text(STANDBY_SCRIPT)
     (tmp_path / "run.yaml").write_text(f"launch: {{script: train.py, nproc-per-node: 1}}\n"
                                        f"run_dir: {tmp_path / 'run'}\n")
+    (tmp_path / "run").mkdir(mode=0o700)
     workers = NodeWorkers(plan_mod.from_file(tmp_path / "run.yaml"), tmp_path / "run")
     workers.open()
     try:
