@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import venv
 from pathlib import Path
 from typing import Any
@@ -81,10 +82,13 @@ def babysit_run(workdir: Path, warm: bool = True) -> dict[str, float]:
         f"  warm_standby: {'true' if warm else 'false'}\n"
         f"run_dir: {workdir / 'run'}\n"
         f"checkpoints: {{every_steps: 10, probation_steps: 5}}\n")
-    done = subprocess.run([sys.executable, "-m", "babysit", "run", str(config)],
-                          cwd=workdir, env=env(), capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise SystemExit(f"babysit failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    with open(workdir / "babysit.out", "w+") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
+                                cwd=workdir, env=env(), stdout=out, stderr=subprocess.STDOUT)
+        cost = standby_cost(workdir / "run", proc) if warm else {}
+        if proc.wait(timeout=600) != 0:
+            out.seek(0)
+            raise SystemExit(f"babysit failed:\n{out.read()[-6000:]}")
     journal = read(workdir / "run" / "events.jsonl")
 
     def first(event: str, attempt: int) -> dict[str, Any]:
@@ -105,9 +109,37 @@ def babysit_run(workdir: Path, warm: bool = True) -> dict[str, float]:
         "  confirmation (CPU window, stacks)": diagnosis["seconds"],
         "  stop workers": first("workers_stopped", 0)["time"] - confirmed,
         "  relaunch -> first step": min(steps(log)[1]) - launch["time"],
-        "    relaunch -> ranks attached, checkpoint loaded": attached - launch["time"],
-        "    attached -> first step": min(steps(log)[1]) - attached,
+        # Hellos are journaled at babysit's next tick: up to 0.1 s after the ranks sent them.
+        "    relaunch -> hellos (checkpoint loaded)": attached - launch["time"],
+        "    hellos -> first step": min(steps(log)[1]) - attached,
+        **cost,
     }
+
+
+def standby_cost(run_dir: Path, babysit: subprocess.Popen[bytes]) -> dict[str, float]:
+    """The first standby's processes (torchrun and its ranks) once every rank waits in
+    ``attach()``: resident and unique memory (MB) and the CPU time it took to get there."""
+    import psutil
+
+    ready = run_dir / "attempts" / "1" / "standby" / "ready"
+    while babysit.poll() is None:
+        time.sleep(0.2)
+        started = [e for e in read(run_dir / "events.jsonl")
+                   if e["event"] == "standby_started"] if (run_dir / "events.jsonl").exists() \
+            else []
+        if not started or len([p for p in ready.glob("*") if p.name.isdigit()]) < 2:
+            continue
+        try:
+            root = psutil.Process(started[0]["pid"])
+            procs = [root, *root.children(recursive=True)]
+            memory = [p.memory_full_info() for p in procs]
+            cpu = sum(sum(p.cpu_times()[:2]) for p in procs)
+        except psutil.Error:
+            return {}  # already promoted and gone by the time we looked
+        return {"standby: resident MB": sum(m.rss for m in memory) / 2**20,
+                "standby: unique MB": sum(m.uss for m in memory) / 2**20,
+                "standby: CPU seconds to get ready": cpu}
+    return {}
 
 
 def nvrx_python(path: Path) -> Path:
@@ -184,10 +216,10 @@ def main() -> None:
     timeout = default_pg_timeout.total_seconds()
 
     def column(runs: list[dict[str, float]], key: str) -> str:
-        return f"{statistics.median(r[key] for r in runs):9.2f}" if runs and key in runs[0] \
-            else f"{'':9s}"
+        values = [r[key] for r in runs if key in r]
+        return f"{statistics.median(values):9.2f}" if values else f"{'':9s}"
 
-    for key in ours[0]:
+    for key in dict.fromkeys(k for r in ours for k in r):  # every row any run measured
         ref = f"{timeout:9.0f}" if key.startswith("hang") else ""
         warm_cold = column(ours, key) + (" " + column(cold, key) if cold else "")
         print(f"{key:48s} {warm_cold} {column(theirs, key)} {ref}")

@@ -150,8 +150,11 @@ def prior_run(entries: list[dict[str, Any]]) -> PriorRun | None:
         pids += [int(e["data"]["pid"]) for e in tail if e.get("event") == "worker_hello"
                  and e.get("attempt") == launches[-1].get("attempt")
                  and isinstance(e.get("data"), dict) and isinstance(e["data"].get("pid"), int)]
-    # A warm standby started after that launch waits for a promotion that will never come.
-    pids += [int(e["pid"]) for e in tail if e.get("event") == "standby_started"
+    # A warm standby started after that launch waits for a promotion that will never come (one
+    # started before it is that launch).
+    after = entries[max(i for i, e in enumerate(entries) if e.get("event") == "launch"):] \
+        if launches else []
+    pids += [int(e["pid"]) for e in after if e.get("event") == "standby_started"
              and isinstance(e.get("pid"), int)]
     states = [e["state"] for e in entries if e.get("event") == "watch_state"]
     last_launch = max((i for i, e in enumerate(entries) if e.get("event") == "launch"),
