@@ -59,6 +59,10 @@ def off_reason(launch: LaunchConfig) -> str | None:
     return None
 
 
+STOP_GRACE_S = 2.0
+"""SIGTERM -> SIGKILL for a standby: it trained nothing and has nothing to save, and a script's
+own SIGTERM handler (for preemption) would otherwise keep its waiting ranks up for the whole
+``launch.stop_grace_s`` while babysit waits."""
 AFTER_S = 5.0
 """Seconds after the attempt's first step before its standby starts: an attempt that ends
 sooner (a smoke test, a script that crashes at once every time) would pay the standby's

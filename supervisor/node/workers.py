@@ -192,7 +192,8 @@ class NodeWorkers:
     def _discard(self, spare: standby.Standby, reason: str) -> None:
         code = spare.group.poll()
         if code is None:
-            code = spare.group.stop(self.plan.config.launch.stop_grace_s)
+            code = spare.group.stop(min(standby.STOP_GRACE_S,
+                                        self.plan.config.launch.stop_grace_s))
             self.standby_entries.append(("standby_stopped", {
                 "for_attempt": spare.attempt, "reason": reason, "exit_code": code}))
         else:  # its logs move under attempts/N/standby/ if attempt N starts cold
