@@ -8,10 +8,12 @@ come back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import FAST_POLICY, WORKERS, babysat, journal, read_jsonl, run_babysit
@@ -156,6 +158,38 @@ def assert_goodput_ledger(run_dir: Path, stdout: str) -> None:
     live = re.search(r"Goodput ([0-9.]+)% of", stdout)
     assert live, stdout[-2000:]
     assert float(live.group(1)) == pytest.approx(100 * ledger["goodput"], abs=2.0)
+
+
+def test_a_crash_relaunches_through_the_warm_standby(tmp_path: Path) -> None:
+    # Long enough (steps of 0.05 s) for the warm standby to start (5 s after the first step)
+    # before the crash.
+    result, run_dir = babysat(tmp_path, "warm", "--steps", "180", "--step-sleep", "0.05",
+                              "--at", "0:1:130:SIGKILL", launch_extra="  max_restarts: 1\n")
+    assert result.returncode == 0, result.stdout + result.stderr
+    (crash,) = [e for e in journal(run_dir, "finding") if e["finding"]["incident"] == "crash"]
+    assert crash["remedy"]["action"] == "relaunch"
+    started = {e["for_attempt"]: e for e in journal(run_dir, "standby_started")}
+    last = max(m["time"] for m in read_jsonl(run_dir / "metrics.jsonl") if m["attempt"] == 0)
+    assert started[1]["time"] < last  # attempt 1's ranks were started before the fault
+    launch = {e["attempt"]: e for e in journal(run_dir, "launch")}
+    assert launch[0]["standby"] is False
+    assert launch[1]["standby"] is True and launch[1]["pid"] == started[1]["pid"]
+    assert len([e for e in journal(run_dir, "worker_hello") if e["attempt"] == 1]) == 2
+    assert read_jsonl(run_dir / "events.jsonl")[-1]["state"] == "succeeded"
+    # Promoted, it resumed exactly as a cold start does: the steps it replays after the
+    # checkpoint are attempt 0's, bit for bit, on every rank.
+    (resume,) = [e for e in journal(run_dir, "resume") if e.get("from")]
+    start = resume["checkpoint_step"]
+    before, after = losses(run_dir, attempt=0), losses(run_dir, attempt=1)
+    assert start >= 120 and sorted(after) == list(range(start + 1, 181))
+    assert {s: after[s] for s in range(start + 1, 130)} == \
+        {s: before[s] for s in range(start + 1, 130)}
+    leftovers = []  # nothing of the run outlives it (tests/test_standby.py: an unpromoted one)
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get("BABYSIT_RUN_DIR") == str(run_dir):
+                leftovers.append(proc.cmdline())
+    assert leftovers == []
 
 
 def test_straggler_is_named_and_alerted(tmp_path: Path) -> None:

@@ -137,7 +137,8 @@ def wait_for(condition: Callable[[], object], timeout_s: float = 60.0) -> None:
 def test_a_standby_waits_silent_until_promoted_and_one_that_fails_is_journaled(
         tmp_path: Path) -> None:
     """Real torchrun: the standby's rank waits in attach() and sends nothing; promoted, it reads
-    the directive written then and reports; one that exits on its own is never used."""
+    the directive written then and reports; one that exits on its own is never used; one still
+    waiting when the run ends is stopped with it."""
     (tmp_path / "train.py").write_text(STANDBY_SCRIPT)
     (tmp_path / "run.yaml").write_text(f"launch: {{script: train.py, nproc-per-node: 1}}\n"
                                        f"run_dir: {tmp_path / 'run'}\n")
@@ -167,6 +168,11 @@ def test_a_standby_waits_silent_until_promoted_and_one_that_fails_is_journaled(
         assert event == "standby_exited" and fields["for_attempt"] == 2
         assert "cannot import the model code" in str(fields["tail"])
         assert workers.standby is None and workers.promote(2, Directive(attempt=2)) is None
+
+        workers.start_standby(3, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="t-3")
+        spare = workers.standby
+        assert spare is not None
+        wait_for(spare.ready_at)  # waiting in attach() when the run ends: it goes too
     finally:
         workers.close()
     assert not [p for p in psutil.process_iter() if _of_run(p, tmp_path / "run")]

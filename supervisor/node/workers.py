@@ -190,15 +190,15 @@ class NodeWorkers:
             self._discard(spare, reason)
 
     def _discard(self, spare: standby.Standby, reason: str) -> None:
-        code = spare.group.poll()
-        if code is None:
-            code = spare.group.stop(min(standby.STOP_GRACE_S,
-                                        self.plan.config.launch.stop_grace_s))
+        exited = spare.group.poll()
+        # Even after torchrun exited: ranks it left behind are ours (subreaper) to stop.
+        code = spare.group.stop(min(standby.STOP_GRACE_S, self.plan.config.launch.stop_grace_s))
+        if exited is None:
             self.standby_entries.append(("standby_stopped", {
                 "for_attempt": spare.attempt, "reason": reason, "exit_code": code}))
         else:  # its logs move under attempts/N/standby/ if attempt N starts cold
             self.standby_entries.append(("standby_exited", {
-                "for_attempt": spare.attempt, "exit_code": code,
+                "for_attempt": spare.attempt, "exit_code": exited,
                 "tail": launcher.tail(spare.group.log_path, 4096)}))
         if spare.group.pid is not None:
             self._launchers.discard(spare.group.pid)
