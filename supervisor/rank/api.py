@@ -400,6 +400,11 @@ def attach(
     supervisor chose (a collective). ``optimizer`` is also needed for the LR scale a rollback
     sets. Reads only ``BABYSIT_*`` and torchrun's ``RANK``/``WORLD_SIZE`` variables.
 
+    In a warm standby (the next attempt, started by babysit while the current one trains:
+    ``launch.warm_standby``) it waits here until a relaunch promotes it, then goes on as in a
+    fresh attempt: what the script does before ``attach()`` runs ahead, whether the standby is
+    ever used or not; what it does after runs only once promoted.
+
     MFU (model FLOPs utilisation) needs three numbers babysit cannot know, so it is reported
     only when the script gives them: ``tokens`` in each ``step()``, the training FLOPs per token
     (``flops_per_token``, forward plus backward; or ``param_count``, for the 6 x parameters
