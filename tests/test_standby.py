@@ -29,10 +29,25 @@ def launch(**fields: object) -> LaunchConfig:
 
 
 def test_single_node_runs_get_a_standby_unless_turned_off_or_pinned() -> None:
-    assert standby.off_reason(launch()) is None
-    assert "warm_standby" in str(standby.off_reason(launch(warm_standby=False)))
-    assert "multi-node" in str(standby.off_reason(launch(nnodes="2")))
-    assert "fixed" in str(standby.off_reason(launch(rdzv_endpoint="10.0.0.1:29500")))
+    assert standby.off_reason(launch(), gpus=False) is None
+    assert "warm_standby" in str(standby.off_reason(launch(warm_standby=False), gpus=False))
+    assert "multi-node" in str(standby.off_reason(launch(nnodes="2"), gpus=False))
+    assert "fixed" in str(standby.off_reason(launch(rdzv_endpoint="10.0.0.1:29500"),
+                                             gpus=False))
+    # On a machine whose GPUs the job sees, only when asked for (not measured there yet).
+    assert "GPUs" in str(standby.off_reason(launch(), gpus=True))
+    assert standby.off_reason(launch(warm_standby=True), gpus=True) is None
+
+
+def test_gpus_are_visible_when_the_driver_lists_one_the_job_is_not_hidden_from(
+        tmp_path: Path) -> None:
+    driver = tmp_path / "gpus"
+    assert not standby.gpus_visible(launch(), {}, driver)  # no NVIDIA driver here
+    (driver / "0000:3b:00.0").mkdir(parents=True)
+    assert standby.gpus_visible(launch(), {}, driver)
+    assert not standby.gpus_visible(launch(), {"CUDA_VISIBLE_DEVICES": ""}, driver)
+    assert not standby.gpus_visible(launch(env={"CUDA_VISIBLE_DEVICES": "-1"}),
+                                    {"CUDA_VISIBLE_DEVICES": "0"}, driver)
 
 
 def started(trigger: standby.Trigger, attempt: int = 0) -> standby.Trigger:

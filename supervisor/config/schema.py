@@ -100,18 +100,19 @@ class LaunchConfig(_Section):
     progress before babysit calls the teardown stuck (a rank hung in gloo's teardown, say),
     stops torchrun and counts the attempt finished. A script still working after
     ``run.close()`` (saving, uploading) uses CPU and is waited for."""
-    warm_standby: bool = True
+    warm_standby: bool | Literal["auto"] = "auto"
     """Keep the next attempt's workers started and waiting, so a relaunch (rollback, hang,
     crash) costs about a checkpoint load and a step instead of a cold start (docs/recovery.md).
-    Once an attempt has made its first step, babysit starts the next one's torchrun, whose
+    Once an attempt has trained a few seconds, babysit starts the next one's torchrun, whose
     ranks run the script up to ``attach()`` and wait there. The cost: a second set of rank
     processes (and a torchrun) with torch imported and whatever the script built before
-    ``attach()``: about 0.3 GB resident per small CPU rank plus 0.2 GB for torchrun, measured; on
-    a GPU also their CUDA contexts and any model already placed on the device. Anything the
-    script does before ``attach()`` (opening a logger's run, writing files) happens for the
-    standby too. Set false where that memory cannot be
-    spared. Single-node runs of scripts that call ``attach()`` only; multi-node runs and a
-    fixed ``rdzv_endpoint`` relaunch cold."""
+    ``attach()``: about 0.3 GB resident per small CPU rank plus 0.2 GB for torchrun, measured.
+    Anything the script does before ``attach()`` (opening a logger's run, writing files)
+    happens for the standby too. ``auto`` (the default): on, unless this machine has NVIDIA
+    GPUs the job can see: there the standby would also hold a CUDA context per rank and any
+    model already on the device, beside the training attempt, and that has not been measured
+    yet; ``true`` turns it on there too, ``false`` off everywhere. Single-node runs of scripts
+    that call ``attach()`` only; multi-node runs and a fixed ``rdzv_endpoint`` relaunch cold."""
     max_restarts: int | None = Field(None, ge=0)
     """Relaunches allowed after crashes; overrides the policy's crash budget when set. babysit
     owns restarts, so torchrun itself always runs with ``--max-restarts 0``."""

@@ -10,7 +10,8 @@ and ``BABYSIT_STANDBY`` set. Each of its ranks runs the script up to ``attach()`
 it is ready (a file per rank) and waits there, before it reads the directive or connects to
 the telemetry socket, so it sends nothing and judges nothing. The states::
 
-    off        launch.warm_standby is false, the run is multi-node, its rendezvous endpoint
+    off        launch.warm_standby is false (or auto, on a machine whose GPUs the job can
+               see: not measured there yet), the run is multi-node, its rendezvous endpoint
                is fixed, or its script never attached (stdout mode): every relaunch is cold
     starting   torchrun and the ranks are up to attach(); no rank said ready yet
     ready      every rank waits in attach() (``Standby.ready_at``)
@@ -32,6 +33,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,17 +48,35 @@ GO = protocol.STANDBY_GO
 READY = protocol.STANDBY_READY
 
 
-def off_reason(launch: LaunchConfig) -> str | None:
+def off_reason(launch: LaunchConfig, gpus: bool) -> str | None:
     """Why this run's relaunches are cold whatever happens, or None when a standby may run.
-    Pure."""
-    if not launch.warm_standby:
+    ``gpus``: the job can see NVIDIA GPUs (``gpus_visible``). Pure."""
+    if launch.warm_standby is False:
         return "launch.warm_standby is false"
+    if launch.warm_standby == "auto" and gpus:
+        return ("launch.warm_standby is auto and the job can see NVIDIA GPUs: a standby there "
+                "would hold CUDA contexts beside the training attempt (not measured yet); set "
+                "it to true to use one anyway")
     if launch.multinode:
         return "multi-node runs relaunch cold: a standby would need a rendezvous across nodes"
     if launch.rdzv_endpoint is not None or launch.master_port is not None:
         return ("the rendezvous endpoint is fixed (launch.rdzv_endpoint or master_port): a "
                 "standby needs one of its own while the attempt holds it")
     return None
+
+
+def gpus_visible(launch: LaunchConfig, environ: Mapping[str, str] = os.environ,
+                 driver: Path = Path("/proc/driver/nvidia/gpus")) -> bool:
+    """This machine has NVIDIA GPUs (the driver lists one) and the job's
+    ``CUDA_VISIBLE_DEVICES`` (``launch.env``, else babysit's own environment) does not hide
+    them all."""
+    visible = launch.env.get("CUDA_VISIBLE_DEVICES", environ.get("CUDA_VISIBLE_DEVICES"))
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    try:
+        return any(driver.iterdir())
+    except OSError:
+        return False
 
 
 STOP_GRACE_S = 2.0

@@ -186,7 +186,8 @@ class LocalMembers(OnThisNode):
         self.judge = LocalJudge(watch, plan.world_size or 1)
         self.node: OwnNode[list[StepRecord]] = OwnNode(self.workers, self.judge,
                                                         flush_on_exit=False)
-        self.standby = standby.Trigger(standby.off_reason(plan.config.launch))
+        launch = plan.config.launch
+        self.standby = standby.Trigger(standby.off_reason(launch, standby.gpus_visible(launch)))
         """When to start the next attempt's warm standby (``node.standby``)."""
 
     def ready(self, voice: Voice) -> None:
