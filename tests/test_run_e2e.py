@@ -175,23 +175,23 @@ def test_a_crash_in_teardown_after_every_rank_closed_counts_as_finished(
 
 def test_a_teardown_stuck_after_every_rank_closed_is_stopped_once_nothing_works(
         tmp_path: Path, write_config) -> None:
-    # Rank 0 blocks forever after close (gloo's teardown, hung); rank 1 computes for 4 s after
+    # Rank 0 blocks forever after close (gloo's teardown, hung); rank 1 computes for 3 s after
     # close (a script saving its model) and then exits. babysit waits out rank 1's work, then
     # stops torchrun once nothing makes CPU progress for teardown_idle_s.
     run_dir = tmp_path / "run"
     config = write_config(
         f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
-        f"  teardown_idle_s: 2\n  stop_grace_s: 2\n"
-        f"  args: [--steps, '10', --after-close, hang, --work-after-close, '4']\n"
+        f"  teardown_idle_s: 1.5\n  stop_grace_s: 2\n"
+        f"  args: [--steps, '10', --after-close, hang, --work-after-close, '3']\n"
         f"run_dir: {run_dir}\n")
     result = run_babysit("run", str(config), cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:]
-    assert "rank 1 worked 4 s after close" in result.stdout
+    assert "rank 1 worked 3 s after close" in result.stdout
     journal = read_jsonl(run_dir / "events.jsonl")
     (teardown,) = [e for e in journal if e["event"] == "teardown_hang"]
-    assert teardown["closed_ranks"] == [0, 1] and teardown["idle_s"] == 2
+    assert teardown["closed_ranks"] == [0, 1] and teardown["idle_s"] == 1.5
     closed = max(e["time"] for e in journal if e["event"] == "worker_close")
-    assert teardown["time"] - closed >= 4 + 2  # rank 1's work, then the idle window
+    assert teardown["time"] - closed >= 3 + 1.5  # rank 1's work, then the idle window
     assert teardown["processes"]["0"]["cpu"] < 0.01
     assert len([e for e in journal if e["event"] == "launch"]) == 1  # nothing redone
     assert journal[-1]["state"] == "succeeded"
