@@ -11,7 +11,7 @@ kind of trouble also needs an ``Incident`` and its response in the schema.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -146,18 +146,21 @@ class Pipeline:
         self.detectors = [self._make(det.name) if _ENTRIES[det.name].forget_on_relaunch
                           else det for det in self.detectors]
 
-    def findings(self, record: JobStep) -> list[Finding]:
+    def findings(self, record: JobStep, skip: Collection[str] = ()) -> list[Finding]:
         """What the step detectors see in ``record``, before the rules judge it. ``record`` is a
         ``StepRecord``, or for a ``scope="job"`` pipeline any ``JobStep``; ``TypeError``
-        otherwise (the per-rank detectors need every rank's values)."""
+        otherwise (the per-rank detectors need every rank's values). The detectors named in
+        ``skip`` neither judge nor learn from this record."""
         if isinstance(record, StepRecord):
-            return [f for det in self.detectors if (f := det.observe(record)) is not None]
+            return [f for det in self.detectors
+                    if det.name not in skip and (f := det.observe(record)) is not None]
         if self.scope != "job":
             raise TypeError(
                 f"A {type(record).__name__} carries no per-rank values, so only a "
                 f"Pipeline(scope='job') can observe it; this pipeline's scope is "
                 f"'{self.scope}'.")
-        job = [det for det in self.detectors if _ENTRIES[det.name].scope == "job"]
+        job = [det for det in self.detectors
+               if _ENTRIES[det.name].scope == "job" and det.name not in skip]
         return [f for det in job if (f := det.observe(record)) is not None]
 
     def observe(self, record: JobStep, now: float | None = None) -> list[ReplayDecision]:

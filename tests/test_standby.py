@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from babysit.policies.loader import load_policy
+from babysit.policies.types import RankStep, StepRecord
 from babysit.supervisor.config import plan as plan_mod
 from babysit.supervisor.config.schema import LaunchConfig
 from babysit.supervisor.contract.directive import Directive, SkipRange
@@ -22,6 +24,7 @@ from babysit.supervisor.node import standby
 from babysit.supervisor.node.launcher import free_port
 from babysit.supervisor.node.workers import NodeWorkers
 from babysit.supervisor.rank import api
+from babysit.supervisor.run.watch import Watch
 
 
 def launch(**fields: object) -> LaunchConfig:
@@ -92,6 +95,34 @@ def test_ready_once_every_rank_said_so(tmp_path: Path) -> None:
     assert spare.ready_at() == 104.5
     assert spare.launch_fields(110.0) == {"standby": True, "rdzv_endpoint": "127.0.0.1:1",
                                           "standby_age_s": 10.0, "standby_ready_s": 5.5}
+
+
+def test_a_starting_standby_is_babysits_own_load_for_a_minute_at_most(tmp_path: Path) -> None:
+    spare = standby.Standby(1, None, tmp_path, "", started=100.0)  # type: ignore[arg-type]
+    assert spare.warming(101.0)
+    assert not spare.warming(100.0 + standby.WARMING_MAX_S)  # one never ready blinds no one
+    ready = tmp_path / standby.READY
+    ready.mkdir()
+    (ready / "0").write_text(json.dumps({"world_size": 1, "time": 104.0}))
+    assert not spare.warming(105.0)
+
+
+def test_steps_under_babysits_own_load_are_not_judged_for_throughput() -> None:
+    watch = Watch(load_policy("default"))
+
+    def slow_steps(first: int, step_time: float) -> list[str]:
+        found = []
+        for s in range(first, first + 40):
+            rank = RankStep(rank=0, step=s, time=float(s), cursor=s, loss=1.0,
+                            step_time=step_time, tokens=4096.0)
+            record = StepRecord(step=s, time=float(s), ranks=(rank,), world_size=1)
+            found += [f.detector for f in watch.observe_record(record)]
+        return found
+    assert slow_steps(1, 0.5) == []  # the baseline
+    watch.own_load = "the warm standby starting"
+    assert slow_steps(41, 1.0) == []  # 2x slower, but babysit's doing
+    watch.own_load = None
+    assert slow_steps(81, 1.0) == ["throughput"]  # the run's own: judged against the baseline
 
 
 def test_a_standby_rank_waits_in_attach_until_promoted(tmp_path: Path,

@@ -89,6 +89,12 @@ sooner (a smoke test, a script that crashes at once every time) would pay the st
 start-up, several CPU-seconds, for nothing; a long run loses nothing by waiting."""
 
 
+WARMING_MAX_S = 60.0
+"""How long at most a standby's start-up counts as babysit's own load on the machine (steps are
+then not judged for throughput): a script that blocks before ``attach()`` must not blind the
+throughput detector for the rest of the attempt."""
+
+
 class Trigger:
     """When to start a standby, and for which attempt. Pure: told what happened, never acts.
 
@@ -138,9 +144,15 @@ class Standby:
     rdzv_endpoint: str
     started: float = field(default_factory=time.time)
     """Wall time torchrun was started."""
+    _ready: float | None = None
 
     def ready_at(self) -> float | None:
         """Wall time the last of its ranks said it waits in ``attach()``, once all did."""
+        if self._ready is None:
+            self._ready = self._read_ready()
+        return self._ready
+
+    def _read_ready(self) -> float | None:
         times, world = [], None
         for path in (self.folder / READY).glob("*"):
             if not path.name.isdigit():  # a rank's file half-written
@@ -150,6 +162,11 @@ class Standby:
                 world = int(said["world_size"])
                 times.append(float(said["time"]))
         return max(times) if world is not None and len(times) >= world else None
+
+    def warming(self, now: float) -> bool:
+        """Still starting at wall time ``now`` (its ranks not all in ``attach()``), for at most
+        ``WARMING_MAX_S``: its start-up competes with the training ranks for the CPU."""
+        return now - self.started < WARMING_MAX_S and self.ready_at() is None
 
     def promote(self) -> None:
         """Let its ranks go on. Call after the attempt's directive is written."""

@@ -230,6 +230,11 @@ class LocalMembers(OnThisNode):
             self.workers.start_standby(target, rdzv_endpoint=self._endpoint(),
                                        rdzv_id=self._rdzv_id(target))
         entries, self.workers.standby_entries = self.workers.standby_entries, []
+        waiting = self.workers.standby
+        # Its start-up (interpreters, import torch) competes with the training ranks for the
+        # CPU: a slowdown babysit causes is not the run's.
+        self.judge.watch.own_load = "the warm standby starting" \
+            if waiting is not None and waiting.warming(time.time()) else None
         return entries
 
     def stop(self, reason: str) -> int | None:

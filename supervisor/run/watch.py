@@ -69,6 +69,10 @@ _CURSOR_MEMORY = 4096
 """Recent steps whose data cursor is remembered, to turn a spike's onset step into batches."""
 
 
+OWN_LOAD_BLIND = ("throughput", "straggler")
+"""The step detectors that do not judge steps taken under babysit's own load (``own_load``)."""
+
+
 class Watch:
     def __init__(self, policy: Policy, checkpoint_every: int = 0,
                  checkpoint_dir: str | None = None, checkpoint_async: bool = False,
@@ -98,6 +102,10 @@ class Watch:
         self._cursor_at: OrderedDict[int, int] = OrderedDict()
         self._alive: set[int] = set()
         self._world = 0
+        self.own_load: str | None = None
+        """babysit's own load on the ranks' machine right now (the warm standby starting, in
+        words), or None. Throughput and stragglers are not judged while it lasts: a slowdown
+        babysit causes is not the run's."""
         self._checkpoint_dir, self._checkpoint_async = checkpoint_dir, checkpoint_async
 
     @classmethod
@@ -160,7 +168,7 @@ class Watch:
         self._cursor_at[record.step] = record.cursor
         while len(self._cursor_at) > _CURSOR_MEMORY:
             self._cursor_at.popitem(last=False)
-        return self.pipeline.findings(record)
+        return self.pipeline.findings(record, OWN_LOAD_BLIND if self.own_load else ())
 
     def remedy(self, finding: Finding, now: float, checkpoint: bool = True) -> Remedy:
         """The policy's answer to ``finding`` (ladders, cooldowns, escalation, budget). ``now``
