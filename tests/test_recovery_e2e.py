@@ -198,7 +198,12 @@ def test_straggler_is_named_and_alerted(tmp_path: Path) -> None:
     finding = next(e for e in journal(run_dir, "finding")
                    if e["finding"]["incident"] == "straggler")
     assert finding["finding"]["ranks"] == [1] and finding["remedy"]["action"] == "alert"
-    assert len(journal(run_dir, "launch")) == 1  # an alert, not a relaunch
+    # An alert, not a relaunch. (gloo in torch 2.13 sometimes aborts a rank in its teardown
+    # before its peer closed: that crash, at the last step, may relaunch; never the straggler.)
+    acted = [e["finding"]["incident"] for e in journal(run_dir, "finding")
+             if e["remedy"]["action"] != "alert"]
+    assert set(acted) <= {"crash"}, acted
+    assert len(journal(run_dir, "launch")) == 1 + len(acted)
     assert "rank 1" in result.stdout
 
 
