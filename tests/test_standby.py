@@ -119,9 +119,9 @@ def test_steps_under_babysits_own_load_are_not_judged_for_throughput() -> None:
             found += [f.detector for f in watch.observe_record(record)]
         return found
     assert slow_steps(1, 0.5) == []  # the baseline
-    watch.own_load = "the warm standby starting"
+    watch.own_load = True  # the warm standby starting
     assert slow_steps(41, 1.0) == []  # 2x slower, but babysit's doing
-    watch.own_load = None
+    watch.own_load = False
     assert slow_steps(81, 1.0) == ["throughput"]  # the run's own: judged against the baseline
 
 

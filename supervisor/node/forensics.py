@@ -24,15 +24,12 @@ Diagnosis = tuple[Any, Any]
 """``(dumps, verdict)`` from ``stacks.diagnose``."""
 
 
-def teardown_only(code: int, rank_pids: Mapping[int, int], closed_ranks: set[int],
-                  attempt_dir: Path) -> bool:
-    """Every rank closed its run cleanly and the ranks that failed left no error of their own
-    (killed by a signal, no traceback): the training finished and only the process teardown
-    crashed (gloo in torch 2.13 sometimes aborts at exit with "terminate called without an
-    active exception"). An exception raised after ``run.close()`` leaves a traceback and stays
-    a crash."""
-    if not rank_pids or set(rank_pids) - closed_ranks:
-        return False
+def teardown_only(code: int, attempt_dir: Path) -> bool:
+    """For an attempt whose every rank closed its run cleanly (``NodeWorkers.all_closed``): the
+    ranks that failed left no error of their own (killed by a signal, no traceback), so the
+    training finished and only the process teardown crashed (gloo in torch 2.13 sometimes
+    aborts at exit with "terminate called without an active exception"). An exception raised
+    after ``run.close()`` leaves a traceback and stays a crash."""
     logs = launcher.rank_logs(attempt_dir)
     classes = {classify(code, None, launcher.tail(path), None).crash_class
                for path in logs.values()}
@@ -134,10 +131,10 @@ def confirm_hang(finding: Finding, rank_pids: Mapping[int, int],
     if dumps:
         verdict = stacks.odd_one_out(dumps)
         ahead = early.native_for(dumps) if early is not None else None
-        working = any(procs[r].busy and stacks.outside_torch(d) for r, d in dumps.items())
         if ahead is not None:
             dumps, verdict = ahead, stacks.odd_one_out(ahead)
-        elif not working:  # a rank busy in its own code decides: no need to pause it longer
+        # A rank busy in its own code decides (working): no need to pause it longer.
+        elif not any(procs[r].busy and stacks.outside_torch(d) for r, d in dumps.items()):
             dumps, verdict = stacks.deepen(readable, dumps, verdict)
         if all(d.error is not None for d in dumps.values()):
             verdict = None  # no stack at all: judge by the processes alone

@@ -239,8 +239,7 @@ class NodeWorkers:
     def teardown_only(self, code: int, attempt: int) -> bool:
         """torchrun's non-zero ``code`` came only from the process teardown after every rank
         closed its run (``forensics.teardown_only``)."""
-        return forensics.teardown_only(code, self.rank_pids, self.closed_ranks,
-                                       self.attempt_dir(attempt))
+        return self.all_closed and forensics.teardown_only(code, self.attempt_dir(attempt))
 
     def tails(self, attempt: int, max_bytes: int = 16384) -> dict[int, str]:
         """The end of each rank's stderr log of ``attempt``, by global rank (from the hellos,

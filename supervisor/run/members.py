@@ -233,8 +233,7 @@ class LocalMembers(OnThisNode):
         waiting = self.workers.standby
         # Its start-up (interpreters, import torch) competes with the training ranks for the
         # CPU: a slowdown babysit causes is not the run's.
-        self.judge.watch.own_load = "the warm standby starting" \
-            if waiting is not None and waiting.warming(time.time()) else None
+        self.judge.watch.own_load = waiting is not None and waiting.warming(time.time())
         return entries
 
     def stop(self, reason: str) -> int | None:

@@ -102,10 +102,10 @@ class Watch:
         self._cursor_at: OrderedDict[int, int] = OrderedDict()
         self._alive: set[int] = set()
         self._world = 0
-        self.own_load: str | None = None
-        """babysit's own load on the ranks' machine right now (the warm standby starting, in
-        words), or None. Throughput and stragglers are not judged while it lasts: a slowdown
-        babysit causes is not the run's."""
+        self.own_load = False
+        """babysit's own load is on the ranks' machine right now (the warm standby starting).
+        Throughput and stragglers are not judged while it lasts: a slowdown babysit causes is
+        not the run's."""
         self._checkpoint_dir, self._checkpoint_async = checkpoint_dir, checkpoint_async
 
     @classmethod
