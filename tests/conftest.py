@@ -18,6 +18,17 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failed test in a module with a ``failure_context()`` shows it under the failure: the
+    logs and journals of the real processes it ran, which a bare ``assert`` does not print."""
+    report = yield
+    context = getattr(getattr(item, "module", None), "failure_context", None)
+    if report.when == "call" and report.failed and callable(context):
+        report.sections.append(("babysit's processes", context()))
+    return report
+
+
 def babysit_env() -> dict[str, str]:
     env = dict(os.environ)
     # The workers import the worker API from this checkout even when it is not installed.

@@ -8,6 +8,8 @@ or a fake leader that does not know it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import hmac
 import json
@@ -15,6 +17,7 @@ import math
 import os
 import socket
 import struct
+import termios
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -179,7 +182,8 @@ def fake_leader(reply: Callable[[socket.socket], None]) -> tuple[str, threading.
         sock, _ = server.accept()
         with sock:
             reply(sock)
-            sock.recv(1)  # hold the connection open until the client gives up
+            with contextlib.suppress(OSError):  # a reply that hung up itself
+                sock.recv(1)  # hold the connection open until the client gives up
         server.close()
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -353,3 +357,35 @@ def test_ipv6_addresses() -> None:
         follower.close()
     finally:
         listener.close()
+
+
+def test_a_leaders_last_words_survive_a_reset_and_a_failed_send() -> None:
+    """A leader that sends its last frames and hangs up with a reset (what closing a socket
+    with unread beats in it does): the follower's next send fails, yet every frame that arrived
+    before the reset is still delivered, the last ("finish") included."""
+    count = 2000
+
+    def last_words(sock: socket.socket) -> None:
+        key = raw_lead(sock)
+        frames = [frame(key, b"L", i, body({"n": i})) for i in range(count - 1)]
+        sock.sendall(b"".join(frames) + frame(key, b"L", count - 1, body({"type": "finish"})))
+        unsent = bytearray(4)
+        while True:  # every byte is in the follower's kernel before the reset
+            fcntl.ioctl(sock, termios.TIOCOUTQ, unsent)
+            if struct.unpack("i", unsent)[0] == 0:
+                break
+            time.sleep(0.001)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+
+    address, thread = fake_leader(last_words)
+    follower = connect(address, SECRET, NODE, timeout_s=2)
+    deadline = time.monotonic() + 5
+    while follower.send({"type": "beat"}):
+        assert time.monotonic() < deadline, "the reset never reached the follower"
+        time.sleep(0.001)
+    wait_for(lambda: follower.closed, timeout=5)
+    got = follower.receive()
+    assert len(got) == count and got[-1] == {"type": "finish"}
+    assert follower.send({"type": "beat"}) is False
+    thread.join(timeout=2)

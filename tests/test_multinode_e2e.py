@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,20 @@ from tests.conftest import FAST_POLICY, ROOT, WORKERS, babysit_env, read_jsonl, 
 pytestmark = pytest.mark.e2e  # every test here runs several babysitters and torchruns
 
 SECRET = "correct horse battery staple"
+
+
+_RUNS: list[Nodes] = []
+
+
+def failure_context() -> str:
+    """What a failed test here prints (``conftest.pytest_runtest_makereport``)."""
+    return "\n".join(run.logs() for run in _RUNS)
+
+
+@pytest.fixture(autouse=True)
+def _forget_runs() -> Iterator[None]:
+    yield
+    _RUNS.clear()
 
 
 class Nodes:
@@ -43,6 +58,7 @@ class Nodes:
             f"nodes: {{leader: '127.0.0.1:{free_port()}', heartbeat_s: 0.5, lost_after_s: 3,"
             f" settle_s: 2, join_timeout_s: 60{nodes}}}\n")
         self.procs: dict[int, subprocess.Popen[str]] = {}
+        _RUNS.append(self)
 
     def start(self, node: int, secret: str = SECRET) -> subprocess.Popen[str]:
         env = {**babysit_env(), "BABYSIT_SECRET": secret}
@@ -61,9 +77,7 @@ class Nodes:
             return {n: p.wait(timeout=max(1.0, deadline - time.monotonic()))
                     for n, p in self.procs.items()}
         except subprocess.TimeoutExpired as e:
-            tail = "\n".join(json.dumps(x) for x in self.journal()[-25:])
-            raise AssertionError(f"{e}; logs:\n{self.logs()}\n--- leader's journal, newest "
-                                 f"25:\n{tail}") from None
+            raise AssertionError(f"{e}; logs:\n{self.logs()}") from None
         finally:
             self.kill_all()
 
@@ -96,7 +110,12 @@ class Nodes:
             time.sleep(0.2)
 
     def logs(self) -> str:
+        """Every node's console and the end of its journal: what a failed assertion prints."""
+        def journal_tail(node: int) -> str:
+            return "\n".join(json.dumps(e)[:400] for e in self.journal(node)[-15:])
+
         return "\n".join(f"--- node {n}\n" + (self.tmp_path / f"node{n}.log").read_text()[-3000:]
+                         + f"\n--- node {n}'s journal, newest 15:\n{journal_tail(n)}"
                          for n in self.procs)
 
 

@@ -166,7 +166,9 @@ class Peer:
     Built by ``Listener`` and ``connect`` only. A daemon thread reads frames into a queue until
     EOF or the first bad frame, then marks the peer closed (``close_reason`` says why: ``eof``,
     ``tag``, ``json``, ``not_object``, ``too_big``, ``error``, ``closed``). ``send`` may be
-    called from any thread; ``receive`` is meant for one consumer.
+    called from any thread; ``receive`` is meant for one consumer. A send that finds the other
+    side hung up sends nothing more, but ``closed`` waits for the reader: what the other side
+    sent before it hung up is still received.
     """
 
     def __init__(self, sock: socket.socket, key: bytes, side: bytes, info: dict[str, Any]) -> None:
@@ -183,6 +185,7 @@ class Peer:
         self._send_seq = 0
         self._recv_seq = 0
         self._send_lock = threading.Lock()
+        self._send_failed = False
         self._closed = threading.Event()
         self._inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
@@ -210,14 +213,24 @@ class Peer:
         if len(body) > MAX_FRAME:
             raise ValueError(f"message of {len(body)} bytes exceeds MAX_FRAME ({MAX_FRAME})")
         with self._send_lock:
-            if self.closed:
+            if self.closed or self._send_failed:
                 return False
             tag = _mac(self._key, self._out, _SEQUENCE.pack(self._send_seq), body)
             try:
                 self._sock.sendall(_LENGTH.pack(len(body)) + tag + body)
-            except OSError:
-                # A partial frame cannot be taken back: the stream is unusable from here on.
+            except TimeoutError:
+                # The other side stopped reading: it is as good as gone.
                 self._shutdown("error")
+                return False
+            except OSError:
+                # A partial frame cannot be taken back: nothing more goes out. But the other
+                # side hung up after its last words (a leader's "finish", then a close that
+                # resets the connection): the reader still delivers every frame that arrived
+                # before the hang-up, and marks the peer closed at its end.
+                self._send_failed = True
+                self.close_reason = self.close_reason or "error"
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_WR)
                 return False
             self._send_seq += 1
             return True
