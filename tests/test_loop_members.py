@@ -81,8 +81,13 @@ class ScriptedMembers:
     def output(self) -> Iterator[str]:
         return iter(())
 
-    def close(self, code: int | None) -> None:
+    def close(self, code: int | None) -> list[tuple[str, dict[str, Any]]]:
+        first = self.closed is None
         self.closed = code
+        # What a real node says when a warm standby was still waiting (once: closing twice is
+        # allowed and stops nothing more).
+        return [("standby_stopped", {"for_attempt": 1, "reason": "the run ended"})] \
+            if first else []
 
 
 def steps(attempt: int, first: int, last: int, loss: float = 2.0) -> Gathered:
@@ -125,6 +130,8 @@ def test_a_clean_end_finishes_the_run_and_closes_the_members(plan: plan_mod.RunP
     assert code == 0 and members.closed == 0
     assert [a for a, _ in members.launches] == [0]
     assert journal[-1]["event"] == "run_finished" and journal[-1]["state"] == "succeeded"
+    # What closing stopped is journaled once, before run_finished, the journal's last word.
+    assert [e["event"] for e in journal[-3:]] == ["standby_stopped", "goodput", "run_finished"]
     rows = (plan.run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == list(range(1, 11))
 

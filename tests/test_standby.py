@@ -219,6 +219,11 @@ def test_a_standby_waits_silent_until_promoted_and_one_that_fails_is_journaled(
         spare = workers.standby
         assert spare is not None
         wait_for(spare.ready_at)  # waiting in attach() when the run ends: it goes too
+        workers.standby_entries.clear()
+        workers.close()
+        assert [(event, fields["for_attempt"], fields["reason"])
+                for event, fields in workers.standby_entries] == \
+            [("standby_stopped", 3, "the run ended")]
     finally:
         workers.close()
     assert not [p for p in psutil.process_iter() if _of_run(p, tmp_path / "run")]

@@ -30,7 +30,14 @@ from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node.aggregate import with_rates
 from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
 from babysit.supervisor.node.workers import NodeWorkers
-from babysit.supervisor.run.members import Gathered, JobEnd, MembersMissing, OnThisNode, Voice
+from babysit.supervisor.run.members import (
+    Entry,
+    Gathered,
+    JobEnd,
+    MembersMissing,
+    OnThisNode,
+    Voice,
+)
 from babysit.supervisor.run.own_node import OwnNode, mfu_inputs
 
 TICK_S = 0.1
@@ -159,9 +166,9 @@ class ClusterMembers(OnThisNode):
         node = self.cluster.rank_node.get(finding.ranks[0], LEADER)
         return located(finding, node, self.cluster.hosts.get(node, self.view.host))
 
-    def close(self, code: int | None) -> None:
+    def close(self, code: int | None) -> list[Entry]:
         self.cluster.close(code if code is not None else 1)
-        self.workers.close()
+        return self.close_workers()
 
     # -- this node ------------------------------------------------------------------------------
 

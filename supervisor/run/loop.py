@@ -256,7 +256,8 @@ class Supervisor:
         self._notify(sm.Notify(Severity.WARNING, preemption.missing_message(why, resume)))
 
     def _teardown(self) -> None:
-        self.members.close(self._exit_code)
+        for event, fields in self.members.close(self._exit_code):
+            self._journal(event, **fields)
         self.services.stop(self.console.log)
         self.alerts.close()
         if self._metrics is not None:
@@ -360,6 +361,10 @@ class Supervisor:
             if advice is not None:  # the whole run's figures, for status and report
                 self._journal("cadence_advice", summary=advice.summary(), final=True,
                               **advice.to_json())
+            # Nothing of the run outlives it: a warm standby waiting for an attempt that will
+            # never come is stopped now, and said so before run_finished.
+            for event, fields in self.members.close(action.code):
+                self._journal(event, **fields)
             # This session's ledger, for status on a run too big to read it back (just before
             # run_finished, which stays the journal's last word).
             self._journal("goodput", **self.services.goodput().to_json())

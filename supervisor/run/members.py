@@ -129,8 +129,10 @@ class Members(Protocol):
     def output(self) -> Iterator[str]:
         """Rank output printed since the last call, prefixed with its rank."""
 
-    def close(self, code: int | None) -> None:
-        """The run is over (``code``: its exit code, None if it failed before one)."""
+    def close(self, code: int | None) -> list[Entry]:
+        """The run is over (``code``: its exit code, None if it failed before one); stop what
+        is left. Returns journal entries for what it stopped (a warm standby). Idempotent: the
+        loop closes at the run's end and again in its teardown (which an error may reach)."""
 
 
 class OnThisNode:
@@ -142,6 +144,12 @@ class OnThisNode:
 
     def open(self) -> None:
         self.workers.open()
+
+    def close_workers(self) -> list[Entry]:
+        """Stop this node's workers and its standby; the standby's journal entries."""
+        self.workers.close()
+        entries, self.workers.standby_entries = self.workers.standby_entries, []
+        return entries
 
     def diagnosis(self, finding: Finding) -> forensics.Diagnosis | None:
         # Each node reads its own ranks' stacks when its timers fire; this node's go into the
@@ -261,6 +269,6 @@ class LocalMembers(OnThisNode):
     def locate(self, finding: Finding) -> Finding:
         return finding
 
-    def close(self, code: int | None) -> None:
-        self.workers.close()
+    def close(self, code: int | None) -> list[Entry]:
+        return self.close_workers()
 
