@@ -19,7 +19,7 @@ from babysit.policies.types import Finding, Incident, RankStep, Severity, StepRe
 from babysit.supervisor.config import plan as plan_mod
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
-from babysit.supervisor.node import forensics
+from babysit.supervisor.node import forensics, standby
 from babysit.supervisor.node.aggregate import metrics_row
 from babysit.supervisor.run.console import Console
 from babysit.supervisor.run.loop import Supervisor
@@ -31,8 +31,9 @@ class ScriptedMembers:
 
     scope = "all"
 
-    def __init__(self, script: list[Gathered]) -> None:
+    def __init__(self, script: list[Gathered], launch_fields: dict[str, Any] | None = None) -> None:
         self.script = script
+        self.launch_fields = launch_fields or {}
         self.launches: list[tuple[int, Directive]] = []
         self.stops: list[str] = []
         self.closed: int | None = None
@@ -47,7 +48,7 @@ class ScriptedMembers:
     def launch(self, attempt: int, directive: Directive, now: float) -> dict[str, Any]:
         self.launches.append((attempt, directive))
         self.up = True
-        return {"pid": 4242, "command": ["torchrun", "train.py"]}
+        return {"pid": 4242, "command": ["torchrun", "train.py"], **self.launch_fields}
 
     def stop(self, reason: str) -> int | None:
         self.stops.append(reason)
@@ -114,8 +115,9 @@ def plan(tmp_path: Path) -> plan_mod.RunPlan:
     return plan_mod.from_file(config)
 
 
-def run(plan: plan_mod.RunPlan, members: ScriptedMembers) -> tuple[int, list[dict[str, Any]]]:
-    code = Supervisor(plan, Console(io.StringIO(), tty=False), members=members).run()
+def run(plan: plan_mod.RunPlan, members: ScriptedMembers,
+        console: io.StringIO | None = None) -> tuple[int, list[dict[str, Any]]]:
+    code = Supervisor(plan, Console(console or io.StringIO(), tty=False), members=members).run()
     lines = (plan.run_dir / "events.jsonl").read_text().splitlines()
     return code, [json.loads(line) for line in lines]
 
@@ -152,6 +154,27 @@ def test_a_hang_a_member_names_is_relaunched_from_the_directive(
     (finding,) = [e for e in journal if e["event"] == "finding"]
     assert finding["finding"]["ranks"] == [1] and finding["remedy"]["action"] == "relaunch"
     assert [e["attempt"] for e in journal if e["event"] == "launch"] == [0, 1]
+
+
+@pytest.mark.parametrize("off, told", [
+    ("the rendezvous endpoint is fixed (launch.rdzv_endpoint or master_port)", True),
+    (standby.CONFIGURED_OFF, False),  # the user's own choice
+])
+def test_why_relaunches_start_cold_is_said_once(plan: plan_mod.RunPlan, off: str,
+                                                 told: bool) -> None:
+    hang = Finding(incident=Incident.HANG, detector="hang", severity=Severity.CRITICAL,
+                   step=5, onset_step=5, ranks=(1,), message="hang at step 5: rank 1 is stuck")
+    stuck = steps(0, 1, 5)
+    stuck.findings = [hang]
+    members = ScriptedMembers([stuck, steps(1, 1, 3), Gathered(end=JobEnd(0))],
+                              {"standby": False, "standby_off": off})
+    console = io.StringIO()
+
+    code, journal = run(plan, members, console)
+
+    assert code == 0
+    assert [e["standby_off"] for e in journal if e["event"] == "launch"] == [off, off]
+    assert console.getvalue().count(f"relaunches will start cold: {off}") == (1 if told else 0)
 
 
 def test_a_user_code_crash_stops_the_run_with_its_exit_code(plan: plan_mod.RunPlan) -> None:

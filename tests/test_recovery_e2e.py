@@ -193,8 +193,12 @@ def test_a_crash_relaunches_through_the_warm_standby(tmp_path: Path) -> None:
 
 
 def test_straggler_is_named_and_alerted(tmp_path: Path) -> None:
-    result, run_dir = babysat(tmp_path, "slow", "--steps", "40", "--slow-data", "1:0.08")
+    result, run_dir = babysat(tmp_path, "slow", "--steps", "40", "--slow-data", "1:0.08",
+                              launch_extra="  warm_standby: false\n")
     assert result.returncode == 0, result.stdout + result.stderr
+    (launch,) = journal(run_dir, "launch")  # the journal says why relaunches would be cold
+    assert launch["standby"] is False and launch["standby_off"] == "launch.warm_standby is false"
+    assert "relaunches will start cold" not in result.stdout  # the user's own choice
     finding = next(e for e in journal(run_dir, "finding")
                    if e["finding"]["incident"] == "straggler")
     assert finding["finding"]["ranks"] == [1] and finding["remedy"]["action"] == "alert"

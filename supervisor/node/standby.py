@@ -48,11 +48,14 @@ GO = protocol.STANDBY_GO
 READY = protocol.STANDBY_READY
 
 
+CONFIGURED_OFF = "launch.warm_standby is false"
+
+
 def off_reason(launch: LaunchConfig, gpus: bool) -> str | None:
     """Why this run's relaunches are cold whatever happens, or None when a standby may run.
     ``gpus``: the job can see NVIDIA GPUs (``gpus_visible``). Pure."""
     if launch.warm_standby is False:
-        return "launch.warm_standby is false"
+        return CONFIGURED_OFF
     if launch.warm_standby == "auto" and gpus:
         return ("launch.warm_standby is auto and the job can see NVIDIA GPUs: a standby there "
                 "would hold CUDA contexts beside the training attempt (not measured yet); set "

@@ -35,7 +35,7 @@ from babysit.policies.types import Action, Finding, Incident, JobStep, Remedy, S
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import SkipRange
 from babysit.supervisor.contract.protocol import WorkerEvent
-from babysit.supervisor.node import forensics, launcher
+from babysit.supervisor.node import forensics, launcher, standby
 from babysit.supervisor.run import journal as journal_mod
 from babysit.supervisor.run import preemption, stdout_mode, takeover
 from babysit.supervisor.run.background import Services
@@ -529,8 +529,12 @@ class Supervisor:
         self._newest_step = 0
         self.watch.new_attempt(self.clock(), directive)
         fields = self.members.launch(attempt, directive, self.clock())
+        first = not self._launched
         self._launched = True
         self._journal("launch", directive=directive.to_json(), **fields)
+        off = fields.get("standby_off")
+        if first and off and off != standby.CONFIGURED_OFF:  # the user's own choice needs no word
+            self.console.log(f"babysit: relaunches will start cold: {off}")
 
     def _stop_workers(self, reason: str) -> None:
         if not self._launched:

@@ -211,6 +211,8 @@ class LocalMembers(OnThisNode):
                 return promoted.group.command
             endpoint = self._endpoint()
             fields.update(standby=False, rdzv_endpoint=endpoint)
+            if self.standby.off is not None:  # why no relaunch of this run is warm
+                fields["standby_off"] = self.standby.off
             return self.workers.launch(attempt, directive, rdzv_endpoint=endpoint,
                                        rdzv_id=self._rdzv_id(attempt))
 
