@@ -27,6 +27,7 @@ from babysit.supervisor.cluster.node_view import NodeView, located
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
+from babysit.supervisor.node import standby
 from babysit.supervisor.node.aggregate import with_rates
 from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
 from babysit.supervisor.node.workers import NodeWorkers
@@ -58,6 +59,9 @@ class ClusterMembers(OnThisNode):
         self.node: OwnNode[tuple[list[StepSummary], list[Finding]]] = OwnNode(
             self.workers, self.view, flush_on_exit=True)
         self.cluster = Cluster(plan, secret, self.clock)
+        launch = plan.config.launch
+        self._standby_off = standby.off_reason(launch, standby.gpus_visible(launch))
+        """Why every relaunch is cold (multi-node: always a reason)."""
         self._voice: Voice | None = None
         self._attempt = -1
         self._step = 0
@@ -113,7 +117,7 @@ class ClusterMembers(OnThisNode):
                        f"{', '.join(self.cluster.describe(n) for n in nodes)}")
         assert self.workers.group is not None
         return {"pid": self.workers.group.pid, "command": command, "rdzv_endpoint": endpoint,
-                "nodes": nodes,
+                "standby": False, "standby_off": self._standby_off, "nodes": nodes,
                 "hosts": {str(n): self.cluster.hosts.get(n, self.view.host) for n in nodes}}
 
     def stop(self, reason: str) -> int | None:
