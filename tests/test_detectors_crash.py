@@ -32,6 +32,12 @@ CASES = [
     (1, None, TB + "KeyError: 'input_ids'", CrashClass.USER_CODE),
     (1, None, TB + "ValueError: expected 3 dims, got 2", CrashClass.USER_CODE),
     (None, 15, "", CrashClass.KILLED),
+    # Killed from outside while DCP's async checkpoint process (a child) printed its parent's
+    # death: the traceback is not the cause (seen with checkpoints.async_save and a SIGKILL).
+    (-9, None, "step 4499\n" + TB.replace("train.py", "multiprocessing/connection.py")
+     + "EOFError", CrashClass.KILLED),
+    (None, 15, TB + "ValueError: handled, then the job was stopped", CrashClass.KILLED),
+    (-9, None, TB + "MemoryError", CrashClass.OOM),  # what the log says still counts
     (3, None, "", CrashClass.UNKNOWN),
 ]
 

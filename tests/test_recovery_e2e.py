@@ -29,10 +29,15 @@ def test_relaunch_after_a_crash_resumes_bit_exact(tmp_path: Path) -> None:
     clean, clean_dir = babysat(tmp_path, "clean", "--steps", "24")
     assert clean.returncode == 0, clean.stdout + clean.stderr
     # The crashed run saves asynchronously, the clean one synchronously: same checkpoints.
-    crashed, run_dir = babysat(tmp_path, "crashed", "--steps", "24", "--crash", "0:13",
-                               launch_extra="  max_restarts: 1\n",
+    # Rank 0 is SIGKILLed, as the OOM killer would, under the default crash policy.
+    crashed, run_dir = babysat(tmp_path, "crashed", "--steps", "24", "--at", "0:0:13:SIGKILL",
                                checkpoints="{every_steps: 5, probation_steps: 5, async_save: true}")
     assert crashed.returncode == 0, crashed.stdout + crashed.stderr
+    (crash,) = [e["finding"] for e in journal(run_dir, "finding")
+                if e["finding"]["incident"] == "crash"]
+    # Whatever DCP's checkpoint process printed when its parent died, a SIGKILL is no bug in
+    # the script: relaunched, not stopped as user code.
+    assert crash["evidence"]["class"] == "signal" and crash["ranks"] == [0], crash
     assert_resumed_bit_exact(run_dir, clean_dir, last_step=24)
 
 

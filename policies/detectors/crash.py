@@ -149,6 +149,13 @@ def classify(
     if signal is None and exit_code is not None and exit_code > 128 and not log_tail.strip():
         signal = exit_code - 128
     exc = _last_exception(log_tail)
+    if signal in SENT_FROM_OUTSIDE and exc is not None:
+        # No Python exception ends in this signal: a traceback in the log is another process's
+        # (checkpoint writers DCP's async_save starts print EOFError when their parent dies) or
+        # one the script handled before it was killed. It must not make an OOM kill "user code",
+        # which the default policy never relaunches.
+        exc = None
+        log_tail = _TRACEBACK.sub("(a traceback, not the cause of this death)", log_tail)
     cls, reason = CrashClass.UNKNOWN, "no recognisable error in the log"
     for candidate, pattern, why in _PATTERNS:
         if pattern.search(log_tail):
@@ -182,6 +189,10 @@ _SIGNAL_HINTS: dict[int, str] = {
     _signal.SIGBUS: "; a bus error: often a full /dev/shm or a truncated memory-mapped file",
     _signal.SIGABRT: "; native code aborted (a failed C++ check or an uncaught C++ exception)",
 }
+
+SENT_FROM_OUTSIDE: frozenset[int] = frozenset({_signal.SIGKILL, _signal.SIGTERM})
+"""Signals a process dies of only when another sends them (the OOM killer, a launcher, a
+person); never the end of a Python exception (SIGINT is: an uncaught KeyboardInterrupt)."""
 
 STOP_SIGNALS: frozenset[int] = frozenset({_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP})
 """Signals a launcher or a person sends to stop a process: a rank dying of one was stopped,
