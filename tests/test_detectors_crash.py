@@ -103,3 +103,21 @@ def test_torch_cuda_out_of_memory_is_an_oom(log: str) -> None:
     # Two OOMs that differ only in their figures are the same crash: the second is deterministic.
     again = log.replace("19.68", "20.01").replace("11.88", "0.5")
     assert classify(1, None, again, 10, previous=[verdict.key()]).deterministic
+
+
+def test_a_child_process_traceback_after_the_scripts_own_does_not_name_the_crash() -> None:
+    """The script raises; DCP's async checkpoint process, seeing its parent gone, prints
+    EOFError after it. The crash is the script's KeyError."""
+    log = (TB + "KeyError: 'input_ids'\n"
+           "Process SpawnProcess-1:\n"
+           'Traceback (most recent call last):\n  File "multiprocessing/connection.py", line 399\n'
+           "    raise EOFError\nEOFError\n")
+    verdict = classify(1, None, log, step=10)
+    assert verdict.crash_class is CrashClass.USER_CODE
+    assert verdict.signature == "KeyError: 'input_ids'"
+    chained = log + ("\nDuring handling of the above exception, another exception occurred:\n\n"
+                     + TB + "OSError: handle closed\n")  # still the child's
+    assert classify(1, None, chained, step=10).signature == "KeyError: 'input_ids'"
+    # A child's traceback that is the only one still names it.
+    only = classify(1, None, log[log.index("Process SpawnProcess"):], step=10)
+    assert only.signature == "EOFError"

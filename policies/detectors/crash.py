@@ -121,13 +121,41 @@ def _normalise(text: str) -> str:
     return text.strip()[:200]
 
 
+_CHILD_HEADER = re.compile(r"^(?:\[rank\d+\]:?\s*)?Process [\w.-]+(?::\d+)*:$")
+"""What ``multiprocessing`` prints before a child process's traceback ("Process
+SpawnProcess-1:"): DCP's async checkpoint writer, a DataLoader worker."""
+
+
+_CHAINED = re.compile(r"^(?:\[rank\d+\]:?\s*)?(?:During handling of the above exception|"
+                      r"The above exception was the direct cause)")
+
+
 def _last_exception(log_tail: str) -> str | None:
-    for line in reversed(log_tail.splitlines()):
-        m = _EXC_LINE.match(line.strip())
+    """The exception line ending the log's last traceback of the process itself: a child's
+    (``_CHILD_HEADER``, then its traceback) is skipped, unless it is the only one. DCP's async
+    checkpoint process prints EOFError when its parent dies, after the parent's own error."""
+    found: list[tuple[str, bool]] = []  # (exception, from a child process)
+    child = pending_child = False
+    for line in log_tail.splitlines():
+        text = line.strip()
+        if not text:
+            continue
+        if _CHILD_HEADER.match(text) or (_CHAINED.match(text) and found and found[-1][1]):
+            pending_child = True  # a chained exception stays in the process that raised it
+            continue
+        if _TRACEBACK.search(text):
+            child, pending_child = pending_child, False
+            continue
+        pending_child = False
+        m = _EXC_LINE.match(text)
         if m:
             message = m.group(2).strip()
-            return f"{m.group(1)}: {message}" if message else m.group(1)
-    return None
+            found.append((f"{m.group(1)}: {message}" if message else m.group(1), child))
+            child = False
+    own = [exc for exc, from_child in found if not from_child]
+    if own:
+        return own[-1]
+    return found[-1][0] if found else None
 
 
 def classify(
