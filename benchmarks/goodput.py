@@ -1,6 +1,7 @@
 """Goodput under a fault schedule: babysit (default policy) beside plain torchrun, same job.
 
-    .venv/bin/python benchmarks/goodput.py [--minutes 2] [--stall-s 30]
+    .venv/bin/python benchmarks/goodput.py [--minutes 2] [--stall-s 30] [--async-save]
+                                           [--no-torchrun]
 
 The job is ``tests/workers/tiny_train.py``, 2 gloo ranks on this CPU, 0.05 s of sleep per
 step, sized to about ``--minutes`` of fault-free training (the issue's figure is for 10), with
@@ -11,7 +12,8 @@ four faults placed at fractions of its steps:
 - 60%: a crash: rank 0 killed by SIGKILL (``--at ...:SIGKILL``), as the OOM killer would;
 - 75-85%: a straggler: rank 1's loader waits 0.05 s for each batch (``--slow-data``).
 
-babysit runs with its default policy and a checkpoint every 25 steps; goodput is its ledger's
+babysit runs with its default policy and a checkpoint every 25 steps (synchronous unless
+``--async-save``); goodput is its ledger's
 (``babysit status --json``: productive step time / wall time), the final loss its last metrics
 row's. Each fault strikes once: babysit's attempts are numbered, so the hang is placed in the
 attempt after the spike's rollback and the crash in the one after the hang's relaunch.
@@ -64,13 +66,15 @@ def job(steps: int, at: dict[str, int], hang_attempt: int, crash_attempt: int) -
             "--slow-data", f"1:0.05:{at['slow_start']}:{at['slow_end']}"]
 
 
-def under_babysit(workdir: Path, steps: int, at: dict[str, int]) -> dict[str, Any]:
+def under_babysit(workdir: Path, steps: int, at: dict[str, int],
+                  async_save: bool = False) -> dict[str, Any]:
     run_dir = workdir / "babysit"
     config = workdir / "run.yaml"
     config.write_text(
         f"launch:\n  script: {WORKER}\n  nproc-per-node: 2\n"
         f"  args: {json.dumps(job(steps, at, hang_attempt=1, crash_attempt=2))}\n"
-        f"run_dir: {run_dir}\ncheckpoints: {{every_steps: 25, probation_steps: 5}}\n")
+        f"run_dir: {run_dir}\ncheckpoints: {{every_steps: 25, probation_steps: 5, "
+        f"async_save: {str(async_save).lower()}}}\n")
     started = time.time()
     done = subprocess.run([sys.executable, "-m", "babysit", "run", str(config)], cwd=workdir,
                           env=env(), capture_output=True, text=True, timeout=6 * 3600)
@@ -125,6 +129,9 @@ def main() -> None:
                    help="fault-free training time the job is sized to (the issue: 10)")
     p.add_argument("--stall-s", type=float, default=30.0,
                    help="stop torchrun after this long without a step")
+    p.add_argument("--async-save", action="store_true",
+                   help="babysit saves its checkpoints asynchronously (checkpoints.async_save)")
+    p.add_argument("--no-torchrun", action="store_true", help="run only the babysit half")
     args = p.parse_args()
     steps = int(args.minutes * 60 / STEP_S)
     at = schedule(steps)
@@ -133,7 +140,7 @@ def main() -> None:
           f"batches {at['slow_start']}-{at['slow_end'] - 1}", flush=True)
     with tempfile.TemporaryDirectory(prefix="babysit-goodput-") as tmp:
         workdir = Path(tmp)
-        b = under_babysit(workdir, steps, at)
+        b = under_babysit(workdir, steps, at, async_save=args.async_save)
         ledger = b["ledger"]
         bad = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(
             ledger["seconds"].items(), key=lambda kv: -kv[1]) if k != "productive" and v >= 0.05)
@@ -143,6 +150,13 @@ def main() -> None:
         print(f"          badput: {bad}", flush=True)
         if b["exit"] != 0:
             print(b["tail"])
+        straggler = ledger["seconds"].get("straggler", 0.0)
+        if straggler:  # the injected slow loader: the job's own, whoever supervises it
+            print(f"          without the straggler's own delay: goodput "
+                  f"{100 * ledger['seconds']['productive'] / (ledger['wall_s'] - straggler):.1f}%",
+                  flush=True)
+        if args.no_torchrun:
+            return
         t = under_torchrun(workdir, steps, at, args.stall_s)
         loss = (f"last loss {t['loss']:.4f} at step {t['loss_step']}" if t["loss"] is not None
                 else "no loss printed")
