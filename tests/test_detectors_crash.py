@@ -32,11 +32,12 @@ CASES = [
     (1, None, TB + "KeyError: 'input_ids'", CrashClass.USER_CODE),
     (1, None, TB + "ValueError: expected 3 dims, got 2", CrashClass.USER_CODE),
     (None, 15, "", CrashClass.KILLED),
-    # Killed from outside while DCP's async checkpoint process (a child) printed its parent's
-    # death: the traceback is not the cause (seen with checkpoints.async_save and a SIGKILL).
-    (-9, None, "step 4499\n" + TB.replace("train.py", "multiprocessing/connection.py")
-     + "EOFError", CrashClass.KILLED),
-    (None, 15, TB + "ValueError: handled, then the job was stopped", CrashClass.KILLED),
+    # SIGKILLed while DCP's async checkpoint process (a child) printed its parent's death:
+    # the child's traceback is not the cause (seen with checkpoints.async_save).
+    (-9, None, "step 4499\nProcess SpawnProcess-1:\n"
+     + TB.replace("train.py", "multiprocessing/connection.py") + "EOFError", CrashClass.KILLED),
+    # The script's own exception, then torchrun's SIGTERM while it was exiting: still its bug.
+    (-15, None, TB + "RuntimeError: uploading the final model failed", CrashClass.USER_CODE),
     (-9, None, TB + "MemoryError", CrashClass.OOM),  # what the log says still counts
     (3, None, "", CrashClass.UNKNOWN),
 ]
@@ -118,6 +119,9 @@ def test_a_child_process_traceback_after_the_scripts_own_does_not_name_the_crash
     chained = log + ("\nDuring handling of the above exception, another exception occurred:\n\n"
                      + TB + "OSError: handle closed\n")  # still the child's
     assert classify(1, None, chained, step=10).signature == "KeyError: 'input_ids'"
-    # A child's traceback that is the only one still names it.
+    # A child's traceback that is the only one still names a crash with no signal...
     only = classify(1, None, log[log.index("Process SpawnProcess"):], step=10)
-    assert only.signature == "EOFError"
+    assert only.crash_class is CrashClass.USER_CODE and only.signature == "EOFError"
+    # ...but not one the signal explains.
+    killed = classify(-9, None, log[log.index("Process SpawnProcess"):], step=10)
+    assert killed.crash_class is CrashClass.KILLED and killed.signature == "signal SIGKILL"

@@ -130,32 +130,45 @@ _CHAINED = re.compile(r"^(?:\[rank\d+\]:?\s*)?(?:During handling of the above ex
                       r"The above exception was the direct cause)")
 
 
-def _last_exception(log_tail: str) -> str | None:
-    """The exception line ending the log's last traceback of the process itself: a child's
-    (``_CHILD_HEADER``, then its traceback) is skipped, unless it is the only one. DCP's async
-    checkpoint process prints EOFError when its parent dies, after the parent's own error."""
-    found: list[tuple[str, bool]] = []  # (exception, from a child process)
-    child = pending_child = False
+@dataclass(frozen=True)
+class _Raised:
+    """What a log tail says was raised: by the process itself, and by children it started."""
+
+    own: str | None
+    """The last exception line that is not a child's (traceback or not)."""
+    own_traceback: bool
+    """The process printed a traceback of its own."""
+    child: str | None
+    """The last exception of a child's traceback (``_CHILD_HEADER``)."""
+
+
+def _raised(log_tail: str) -> _Raised:
+    """Tell the process's own exceptions from its children's. DCP's async checkpoint process
+    prints EOFError when its parent dies, after the parent's own error or its SIGKILL."""
+    own = child = None
+    own_traceback = in_child = pending_child = last_was_child = False
     for line in log_tail.splitlines():
         text = line.strip()
         if not text:
             continue
-        if _CHILD_HEADER.match(text) or (_CHAINED.match(text) and found and found[-1][1]):
+        if _CHILD_HEADER.match(text) or (_CHAINED.match(text) and last_was_child):
             pending_child = True  # a chained exception stays in the process that raised it
             continue
         if _TRACEBACK.search(text):
-            child, pending_child = pending_child, False
+            in_child, pending_child = pending_child, False
+            own_traceback = own_traceback or not in_child
             continue
         pending_child = False
         m = _EXC_LINE.match(text)
         if m:
             message = m.group(2).strip()
-            found.append((f"{m.group(1)}: {message}" if message else m.group(1), child))
-            child = False
-    own = [exc for exc, from_child in found if not from_child]
-    if own:
-        return own[-1]
-    return found[-1][0] if found else None
+            exc = f"{m.group(1)}: {message}" if message else m.group(1)
+            if in_child:
+                child = exc
+            else:
+                own = exc
+            last_was_child, in_child = in_child, False
+    return _Raised(own, own_traceback, child)
 
 
 def classify(
@@ -176,26 +189,25 @@ def classify(
         signal, exit_code = -exit_code, None
     if signal is None and exit_code is not None and exit_code > 128 and not log_tail.strip():
         signal = exit_code - 128
-    exc = _last_exception(log_tail)
-    if signal in SENT_FROM_OUTSIDE and exc is not None:
-        # No Python exception ends in this signal: a traceback in the log is another process's
-        # (checkpoint writers DCP's async_save starts print EOFError when their parent dies) or
-        # one the script handled before it was killed. It must not make an OOM kill "user code",
-        # which the default policy never relaunches.
-        exc = None
-        log_tail = _TRACEBACK.sub("(a traceback, not the cause of this death)", log_tail)
+    raised = _raised(log_tail)
     cls, reason = CrashClass.UNKNOWN, "no recognisable error in the log"
     for candidate, pattern, why in _PATTERNS:
         if pattern.search(log_tail):
             cls, reason = candidate, why
             break
     else:
-        if exc is not None or _TRACEBACK.search(log_tail):
+        if raised.own is not None or raised.own_traceback:
             cls, reason = CrashClass.USER_CODE, "Python exception in the training script"
         elif signal is not None:
+            # Only a child's traceback (say the EOFError of DCP's async checkpoint process
+            # whose parent was SIGKILLed): the signal is what ended this process. An OOM kill
+            # must not read as user code, which the default policy never relaunches.
             name = _signal_name(signal)
             hint = _SIGNAL_HINTS.get(signal, "")
             cls, reason = CrashClass.KILLED, f"killed by {name}{hint}"
+        elif raised.child is not None:
+            cls, reason = CrashClass.USER_CODE, "Python exception in a process the script started"
+    exc = raised.own if raised.own is not None or signal is not None else raised.child
     if exc is not None:
         signature = _normalise(exc)
     elif signal is not None:
@@ -217,10 +229,6 @@ _SIGNAL_HINTS: dict[int, str] = {
     _signal.SIGBUS: "; a bus error: often a full /dev/shm or a truncated memory-mapped file",
     _signal.SIGABRT: "; native code aborted (a failed C++ check or an uncaught C++ exception)",
 }
-
-SENT_FROM_OUTSIDE: frozenset[int] = frozenset({_signal.SIGKILL, _signal.SIGTERM})
-"""Signals a process dies of only when another sends them (the OOM killer, a launcher, a
-person); never the end of a Python exception (SIGINT is: an uncaught KeyboardInterrupt)."""
 
 STOP_SIGNALS: frozenset[int] = frozenset({_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP})
 """Signals a launcher or a person sends to stop a process: a rank dying of one was stopped,
