@@ -143,6 +143,9 @@ def prior_run(entries: list[dict[str, Any]]) -> PriorRun | None:
     finished = [e for e in tail if e.get("event") == "run_finished"]
     unfinished = not finished or finished[-1].get("state") == "stopped"
     launches = [e for e in entries if e.get("event") == "launch"]
+    last_launch = max((i for i, e in enumerate(entries) if e.get("event") == "launch"),
+                      default=-1)
+    since_launch = entries[last_launch + 1:]
     directive = launches[-1].get("directive") if launches else None
     pids: list[int] = []
     if launches:
@@ -150,16 +153,12 @@ def prior_run(entries: list[dict[str, Any]]) -> PriorRun | None:
         pids += [int(e["data"]["pid"]) for e in tail if e.get("event") == "worker_hello"
                  and e.get("attempt") == launches[-1].get("attempt")
                  and isinstance(e.get("data"), dict) and isinstance(e["data"].get("pid"), int)]
-    # A warm standby started after that launch waits for a promotion that will never come (one
-    # started before it is that launch).
-    after = entries[max(i for i, e in enumerate(entries) if e.get("event") == "launch"):] \
-        if launches else []
-    pids += [int(e["pid"]) for e in after if e.get("event") == "standby_started"
-             and isinstance(e.get("pid"), int)]
+        # A warm standby started after that launch waits for a promotion that will never come
+        # (one started before it is that launch).
+        pids += [int(e["pid"]) for e in since_launch if e.get("event") == "standby_started"
+                 and isinstance(e.get("pid"), int)]
     states = [e["state"] for e in entries if e.get("event") == "watch_state"]
-    last_launch = max((i for i, e in enumerate(entries) if e.get("event") == "launch"),
-                      default=-1)
-    pending = [e for e in entries[last_launch + 1:] if e.get("event") == "finding"
+    pending = [e for e in since_launch if e.get("event") == "finding"
                and e.get("remedy", {}).get("action") in ("rollback", "relaunch")]
     last_step = max((e["step"] for e in entries if isinstance(e.get("step"), int)), default=0)
     return PriorRun(last_attempt, unfinished, directive, tuple(p for p in pids if p > 0),
