@@ -219,10 +219,10 @@ def test_a_standby_waits_silent_until_promoted_and_one_that_fails_is_journaled(
         spare = workers.standby
         assert spare is not None
         wait_for(spare.ready_at)  # waiting in attach() when the run ends: it goes too
-        workers.standby_entries.clear()
+        workers.take_standby_entries()
         workers.close()
         assert [(event, fields["for_attempt"], fields["reason"])
-                for event, fields in workers.standby_entries] == \
+                for event, fields in workers.take_standby_entries()] == \
             [("standby_stopped", 3, "the run ended")]
     finally:
         workers.close()

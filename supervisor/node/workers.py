@@ -183,6 +183,11 @@ class NodeWorkers:
             spare, self.standby = self.standby, None
             self._discard(spare, "it exited on its own")
 
+    def take_standby_entries(self) -> list[tuple[str, dict[str, object]]]:
+        """The journal entries about the standby since the last call (``standby_entries``)."""
+        entries, self.standby_entries = self.standby_entries, []
+        return entries
+
     def drop_standby(self, reason: str) -> None:
         """Stop the standby's whole process tree, if there is one."""
         if self.standby is not None:

@@ -148,8 +148,7 @@ class OnThisNode:
     def close_workers(self) -> list[Entry]:
         """Stop this node's workers and its standby; the standby's journal entries."""
         self.workers.close()
-        entries, self.workers.standby_entries = self.workers.standby_entries, []
-        return entries
+        return self.workers.take_standby_entries()
 
     def diagnosis(self, finding: Finding) -> forensics.Diagnosis | None:
         # Each node reads its own ranks' stacks when its timers fire; this node's go into the
@@ -239,12 +238,11 @@ class LocalMembers(OnThisNode):
             self.workers.drop_standby(f"attempt {target} needs one")
             self.workers.start_standby(target, rdzv_endpoint=self._endpoint(),
                                        rdzv_id=self._rdzv_id(target))
-        entries, self.workers.standby_entries = self.workers.standby_entries, []
         waiting = self.workers.standby
         # Its start-up (interpreters, import torch) competes with the training ranks for the
         # CPU: a slowdown babysit causes is not the run's.
         self.judge.watch.own_load = waiting is not None and waiting.warming(time.time())
-        return entries
+        return self.workers.take_standby_entries()
 
     def stop(self, reason: str) -> int | None:
         return self.node.stop()
