@@ -7,7 +7,8 @@
    incident's last intervention is only journaled (IGNORE);
 3. the ladder: the n-th intervention for an incident takes rung n (the last rung repeats); the
    ladder resets after ``reset_after_steps`` / ``reset_after_s`` of quiet;
-   crashes follow the ``crash`` section instead: per-class relaunch limits, exponential backoff,
+   crashes follow the ``crash`` section instead: per-class relaunch limits, exponential backoff
+   (from the second crash of a class, unless ``first_relaunch_at_once`` is off),
    stop on a deterministic repeat, numerical crashes rolled back;
 4. escalation (rollbacks): a rollback cuts the LR by ``lr_factor`` for a while (it wears off
    over ``lr_rewarm_steps`` past the skipped batches); an onset within ``escalation_window``
@@ -135,15 +136,16 @@ class Rules:
         if len(times) >= limit:
             return Remedy(Action.STOP, finding, f"{cls} crash: {len(times)} relaunch(es) for "
                           f"this class already, limit crash.max_relaunches.{cls}={limit}")
-        backoff = min(cp.backoff_base_s * 2 ** len(times), cp.backoff_max_s)
+        waits = len(times) - 1 if cp.first_relaunch_at_once else len(times)
+        backoff = min(cp.backoff_base_s * 2 ** waits, cp.backoff_max_s) if waits >= 0 else 0.0
         times.append(now)
         why = f"{cls} crash {len(times)}/{limit}"
         if cls == "numerical" and cp.rollback_numerical:
             r = self._rollback(finding, why + ": numerical, so roll back past it")
             return Remedy(r.action, finding, r.reason, r.skip_before, r.skip_after, r.lr_scale,
                           backoff, r.lr_rewarm)
-        return Remedy(Action.RELAUNCH, finding, f"{why}: relaunch after {backoff:g}s",
-                      backoff_s=backoff)
+        when = f"after {backoff:g}s" if backoff else "at once"
+        return Remedy(Action.RELAUNCH, finding, f"{why}: relaunch {when}", backoff_s=backoff)
 
     # -- budget -----------------------------------------------------------------------------
 

@@ -184,8 +184,13 @@ class CrashPolicy(_Model):
 
     max_relaunches: CrashLimits = CrashLimits()
     """Relaunches allowed per class; one more crash of that class stops the run."""
+    first_relaunch_at_once: bool = True
+    """The first crash of a class (within forget_after_s) is relaunched without waiting: one
+    crash is not yet a crash loop, and every second waited is every rank idle. The backoff
+    starts with the second."""
     backoff_base_s: float = Field(default=5.0, ge=0.0)
-    """Wait before the first relaunch of a class; doubles with each further one."""
+    """Wait before the first relaunch of a class that waits (the second crash of the class when
+    first_relaunch_at_once, else the first); doubles with each further one."""
     backoff_max_s: float = Field(default=300.0, ge=0.0)
     """Upper bound of the backoff."""
     stop_on_deterministic: bool = True

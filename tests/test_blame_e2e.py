@@ -39,7 +39,8 @@ def test_faults_on_rank_1_name_rank_1_and_slow_work_is_no_hang(tmp_path: Path) -
     args = ["--steps", "25", "--step-sleep", "0.05"]
     for fault in FAULTS:
         args += ["--at", fault]
-    # The default policy; only the crash backoff is shortened (5 s by default).
+    # The default policy; only the crash backoff is shortened (5 s by default, from a class's
+    # second crash on).
     policy = "{name: default, overrides: {crash: {backoff_base_s: 0.2, backoff_max_s: 0.5}}}"
     result, run_dir = babysat(tmp_path, "faults", *args, policy=policy)
     out = result.stdout + result.stderr

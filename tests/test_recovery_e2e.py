@@ -117,9 +117,12 @@ def test_nan_loss_rolls_back_at_once(tmp_path: Path) -> None:
 
 def test_hang_names_the_stuck_rank_from_its_stack_and_relaunches(tmp_path: Path) -> None:
     # One run, three faults (the goodput ledger's real run): attempt 0 hangs at step 15,
-    # attempt 1 meets poisoned batches 22-25 and rolls back, attempt 2 is killed at step 33.
+    # attempt 1 meets poisoned batches 22-25 and rolls back, attempt 2 is killed at step 33
+    # and relaunched after a backoff (the first crash waits here, so the ledger has one).
     result, run_dir = babysat(tmp_path, "hang", "--steps", "40", "--hang", "1:15",
-                              "--spike", "22:26", "--at", "2:0:33:SIGKILL")
+                              "--spike", "22:26", "--at", "2:0:33:SIGKILL",
+                              policy=f"{{name: {FAST_POLICY}, overrides: "
+                                     "{crash: {first_relaunch_at_once: false}}}")
     assert result.returncode == 0, result.stdout + result.stderr
     # Telemetry alone cannot tell them apart (both last reported step 14); the stacks can.
     (diagnosis,) = journal(run_dir, "hang_diagnosis")

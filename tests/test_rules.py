@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from babysit.policies.detectors import classify
 from babysit.policies.loader import load_policy
 from babysit.policies.rules import Rules
@@ -116,14 +118,27 @@ def crash(log: str, step: int, previous: list | None = None) -> Finding:
     return classify(1, None, log, step, previous or []).to_finding()
 
 
-def test_crash_relaunch_with_exponential_backoff_then_stop_at_class_limit() -> None:
-    rules = Rules(policy(**{"crash.max_relaunches.network": 3, "crash.backoff_base_s": 5,
-                            "crash.backoff_max_s": 15}))
+@pytest.mark.parametrize(("at_once", "waits"), [(True, [0.0, 5.0, 10.0, 15.0]),
+                                                (False, [5.0, 10.0, 15.0, 15.0])])
+def test_crash_relaunch_with_exponential_backoff_then_stop_at_class_limit(
+        at_once: bool, waits: list[float]) -> None:
+    rules = Rules(policy(**{"crash.max_relaunches.network": 4, "crash.backoff_base_s": 5,
+                            "crash.backoff_max_s": 15,
+                            "crash.first_relaunch_at_once": at_once}))
     log = "RuntimeError: Connection reset by peer"
-    rs = [rules.on_finding(crash(log, 100 * i), float(i)) for i in range(1, 5)]
-    assert [r.action for r in rs] == [Action.RELAUNCH] * 3 + [Action.STOP]
-    assert [r.backoff_s for r in rs[:3]] == [5.0, 10.0, 15.0]
-    assert "network" in rs[3].reason and "max_relaunches.network=3" in rs[3].reason
+    rs = [rules.on_finding(crash(log, 100 * i), float(i)) for i in range(1, 6)]
+    assert [r.action for r in rs] == [Action.RELAUNCH] * 4 + [Action.STOP]
+    assert [r.backoff_s for r in rs[:4]] == waits
+    assert rs[0].reason.endswith("relaunch at once" if at_once else "relaunch after 5s")
+    assert "network" in rs[4].reason and "max_relaunches.network=4" in rs[4].reason
+
+
+def test_the_backoff_starts_over_once_old_crashes_are_forgotten() -> None:
+    rules = Rules(policy(**{"crash.forget_after_s": 3600.0}))
+    log = "RuntimeError: Connection reset by peer"
+    waits = [rules.on_finding(crash(log, 100 * i), t).backoff_s
+             for i, t in enumerate((0.0, 60.0, 7200.0), 1)]
+    assert waits == [0.0, 5.0, 0.0]
 
 
 def test_deterministic_crash_stops() -> None:
@@ -144,7 +159,7 @@ def test_user_code_crash_stops_at_once_by_default() -> None:
 
 def test_numerical_crash_rolls_back() -> None:
     r = Rules(policy()).on_finding(crash("FloatingPointError: loss is nan", 300), 0.0)
-    assert r.action is Action.ROLLBACK and r.lr_scale == 0.5 and r.backoff_s == 5.0
+    assert r.action is Action.ROLLBACK and r.lr_scale == 0.5 and r.backoff_s == 0.0
 
 
 def test_state_round_trip_through_json_changes_nothing() -> None:
