@@ -50,7 +50,7 @@ class ScriptedMembers:
         self.up = True
         return {"pid": 4242, "command": ["torchrun", "train.py"], **self.launch_fields}
 
-    def stop(self, reason: str) -> int | None:
+    def stop(self, reason: str, *, replacing: bool = False) -> int | None:
         self.stops.append(reason)
         self.up = False
         return -15

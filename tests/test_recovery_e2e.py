@@ -137,6 +137,9 @@ def test_hang_names_the_stuck_rank_from_its_stack_and_relaunches(tmp_path: Path)
     resumes = [e for e in journal(run_dir, "resume") if e.get("from")]
     assert resumes[0]["checkpoint_step"] == 10
     assert read_jsonl(run_dir / "events.jsonl")[-1]["state"] == "succeeded"
+    # Replacing an attempt (the hang, the rollback) kills torchrun once its ranks are gone
+    # rather than waiting out its own shutdown.
+    assert [e["exit_code"] for e in journal(run_dir, "workers_stopped")] == [-9, -9]
     assert_goodput_ledger(run_dir, result.stdout)
 
 

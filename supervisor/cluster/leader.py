@@ -120,10 +120,10 @@ class ClusterMembers(OnThisNode):
                 "standby": False, "standby_off": self._standby_off, "nodes": nodes,
                 "hosts": {str(n): self.cluster.hosts.get(n, self.view.host) for n in nodes}}
 
-    def stop(self, reason: str) -> int | None:
+    def stop(self, reason: str, *, replacing: bool = False) -> int | None:
         self.cluster.attempt.done = True  # what the nodes say of its end is moot now
         self.cluster.tell({"type": "stop", "reason": reason})
-        code = self.node.stop()
+        code = self.node.stop(replacing)
         deadline = self.clock() + self.plan.config.launch.stop_grace_s + 10.0
         moot = Gathered()
         while not self.cluster.all_stopped() and self.clock() < deadline:

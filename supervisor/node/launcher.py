@@ -230,8 +230,14 @@ class WorkerGroup:
             return False
         return all(env.get(key) == self._env.get(key) for key in (ENV_RUN_DIR, ENV_ATTEMPT))
 
-    def stop(self, grace_s: float) -> int | None:
+    def stop(self, grace_s: float, launcher_grace_s: float | None = None) -> int | None:
         """SIGTERM every process group of the tree, wait up to ``grace_s``, then SIGKILL.
+
+        ``launcher_grace_s``: once everything but torchrun is gone, how long torchrun may take
+        to exit on its own before it is killed (None: the rest of ``grace_s``). Its own
+        shutdown after the ranks died (stopping the agent, the rendezvous, its interpreter:
+        about 0.5 s) matters when a person stops the run, not when babysit replaces an attempt
+        whose ranks' logs are already on disk.
 
         Blocks until everything is gone. Returns torchrun's exit code.
         """
@@ -239,11 +245,17 @@ class WorkerGroup:
         # A stopped rank (SIGSTOP, a hang babysit found) handles SIGTERM only once continued.
         self._signal_all(signal.SIGCONT)
         deadline = time.monotonic() + grace_s
+        alone_since: float | None = None
         while time.monotonic() < deadline:
             self._reap()
-            if not self.processes():
+            left = self.processes()
+            if not left:
                 break
-            time.sleep(0.05)
+            if launcher_grace_s is not None and [p.pid for p in left] == [self.pid]:
+                alone_since = alone_since or time.monotonic()
+                if time.monotonic() - alone_since >= launcher_grace_s:
+                    signal_groups(left, signal.SIGKILL)
+            time.sleep(0.02)
         else:
             self._signal_all(signal.SIGKILL)
             for p in self.processes():

@@ -276,12 +276,16 @@ class NodeWorkers:
     def pids(self) -> list[int]:
         return [p.pid for p in self.group.processes()] if self.group is not None else []
 
-    def stop(self) -> int | None:
-        """Stop every process of the attempt (politely, then not); torchrun's exit code."""
+    def stop(self, replacing: bool = False) -> int | None:
+        """Stop every process of the attempt (politely, then not); torchrun's exit code.
+        ``replacing``: another attempt follows, so torchrun is killed as soon as its ranks are
+        gone rather than waited for (its own shutdown is about 0.5 s of every relaunch, and
+        nothing in it is babysit's to keep: the ranks' logs are on disk)."""
         if self.group is None:
             return None
         self._stopping = True
-        return self.group.stop(self.plan.config.launch.stop_grace_s)
+        return self.group.stop(self.plan.config.launch.stop_grace_s,
+                               launcher_grace_s=0.0 if replacing else None)
 
     def output(self) -> Iterator[str]:
         """The lines printed since the last call, for the console, prefixed with the rank (or

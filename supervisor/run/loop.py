@@ -348,12 +348,17 @@ class Supervisor:
         if isinstance(action, sm.Launch):
             self._launch(action.attempt, action.remedy)
         elif isinstance(action, sm.StopWorkers):
-            self._stop_workers(action.reason)
-            if self.machine.state is sm.State.INTERVENING:
+            # INTERVENING: stopped to be replaced (a remedy), not because the run ends.
+            replacing = self.machine.state is sm.State.INTERVENING
+            self._stop_workers(action.reason, replacing)
+            if replacing:
                 pending.append(sm.WorkersStopped())
         elif isinstance(action, sm.Wait):
-            self._wake_at = self.clock() + action.seconds
             self._journal("backoff", seconds=action.seconds)
+            if action.seconds > 0:
+                self._wake_at = self.clock() + action.seconds
+            else:  # no wait: relaunch in this tick, not the next
+                pending.append(sm.BackoffElapsed())
         elif isinstance(action, sm.Notify):
             self._notify(action)
         elif isinstance(action, sm.Finish):
@@ -536,11 +541,11 @@ class Supervisor:
         if first and off and off != standby.CONFIGURED_OFF:  # the user's own choice needs no word
             self.console.log(f"babysit: relaunches will start cold: {off}")
 
-    def _stop_workers(self, reason: str) -> None:
+    def _stop_workers(self, reason: str, replacing: bool = False) -> None:
         if not self._launched:
             return
         self._journal("stop_workers", reason=reason, pids=self.members.pids())
-        code = self.members.stop(reason)
+        code = self.members.stop(reason, replacing=replacing)
         self._print_output()
         self._journal("workers_stopped", exit_code=code)
 

@@ -98,8 +98,10 @@ class Members(Protocol):
         """Start ``attempt``; returns the ``launch`` journal entry's fields. May raise
         ``MembersMissing`` (a lost node that does not come back)."""
 
-    def stop(self, reason: str) -> int | None:
-        """Stop every worker of the attempt; this node's torchrun exit code, or None."""
+    def stop(self, reason: str, *, replacing: bool = False) -> int | None:
+        """Stop every worker of the attempt; this node's torchrun exit code, or None.
+        ``replacing``: a new attempt follows (a remedy), so torchrun's own shutdown is not
+        waited for once its ranks are gone (``WorkerGroup.stop``)."""
 
     def request(self, **fields: Any) -> None:
         """Ask the running ranks for something through the attempt's control file(s)."""
@@ -244,8 +246,8 @@ class LocalMembers(OnThisNode):
         self.judge.watch.own_load = waiting is not None and waiting.warming(time.time())
         return self.workers.take_standby_entries()
 
-    def stop(self, reason: str) -> int | None:
-        return self.node.stop()
+    def stop(self, reason: str, *, replacing: bool = False) -> int | None:
+        return self.node.stop(replacing)
 
     def request(self, **fields: Any) -> None:
         self.workers.control.request(**fields)

@@ -144,10 +144,11 @@ class OwnNode(Generic[Out]):
         self._teardown = self._early = None
         return start()
 
-    def stop(self) -> int | None:
-        """Stop the attempt's processes; torchrun's exit code (None if none was started)."""
+    def stop(self, replacing: bool = False) -> int | None:
+        """Stop the attempt's processes; torchrun's exit code (None if none was started).
+        ``replacing``: as ``NodeWorkers.stop``'s."""
         self.running = False
-        return self.workers.stop()
+        return self.workers.stop(replacing)
 
     def tick(self, now: float, watching: bool = True) -> NodeTick[Out]:
         """Everything since the last tick. ``watching``: also notice torchrun's exit and hangs
