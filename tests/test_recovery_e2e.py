@@ -173,8 +173,8 @@ def assert_goodput_ledger(run_dir: Path, stdout: str) -> None:
 
 def test_a_crash_relaunches_through_the_warm_standby(tmp_path: Path) -> None:
     # Long enough (steps of 0.05 s) for the warm standby to start (5 s after the first step)
-    # before the crash.
-    result, run_dir = babysat(tmp_path, "warm", "--steps", "180", "--step-sleep", "0.05",
+    # before the crash, and, in attempt 1, another for an attempt 2 that never comes.
+    result, run_dir = babysat(tmp_path, "warm", "--steps", "280", "--step-sleep", "0.05",
                               "--at", "0:1:130:SIGKILL", launch_extra="  max_restarts: 1\n")
     assert result.returncode == 0, result.stdout + result.stderr
     (crash,) = [e for e in journal(run_dir, "finding") if e["finding"]["incident"] == "crash"]
@@ -192,9 +192,16 @@ def test_a_crash_relaunches_through_the_warm_standby(tmp_path: Path) -> None:
     (resume,) = [e for e in journal(run_dir, "resume") if e.get("from")]
     start = resume["checkpoint_step"]
     before, after = losses(run_dir, attempt=0), losses(run_dir, attempt=1)
-    assert start >= 120 and sorted(after) == list(range(start + 1, 181))
+    assert start >= 120 and sorted(after) == list(range(start + 1, 281))
     assert {s: after[s] for s in range(start + 1, 130)} == \
         {s: before[s] for s in range(start + 1, 130)}
+    # The standby for attempt 2 went as soon as every rank had closed its run, while they were
+    # still exiting, not after.
+    (stopped,) = journal(run_dir, "standby_stopped")
+    assert stopped["for_attempt"] == 2 and stopped["reason"] == "every rank closed its run"
+    final = max(m["time"] for m in read_jsonl(run_dir / "metrics.jsonl"))
+    (ended,) = [e for e in journal(run_dir, "state") if e["new"] == "succeeded"]
+    assert final <= stopped["time"] <= ended["time"]
     leftovers = []  # nothing of the run outlives it (tests/test_standby.py: an unpromoted one)
     for proc in psutil.process_iter():
         with contextlib.suppress(psutil.Error):

@@ -229,8 +229,12 @@ class LocalMembers(OnThisNode):
         return self.plan.config.launch.rdzv_id or f"{self.plan.name}-{attempt}"
 
     def _keep_standby(self, tick: NodeTick[Any], now: float, watching: bool) -> list[Entry]:
-        """Start the next attempt's standby when due; journal one that ended on its own."""
+        """Start the next attempt's standby when due; journal one that ended on its own; stop
+        it once every rank closed its run (no attempt follows one that finished, even if its
+        teardown crashes), while the ranks are still exiting rather than after."""
         self.workers.standby_exit()
+        if self.workers.all_closed:
+            self.workers.drop_standby("every rank closed its run")
         # A hello of stdout mode's own (the script never attaches) would start no waiter.
         self.standby.observe(now, hello=any(e.type == "hello" and e.data.get("source") != SOURCE
                                             for e in tick.events), stepped=any(tick.outputs))
