@@ -1,10 +1,11 @@
 """Goodput under a fault schedule: babysit (default policy) beside plain torchrun, same job.
 
     .venv/bin/python benchmarks/goodput.py [--minutes 2] [--stall-s 30] [--async-save]
-                                           [--no-torchrun]
+                                           [--no-torchrun] [--keep DIR]
 
 The job is ``tests/workers/tiny_train.py``, 2 gloo ranks on this CPU, 0.05 s of sleep per
-step, sized to about ``--minutes`` of fault-free training (the issue's figure is for 10), with
+step, sized to ``--minutes`` of fault-free training (the issue's figure is for 10; the step
+time is measured first, on 60 steps under plain torchrun), with
 four faults placed at fractions of its steps:
 
 - 20%: a data spike: 4 poisoned global batches (``--spike``), a loss jump;
@@ -28,11 +29,13 @@ wall time until it was stopped; its loss is the last one rank 0 printed (``--los
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,12 +46,24 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "tiny_train.py"
 GLOO_TIMEOUT_S = 1800.0  # torch's default_pg_timeout for gloo
-STEP_S = 0.08  # about what one step of the job takes here (0.05 s sleep + compute + reports)
 
 
 def env() -> dict[str, str]:
     return {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HOME": os.environ.get("HOME", "/"),
             "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
+
+
+def step_time(workdir: Path) -> float:
+    """The job's fault-free step time on this machine (0.05 s of sleep, the compute, the
+    collectives): the median of 60 steps under plain torchrun, so that ``--minutes`` is what
+    the fault-free run takes here."""
+    log = workdir / "calibrate-steps.log"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "2", str(WORKER), "--steps", "60", "--step-sleep", "0.05",
+                    "--step-log", str(log)], cwd=workdir, env=env(), capture_output=True,
+                   check=True, timeout=300)
+    times = [float(line.split()[0]) for line in log.read_text().splitlines()]
+    return statistics.median(b - a for a, b in itertools.pairwise(times[10:]))
 
 
 def schedule(steps: int) -> dict[str, int]:
@@ -132,14 +147,24 @@ def main() -> None:
     p.add_argument("--async-save", action="store_true",
                    help="babysit saves its checkpoints asynchronously (checkpoints.async_save)")
     p.add_argument("--no-torchrun", action="store_true", help="run only the babysit half")
+    p.add_argument("--keep", type=Path, metavar="DIR",
+                   help="run in DIR and keep it (babysit's run directory: DIR/babysit) instead "
+                        "of a temporary folder")
     args = p.parse_args()
-    steps = int(args.minutes * 60 / STEP_S)
-    at = schedule(steps)
-    print(f"job: {steps} steps (~{args.minutes:g} min fault-free); spike at batch "
-          f"{at['spike']}, hang at step {at['hang']}, crash at step {at['crash']}, slow loader "
-          f"batches {at['slow_start']}-{at['slow_end'] - 1}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="babysit-goodput-") as tmp:
-        workdir = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            workdir = args.keep.resolve()
+        else:
+            workdir = Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="babysit-goodput-")))
+        step_s = step_time(workdir)
+        steps = int(args.minutes * 60 / step_s)
+        at = schedule(steps)
+        print(f"job: {steps} steps of {1000 * step_s:.1f} ms (~{args.minutes:g} min "
+              f"fault-free here); spike at batch {at['spike']}, hang at step {at['hang']}, "
+              f"crash at step {at['crash']}, slow loader batches {at['slow_start']}-"
+              f"{at['slow_end'] - 1}", flush=True)
         b = under_babysit(workdir, steps, at, async_save=args.async_save)
         ledger = b["ledger"]
         bad = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(
