@@ -190,7 +190,8 @@ class Follower:
         if kind == "launch":
             self._launch(message)
         elif kind == "stop":
-            self._stop_workers(str(message.get("reason", "the leader said so")))
+            self._stop_workers(str(message.get("reason", "the leader said so")),
+                               replacing=bool(message.get("replacing")))
             assert self.peer is not None
             self.peer.send({"type": "stopped", "attempt": self.attempt})
         elif kind == "control":
@@ -214,7 +215,7 @@ class Follower:
     def _launch(self, message: dict[str, Any]) -> None:
         from babysit.supervisor.contract.directive import Directive
 
-        self._stop_workers("a new attempt starts")
+        self._stop_workers("a new attempt starts", replacing=True)
         attempt = int(message["attempt"])
         directive = Directive.from_json(message["directive"])
         self.attempt, self._step = attempt, 0
@@ -225,10 +226,10 @@ class Follower:
         self._journal("launch", command=command, rdzv_endpoint=message["rdzv_endpoint"],
                       directive=directive.to_json())
 
-    def _stop_workers(self, reason: str) -> None:
+    def _stop_workers(self, reason: str, replacing: bool = False) -> None:
         if self.workers.group is not None and self.workers.group.processes():
             self._journal("stop_workers", reason=reason, pids=self.workers.pids())
-            code = self.own.stop()
+            code = self.own.stop(replacing)
             self._journal("workers_stopped", exit_code=code)
         self.own.running = False
 

@@ -122,7 +122,7 @@ class ClusterMembers(OnThisNode):
 
     def stop(self, reason: str, *, replacing: bool = False) -> int | None:
         self.cluster.attempt.done = True  # what the nodes say of its end is moot now
-        self.cluster.tell({"type": "stop", "reason": reason})
+        self.cluster.tell({"type": "stop", "reason": reason, "replacing": replacing})
         code = self.node.stop(replacing)
         deadline = self.clock() + self.plan.config.launch.stop_grace_s + 10.0
         moot = Gathered()
