@@ -19,7 +19,8 @@ the telemetry socket, so it sends nothing and judges nothing. The states::
                read it and go on exactly as a fresh attempt's do; it is the attempt now
     exited     it ended on its own (an import error, say): journaled, never used, never the
                running attempt's crash; the next relaunch is cold and shows the error
-    stopped    the run ended, or babysit stops: its whole process tree goes too
+    stopped    every rank of the running attempt closed its run (no attempt follows), the
+               run ended, or babysit stops: its whole process tree goes too
 
 The cost: a second torchrun and set of rank processes with torch imported and whatever the
 script built before ``attach()`` (on a GPU, their CUDA contexts and any model already on the
