@@ -25,7 +25,7 @@ the telemetry socket, so it sends nothing and judges nothing. The states::
 The cost: a second torchrun and set of rank processes with torch imported and whatever the
 script built before ``attach()`` (on a GPU, their CUDA contexts and any model already on the
 device); for 2 CPU ranks of ``tests/workers/tiny_train.py``, about 0.8 GB resident (0.57 GB
-unique) and 6.6 CPU-seconds to get ready (docs/recovery.md).
+unique) and about 6 CPU-seconds to get ready (docs/recovery.md).
 """
 
 from __future__ import annotations
