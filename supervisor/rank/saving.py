@@ -57,6 +57,8 @@ class Checkpointer:
         self._final_done: set[str] = set()
         self._final_step: int | None = None
         """The step the ranks agreed to save the final checkpoint at."""
+        self._final_counted = False
+        """This rank counted itself in as having read the final request (``_final_target``)."""
         self._cadence: list[tuple[int, int]] = [(0, directive.checkpoint_every)]
         """``(from_step, every)`` pieces in step order: the directive's cadence, then each
         change the control file made. Pieces wholly in the past are dropped as steps go by."""
@@ -174,12 +176,15 @@ class Checkpointer:
         preemption), once they have; None otherwise.
 
         The supervisor asks for "the next step boundary you can all reach"; it cannot name
-        the step itself (its count lags the ranks by a tick or more). Rank 0 names it: the
-        step after the boundary where it read the request, published in the job's c10d store.
-        No rank can be past that step yet: finishing a step needs every rank's share of its
-        gradient all-reduce, and rank 0 publishes before it starts the next one. The other
-        ranks look the key up (a non-blocking ``check``) at each boundary until it is there,
-        which it is by that step at the latest. Without a process group, this step."""
+        the step itself (its count lags the ranks by a tick or more), and the ranks do not read
+        the request at the same step: on several nodes each node's file is written when its
+        babysitter hears of it, which can be steps after the leader's. So, in the job's c10d
+        store: each rank, at the first boundary where it has read the request, counts itself
+        in (``.../seen``); rank 0, at each boundary, names the step after it once all ranks
+        are counted. From then on every rank looks the name up (a non-blocking ``check``) at
+        each boundary, and finds it by that step at the latest: none can finish a step
+        without rank 0, which names it before it starts the next one. Without a process group,
+        this step."""
         if self._final is None:
             return self._final_step
         if self._final_step is not None:
@@ -188,9 +193,14 @@ class Checkpointer:
         key = f"babysit/final_checkpoint/{self._final}"
         if store is None:
             self._final_step = step
-        elif self.rank == 0:
-            self._final_step = step + 1
-            store.set(key, str(step + 1))
+            return step
+        if not self._final_counted:
+            store.add(f"{key}/seen", 1)
+            self._final_counted = True
+        if self.rank == 0:
+            if store.add(f"{key}/seen", 0) >= _world_size():
+                self._final_step = step + 1
+                store.set(key, str(step + 1))
         elif store.check([key]):
             self._final_step = int(store.get(key).decode())
         if self._final_step is not None and self._final_step < step:
@@ -209,7 +219,7 @@ class Checkpointer:
         final = request.get("final_checkpoint")
         if final is not None and str(final) not in self._final_done:
             self._final_done.add(str(final))
-            self._final, self._final_step = str(final), None
+            self._final, self._final_step, self._final_counted = str(final), None, False
         every = _as_int(request.get("checkpoint_every"))
         if every is None or every < 1:
             return
@@ -301,6 +311,12 @@ def _store() -> Any:
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
 
 
 def _barrier() -> None:
