@@ -105,6 +105,24 @@ def test_script_checkpoints_are_copied_once_still_and_put_back_before_the_onset(
     assert ckpts.restore(before=20, aside=tmp_path / "aside2") is None
 
 
+def test_a_save_no_poll_copied_yet_is_copied_once_the_workers_stopped(tmp_path: Path) -> None:
+    folder, store = tmp_path / "out", tmp_path / "run" / "script_checkpoints"
+    ckpts = ScriptCheckpoints(folder, store, keep=3)
+    ckpts.start()
+    assert ckpts.settle(5) is None  # nothing there, nothing to copy
+    _save(folder, b"a", 1)
+    assert ckpts.poll(POLL_S, 21) is None  # seen once at step 21; the stop comes before another
+    late = ckpts.settle(25)
+    assert late is not None and late.step == 21  # named by its first sighting
+    assert (late.path / "ckpt.pt").read_bytes() == b"a"
+    assert ckpts.settle(26) is None  # copied: settled
+    _save(folder, b"b", 2)  # saved after the last look: named by the newest step, never earlier
+    late = ckpts.settle(30)
+    assert late is not None and late.step == 30
+    chosen = ckpts.restore(before=25, aside=tmp_path / "aside")
+    assert chosen is not None and chosen.step == 21 and (folder / "ckpt.pt").read_bytes() == b"a"
+
+
 def test_a_rollback_with_checkpoint_keys_restores_and_resumes(tmp_path: Path) -> None:
     folder = tmp_path / "out"
     config = StdoutConfig(checkpoint_dir=str(folder), resume_args=["--init_from=resume"])

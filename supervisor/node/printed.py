@@ -146,15 +146,22 @@ class PrintedProgress:
         self.resume_args = []
         if remedy is None or self.checkpoints is None or self.attached or not self.enabled:
             return []
+        entries: list[Entry] = []
+        # A save the polls saw but had not copied yet (a relaunch follows the stop at once).
+        late = self.checkpoints.settle(self._newest)
+        if late is not None:
+            entries.append(("script_checkpoint_copied", {
+                "checkpoint_step": late.step, "path": str(late.path),
+                "reason": "the workers stopped before a poll had copied it"}))
         rollback = remedy.action is Action.ROLLBACK
         before = remedy.finding.onset_step if rollback else None
         chosen = self.checkpoints.restore(before, aside)
         if chosen is None:
-            return [("script_checkpoint_restored", {
+            return [*entries, ("script_checkpoint_restored", {
                 "from": None, "before_step": before,
                 "reason": "no copy of the script's checkpoints qualifies: starting over"})]
         self.resume_args = list(self.config.resume_args)
-        return [("script_checkpoint_restored", {
+        return [*entries, ("script_checkpoint_restored", {
             "from": str(chosen.path), "checkpoint_step": chosen.step, "before_step": before,
             "folder": str(self.checkpoints.folder), "set_aside": str(aside),
             "resume_args": self.resume_args})]

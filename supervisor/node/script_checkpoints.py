@@ -53,7 +53,8 @@ class ScriptCheckpoints:
 
     Calling rules: ``start()`` once before the first launch (what the folder holds then came
     from before this run and is not copied); ``poll(now, step)`` every tick with a monotonic
-    ``now`` and the newest printed step; ``restore(before, aside)`` just before a relaunch.
+    ``now`` and the newest printed step; ``settle(step)`` then ``restore(before, aside)`` just
+    before a relaunch, once the workers are stopped.
     """
 
     def __init__(self, folder: Path, store: Path, keep: int) -> None:
@@ -105,6 +106,18 @@ class ScriptCheckpoints:
         for old in self.snapshots()[:-self.keep]:
             shutil.rmtree(old.path, ignore_errors=True)
         return Snapshot(step, target)
+
+    def settle(self, step: int) -> Snapshot | None:
+        """The workers are stopped, so nothing writes the folder any more: a change no poll has
+        copied yet (a save seen once, or made since the last look) is copied now, under the
+        step of its first sighting, else ``step`` (the newest printed: never earlier than the
+        save, so a rollback never takes it for older than it is)."""
+        current = fingerprint(self.folder)
+        if not current or current == self._seen:
+            return None
+        first_step = self._changing[1] if self._changing is not None else step
+        self._changing, self._seen = None, current
+        return self._copy(first_step)
 
     def restore(self, before: int | None, aside: Path) -> Snapshot | None:
         """Put back the newest copy from strictly before step ``before`` (None: the newest
