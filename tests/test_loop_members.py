@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node import forensics, standby
 from babysit.supervisor.node.aggregate import metrics_row
+from babysit.supervisor.run import loop as loop_mod
 from babysit.supervisor.run.console import Console
 from babysit.supervisor.run.loop import Supervisor
 from babysit.supervisor.run.members import Gathered, JobEnd, Voice
@@ -36,8 +38,9 @@ class ScriptedMembers:
         self.launch_fields = launch_fields or {}
         self.launches: list[tuple[int, Directive]] = []
         self.stops: list[str] = []
-        self.ticks = 0
-        """Ticks gathered so far; ``at`` says in which tick each launch and stop came."""
+        self.tick: Callable[[], int] = lambda: 0
+        """The loop's tick now (``LoopTicks``); ``at`` says in which tick each launch, stop
+        and gather came."""
         self.at: list[tuple[str, int]] = []
         self.closed: int | None = None
         self.up = False
@@ -50,13 +53,13 @@ class ScriptedMembers:
 
     def launch(self, attempt: int, directive: Directive, now: float) -> dict[str, Any]:
         self.launches.append((attempt, directive))
-        self.at.append((f"launch {attempt}", self.ticks))
+        self.at.append((f"launch {attempt}", self.tick()))
         self.up = True
         return {"pid": 4242, "command": ["torchrun", "train.py"], **self.launch_fields}
 
     def stop(self, reason: str, *, replacing: bool = False) -> int | None:
         self.stops.append(reason)
-        self.at.append(("stop, replacing" if replacing else "stop", self.ticks))
+        self.at.append(("stop, replacing" if replacing else "stop", self.tick()))
         self.up = False
         return -15
 
@@ -64,7 +67,7 @@ class ScriptedMembers:
         pass
 
     def gather(self, now: float, watching: bool) -> Gathered:
-        self.ticks += 1
+        self.at.append(("gather" if watching else "drain", self.tick()))
         return self.script.pop(0) if self.script and watching else Gathered()
 
     def diagnosis(self, finding: Finding) -> forensics.Diagnosis | None:
@@ -95,6 +98,20 @@ class ScriptedMembers:
         # allowed and stops nothing more).
         return [("standby_stopped", {"for_attempt": 1, "reason": "the run ended"})] \
             if first else []
+
+
+class LoopTicks:
+    """Stands in for the loop module's ``time``: counts the loop's ticks (its sleeps)."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+
+    def sleep(self, seconds: float) -> None:
+        self.ticks += 1
+        time.sleep(seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
 
 
 def steps(attempt: int, first: int, last: int, loss: float = 2.0) -> Gathered:
@@ -145,19 +162,24 @@ def test_a_clean_end_finishes_the_run_and_closes_the_members(plan: plan_mod.RunP
 
 
 def test_a_hang_a_member_names_is_relaunched_from_the_directive(
-        plan: plan_mod.RunPlan) -> None:
+        plan: plan_mod.RunPlan, monkeypatch: pytest.MonkeyPatch) -> None:
     hang = Finding(incident=Incident.HANG, detector="hang", severity=Severity.CRITICAL,
                    step=5, onset_step=5, ranks=(1,), message="hang at step 5: rank 1 is stuck")
     stuck = steps(0, 1, 5)
     stuck.findings = [hang]
     members = ScriptedMembers([stuck, steps(1, 1, 3), Gathered(end=JobEnd(0))])
+    ticks = LoopTicks()
+    monkeypatch.setattr(loop_mod, "time", ticks)
+    members.tick = lambda: ticks.ticks
 
     code, journal = run(plan, members)
 
     assert code == 0
     assert [a for a, _ in members.launches] == [0, 1]  # relaunched, once
-    # Stopped to be replaced, and replaced in the same tick: a hang has no backoff to wait.
-    assert members.at == [("launch 0", 0), ("stop, replacing", 1), ("launch 1", 1)]
+    # Stopped to be replaced, what the stopped ranks sent last taken in, and replaced, all in
+    # the tick that found the hang: a hang has no backoff to wait.
+    assert members.at[:5] == [("launch 0", 0), ("gather", 1), ("stop, replacing", 1),
+                              ("drain", 1), ("launch 1", 1)]
     (finding,) = [e for e in journal if e["event"] == "finding"]
     assert finding["finding"]["ranks"] == [1] and finding["remedy"]["action"] == "relaunch"
     assert [e["attempt"] for e in journal if e["event"] == "launch"] == [0, 1]

@@ -352,6 +352,9 @@ class Supervisor:
             replacing = self.machine.state is sm.State.INTERVENING
             self._stop_workers(action.reason, replacing)
             if replacing:
+                # What the stopped ranks sent last (a checkpoint they finished) counts before
+                # the relaunch, in this tick, chooses where to resume.
+                self._take(self.members.gather(self.clock(), watching=False), pending)
                 pending.append(sm.WorkersStopped())
         elif isinstance(action, sm.Wait):
             self._journal("backoff", seconds=action.seconds)
