@@ -142,16 +142,16 @@ def prior_run(entries: list[dict[str, Any]]) -> PriorRun | None:
     last_attempt = max((int(e.get("attempt", 0)) for e in entries), default=0)
     finished = [e for e in tail if e.get("event") == "run_finished"]
     unfinished = not finished or finished[-1].get("state") == "stopped"
-    launches = [e for e in entries if e.get("event") == "launch"]
     last_launch = max((i for i, e in enumerate(entries) if e.get("event") == "launch"),
                       default=-1)
+    launch = entries[last_launch] if last_launch >= 0 else None
     since_launch = entries[last_launch + 1:]
-    directive = launches[-1].get("directive") if launches else None
+    directive = launch.get("directive") if launch else None
     pids: list[int] = []
-    if launches:
-        pids.append(int(launches[-1].get("pid", 0)))
+    if launch:
+        pids.append(int(launch.get("pid", 0)))
         pids += [int(e["data"]["pid"]) for e in tail if e.get("event") == "worker_hello"
-                 and e.get("attempt") == launches[-1].get("attempt")
+                 and e.get("attempt") == launch.get("attempt")
                  and isinstance(e.get("data"), dict) and isinstance(e["data"].get("pid"), int)]
         # A warm standby started after that launch waits for a promotion that will never come
         # (one started before it is that launch).
