@@ -91,11 +91,11 @@ class ScriptCheckpoints:
             # Keep the step of the first sighting: the save began before it.
             self._changing = (current, self._changing[1] if self._changing else step)
             return None
-        first_step = self._changing[1]
-        self._changing, self._seen = None, current
-        return self._copy(first_step)
+        return self._copy(current, self._changing[1])
 
-    def _copy(self, step: int) -> Snapshot:
+    def _copy(self, current: Fingerprint, step: int) -> Snapshot:
+        """Copy the folder, whose fingerprint is ``current``, as step ``step``'s; it is seen."""
+        self._changing, self._seen = None, current
         target = self.store / f"step-{step}"
         if target.exists():  # saved twice at the same printed step: the newer one wins
             shutil.rmtree(target)
@@ -115,9 +115,7 @@ class ScriptCheckpoints:
         current = fingerprint(self.folder)
         if not current or current == self._seen:
             return None
-        first_step = self._changing[1] if self._changing is not None else step
-        self._changing, self._seen = None, current
-        return self._copy(first_step)
+        return self._copy(current, self._changing[1] if self._changing is not None else step)
 
     def restore(self, before: int | None, aside: Path) -> Snapshot | None:
         """Put back the newest copy from strictly before step ``before`` (None: the newest
