@@ -62,8 +62,13 @@ def step_time(workdir: Path) -> float:
                     "--nproc-per-node", "2", str(WORKER), "--steps", "60", "--step-sleep", "0.05",
                     "--step-log", str(log)], cwd=workdir, env=env(), capture_output=True,
                    check=True, timeout=300)
-    times = [float(line.split()[0]) for line in log.read_text().splitlines()]
-    return statistics.median(b - a for a, b in itertools.pairwise(times[10:]))
+    return statistics.median(b - a for a, b in itertools.pairwise(step_log(log)[10:]))
+
+
+def step_log(log: Path) -> list[float]:
+    """The wall time of each step rank 0 finished (``--step-log``), in order; [] if none."""
+    return [float(line.split()[0]) for line in log.read_text().splitlines()] \
+        if log.exists() else []
 
 
 def schedule(steps: int) -> dict[str, int]:
@@ -129,8 +134,7 @@ def under_torchrun(workdir: Path, steps: int, at: dict[str, int],
         if how == "finished" and proc.returncode:
             how = f"crashed (exit {proc.returncode})"
     ended = time.time()
-    times = [float(line.split()[0]) for line in log.read_text().splitlines()] \
-        if log.exists() else []
+    times = step_log(log)
     productive = sum(b - a for a, b in itertools.pairwise(times))
     losses = re.findall(r"step (\d+) loss ([0-9.einfa]+)", out.read_text())
     return {"how": how, "wall_s": ended - started, "goodput": productive / (ended - started),
