@@ -8,10 +8,9 @@ from typing import Any
 import pytest
 
 from babysit.policies.loader import load_policy
-from babysit.supervisor.contract.protocol import WorkerEvent
+from babysit.supervisor.contract.protocol import WorkerEvent, positive
 from babysit.supervisor.rank.api import _flops_per_token
 from babysit.supervisor.run.cadence import CadenceAdvisor, replay_journal
-from babysit.supervisor.run.own_node import positive
 from babysit.supervisor.run.watch import Watch
 
 

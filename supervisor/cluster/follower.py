@@ -32,10 +32,10 @@ from babysit.supervisor.cluster.wire import AuthError, Peer, connect
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.node import forensics, launcher
 from babysit.supervisor.node.sketch import StepSummary
+from babysit.supervisor.node.tick import Hang, OwnNode
 from babysit.supervisor.node.workers import NodeWorkers
 from babysit.supervisor.run import journal as journal_mod
 from babysit.supervisor.run.console import Console
-from babysit.supervisor.run.own_node import Hang, OwnNode
 
 TICK_S = 0.1
 FORWARDED = ("hello", "close", "skip", "checkpoint", "checkpoint_failed", "cadence",
@@ -236,7 +236,7 @@ class Follower:
     # -- reports --------------------------------------------------------------------------------
 
     def _tick(self) -> None:
-        """This node's tick (``run.own_node``): summaries and findings for the leader, the
+        """This node's tick (``node.tick``): summaries and findings for the leader, the
         rare events it needs, a hang named from the stacks, torchrun's exit."""
         tick = self.own.tick(time.monotonic())
         if tick.newest is not None:

@@ -8,7 +8,7 @@ loop's call::
     ready     listen for the other nodes; wait for every node ``launch.nnodes`` allows
     launch    the nodes present take part: same attempt, directive and rendezvous; a node
               short of the minimum is paged and waited for
-    gather    this node's tick (``run.own_node``: per-rank detectors, hang timers, torchrun's
+    gather    this node's tick (``node.tick``: per-rank detectors, hang timers, torchrun's
               exit) and the other nodes' messages (joins, summaries, findings, rank events,
               exits, losses): the nodes' summaries merge into the job's steps (``NodeMerger``),
               a crash or a hang settles until every node's view is in (``Cluster``)
@@ -26,10 +26,11 @@ from babysit.supervisor.cluster.membership import LEADER, Cluster, JobExit
 from babysit.supervisor.cluster.node_view import NodeView, located
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
-from babysit.supervisor.contract.protocol import WorkerEvent
+from babysit.supervisor.contract.protocol import WorkerEvent, mfu_inputs
 from babysit.supervisor.node import standby
 from babysit.supervisor.node.aggregate import with_rates
 from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
+from babysit.supervisor.node.tick import OwnNode
 from babysit.supervisor.node.workers import NodeWorkers
 from babysit.supervisor.run.members import (
     Entry,
@@ -39,7 +40,6 @@ from babysit.supervisor.run.members import (
     OnThisNode,
     Voice,
 )
-from babysit.supervisor.run.own_node import OwnNode, mfu_inputs
 
 TICK_S = 0.1
 LOST_EXIT_CODE = 137

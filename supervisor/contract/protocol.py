@@ -185,3 +185,27 @@ def connect(path: str, timeout_s: float = 5.0) -> socket.socket:
         raise
     sock.setblocking(False)
     return sock
+
+def finite(value: Any) -> float | None:
+    """A JSON number from a rank's event or the journal as a finite float, else None: not a
+    bool, not NaN or infinite, and never an ``OverflowError`` (a JSON integer can be too large
+    for a float, and a rank's event is only as sane as its script)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def mfu_inputs(hello: dict[str, Any]) -> tuple[float | None, float | None]:
+    """MFU's inputs from rank 0's hello: FLOPs per token and one device's peak FLOP/s, the
+    script's own numbers or None (never a guess)."""
+    return positive(hello.get("flops_per_token")), positive(hello.get("peak_flops"))
+
+
+def positive(value: Any) -> float | None:
+    """A positive finite number from a rank's event, else None (never a guess, never a crash)."""
+    number = finite(value)
+    return number if number is not None and number > 0 else None

@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from babysit.supervisor.run.journal import finite
+from babysit.supervisor.contract.protocol import finite
 
 DEFAULT_MTBF_PRIOR_S = 86_400.0
 """A day between interruptions. Llama 3 405B pretraining on 16,384 H100s saw 466 job

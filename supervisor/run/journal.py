@@ -83,17 +83,6 @@ def read(path: Path) -> Iterator[dict[str, Any]]:
         return
 
 
-def finite(value: Any) -> float | None:
-    """A JSON number from a rank's event or the journal as a finite float, else None: not a
-    bool, not NaN or infinite, and never an ``OverflowError`` (a JSON integer can be too large
-    for a float, and a rank's event is only as sane as its script)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
 
 
 def json_safe(value: Any) -> Any:

@@ -15,15 +15,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from babysit.policies.types import Finding, JobStep, Severity, StepRecord
+from babysit.policies.types import Finding, JobStep, RankStep, Severity, StepRecord
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
-from babysit.supervisor.contract.protocol import WorkerEvent
+from babysit.supervisor.contract.protocol import WorkerEvent, mfu_inputs
 from babysit.supervisor.node import forensics, launcher, standby
-from babysit.supervisor.node.aggregate import metrics_row
+from babysit.supervisor.node.aggregate import StepAggregator, metrics_row
 from babysit.supervisor.node.printed import SOURCE
+from babysit.supervisor.node.tick import NodeTick, OwnNode
 from babysit.supervisor.node.workers import NodeWorkers
-from babysit.supervisor.run.own_node import LocalJudge, NodeTick, OwnNode
 from babysit.supervisor.run.watch import Watch
 
 Entry = tuple[str, dict[str, Any]]
@@ -278,3 +278,44 @@ class LocalMembers(OnThisNode):
     def close(self, code: int | None) -> list[Entry]:
         return self.close_workers()
 
+
+class LocalJudge:
+    """A single-node run's judge: this node's reports merged into the job's steps (every rank is
+    here), and the watch's hang timers. The steps are judged by the run's own ``Watch``."""
+
+    def __init__(self, watch: Watch, world_size: int) -> None:
+        self.watch = watch
+        self.aggregator = StepAggregator(world_size)
+
+    def new_attempt(self, now: float, directive: Directive) -> None:
+        # The watch is the run's own: the loop starts its attempt (hang timers included).
+        self.aggregator.reset()
+
+    def observe_event(self, event: WorkerEvent, now: float) -> None:
+        self.watch.observe_event(event, now)
+        if event.type != "hello":
+            return
+        world = event.data.get("world_size")
+        if isinstance(world, int) and world > 0:
+            self.aggregator.world_size = world
+        if event.rank == 0:
+            self.aggregator.flops_per_token, self.aggregator.peak_flops = mfu_inputs(event.data)
+
+    def observe_rank(self, sample: RankStep, now: float) -> list[StepRecord]:
+        self.watch.observe_rank(sample, now)
+        return self.aggregator.add(sample)
+
+    def flush(self) -> list[StepRecord]:
+        return self.aggregator.flush()
+
+    def check(self, now: float) -> list[Finding]:
+        return self.watch.check(now)
+
+    def looming(self, now: float) -> bool:
+        return self.watch.hang_looming(now)
+
+    def defer_hang(self, finding: Finding, now: float) -> None:
+        self.watch.defer_hang(finding, now)
+
+    def name(self, finding: Finding) -> Finding:
+        return finding

@@ -12,9 +12,9 @@ things with the ranks on their machine each tick, and this is the one place that
                                   state, CPU and stacks, and named (or cleared: working); half-way
                                   to a suspicion, the slow native stacks are read ahead
 
-What a report *means* is the judge's business: ``LocalJudge`` turns this node's reports into
-the job's steps (a single-node run: this node is the job), ``cluster.node_view.NodeView`` into
-per-node findings and the summaries a leader merges.
+What a report *means* is the judge's business: ``run.members.LocalJudge`` turns this node's
+reports into the job's steps (a single-node run: this node is the job),
+``cluster.node_view.NodeView`` into per-node findings and the summaries a leader merges.
 """
 
 from __future__ import annotations
@@ -23,14 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from babysit.policies.types import Finding, RankStep, StepRecord
+from babysit.policies.types import Finding, RankStep
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node import forensics, stall
-from babysit.supervisor.node.aggregate import StepAggregator
 from babysit.supervisor.node.workers import NodeWorkers
-from babysit.supervisor.run.journal import finite
-from babysit.supervisor.run.watch import Watch
 
 Out = TypeVar("Out")
 Out_co = TypeVar("Out_co", covariant=True)
@@ -229,57 +226,3 @@ class OwnNode(Generic[Out]):
             return
         self.hang = Hang(self.judge.name(named), diagnosis, fields)
         out.hangs.append(self.hang)
-
-
-class LocalJudge:
-    """A single-node run's judge: this node's reports merged into the job's steps (every rank is
-    here), and the watch's hang timers. The steps are judged by the run's own ``Watch``."""
-
-    def __init__(self, watch: Watch, world_size: int) -> None:
-        self.watch = watch
-        self.aggregator = StepAggregator(world_size)
-
-    def new_attempt(self, now: float, directive: Directive) -> None:
-        # The watch is the run's own: the loop starts its attempt (hang timers included).
-        self.aggregator.reset()
-
-    def observe_event(self, event: WorkerEvent, now: float) -> None:
-        self.watch.observe_event(event, now)
-        if event.type != "hello":
-            return
-        world = event.data.get("world_size")
-        if isinstance(world, int) and world > 0:
-            self.aggregator.world_size = world
-        if event.rank == 0:
-            self.aggregator.flops_per_token, self.aggregator.peak_flops = mfu_inputs(event.data)
-
-    def observe_rank(self, sample: RankStep, now: float) -> list[StepRecord]:
-        self.watch.observe_rank(sample, now)
-        return self.aggregator.add(sample)
-
-    def flush(self) -> list[StepRecord]:
-        return self.aggregator.flush()
-
-    def check(self, now: float) -> list[Finding]:
-        return self.watch.check(now)
-
-    def looming(self, now: float) -> bool:
-        return self.watch.hang_looming(now)
-
-    def defer_hang(self, finding: Finding, now: float) -> None:
-        self.watch.defer_hang(finding, now)
-
-    def name(self, finding: Finding) -> Finding:
-        return finding
-
-
-def mfu_inputs(hello: dict[str, Any]) -> tuple[float | None, float | None]:
-    """MFU's inputs from rank 0's hello: FLOPs per token and one device's peak FLOP/s, the
-    script's own numbers or None (never a guess)."""
-    return positive(hello.get("flops_per_token")), positive(hello.get("peak_flops"))
-
-
-def positive(value: Any) -> float | None:
-    """A positive finite number from a rank's event, else None (never a guess, never a crash)."""
-    number = finite(value)
-    return number if number is not None and number > 0 else None
