@@ -1,5 +1,6 @@
 """The house rules of the package: one top-level import name, and rooms that import only
-downwards (the order in ``supervisor/__init__.py``), with no import cycles.
+downwards (the order in ``supervisor/__init__.py``), with no import cycles. Every import
+statement counts, wherever it stands: one deferred into a function still ties the two modules.
 
 A user's own ``checkpoints.py`` or ``policies/`` beside their script must never meet ours, so the
 wheel holds ``babysit`` and nothing else; the end-to-end half of that is the rollback run from
@@ -35,13 +36,14 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def module_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """The package's modules that ``name`` imports when it is imported (top-level statements,
-    not those inside functions or ``if TYPE_CHECKING:``)."""
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that ``name`` imports anywhere in its source: at the top, inside a
+    function (a deferred import is still a dependency, and hides a cycle until the function
+    runs), or under ``if TYPE_CHECKING:``."""
     tree = ast.parse(path.read_text(), str(path))
     out: set[str] = set()
     is_package = path.name == "__init__.py"
-    for node in tree.body:
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("babysit"))
         elif isinstance(node, ast.ImportFrom):
@@ -64,7 +66,7 @@ def room(module: str) -> str | None:
     return None
 
 
-GRAPH = {name: module_level_imports(name, path, set(modules()))
+GRAPH = {name: imports(name, path, set(modules()))
          for name, path in modules().items()}
 
 
@@ -108,6 +110,14 @@ def test_no_import_cycles() -> None:
 
     for start in sorted(GRAPH):
         visit(start, [])
+
+
+def test_an_import_inside_a_function_is_an_edge_of_the_graph(tmp_path: Path) -> None:
+    source = tmp_path / "late.py"
+    source.write_text("def row():\n    from babysit.supervisor.node.sketch import StepSummary\n"
+                      "    return StepSummary\n")
+    assert imports("babysit.supervisor.node.late", source, set(modules())) == \
+        {"babysit.supervisor.node.sketch"}
 
 
 def test_the_rank_side_stays_light() -> None:

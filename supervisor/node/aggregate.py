@@ -1,7 +1,7 @@
 """Merging rank reports into steps, and the per-step metrics row written to ``metrics.jsonl``.
 
 Pure logic: the control loop feeds ``RankStep``s in arrival order and gets ``StepRecord``s back
-in step order, once every rank has reported a step (or a later one: see ``Completion``).
+in step order, once every rank has reported a step (or a later one: ``completion.Completion``).
 
 Two shapes of a step share that emission rule:
 
@@ -9,8 +9,8 @@ Two shapes of a step share that emission rule:
   the detectors that name a rank (straggler, rank departure, non-finite) need each rank's value.
   A step is in flight for about one tick, so this costs ``world_size`` reports per step in
   flight (about 1.2 MiB a step at 8,192 ranks), never a history.
-- ``babysit.supervisor.node.sketch.SummaryAggregator`` keeps a constant-size ``StepSummary``
-  instead: what a node sends a leader, mergeable across nodes.
+- ``sketch.SummaryAggregator`` keeps a constant-size ``StepSummary`` instead: what a node sends
+  a leader, mergeable across nodes.
 
 The metrics row is what grows with the run, so above ``PER_RANK_LIMIT`` ranks it carries
 quantiles and the ranks of the extremes (``StepSummary.to_row``) instead of per-rank lists: 0.8
@@ -19,70 +19,15 @@ KiB a step instead of 508 KiB at 8,192 ranks (``docs/scale.md``).
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from babysit.policies.detectors.rank_departure import loss_spread
 from babysit.policies.types import JobStep, RankStep, StepRecord
+from babysit.supervisor.node.completion import Completion
+from babysit.supervisor.node.sketch import StepSummary
 
 PER_RANK_LIMIT = 64
 """Largest world whose metrics rows list every rank's values; larger worlds get quantiles."""
-
-Pending = TypeVar("Pending")
-Out = TypeVar("Out")
-
-
-class Completion(Generic[Pending, Out]):
-    """Collects each step's reports until all ``world_size`` ranks are in.
-
-    Each rank's reports arrive in order on its own connection, so once every rank has reported
-    step *s*, a pending step before *s* will never get more reports (they were dropped): it is
-    emitted then, with the ranks it has, in step order. The intake drains one rank's connection
-    after another, so a lag rule ("emit when a report N steps newer arrives") would split steps
-    whenever one rank's backlog is read before the others'. ``max_pending`` only bounds memory
-    when a rank stops reporting while the others go on.
-
-    Subclasses say how a pending step holds its reports (``_open``, ``_add``, ``_count``) and
-    what it becomes when emitted (``_close``).
-    """
-
-    def __init__(self, world_size: int, max_pending: int = 1024) -> None:
-        self.world_size = world_size
-        self.max_pending = max_pending
-        self._pending: dict[int, Pending] = {}
-
-    def add(self, sample: RankStep) -> list[Out]:
-        bucket = self._pending.get(sample.step)
-        if bucket is None:
-            bucket = self._pending[sample.step] = self._open(sample.step)
-        self._add(bucket, sample)
-        if self._count(bucket) >= self.world_size:
-            return [self._emit(s) for s in sorted(self._pending) if s <= sample.step]
-        if len(self._pending) > self.max_pending:
-            return [self._emit(min(self._pending))]
-        return []
-
-    def flush(self) -> list[Out]:
-        """Emit everything pending (the attempt ended)."""
-        return [self._emit(s) for s in sorted(self._pending)]
-
-    def reset(self) -> None:
-        """Forget pending steps (a new attempt starts; a rollback may reuse step numbers)."""
-        self._pending.clear()
-
-    def _emit(self, step: int) -> Out:
-        return self._close(step, self._pending.pop(step))
-
-    def _open(self, step: int) -> Pending:
-        raise NotImplementedError
-
-    def _add(self, bucket: Pending, sample: RankStep) -> None:
-        raise NotImplementedError
-
-    def _count(self, bucket: Pending) -> int:
-        raise NotImplementedError
-
-    def _close(self, step: int, bucket: Pending) -> Out:
-        raise NotImplementedError
 
 
 class StepAggregator(Completion[dict[int, RankStep], StepRecord]):
@@ -118,8 +63,6 @@ def metrics_row(record: StepRecord, attempt: int,
     """One ``metrics.jsonl`` line: the step's summary, plus per-rank values ordered by rank for
     worlds up to ``per_rank_limit`` ranks, quantiles and extreme ranks above it."""
     if record.world_size > per_rank_limit:
-        from babysit.supervisor.node.sketch import StepSummary
-
         row = StepSummary.of(record.step, record.world_size, record.ranks).to_row(attempt)
     else:
         row = _per_rank_row(record, attempt)

@@ -25,7 +25,7 @@ Where it is used:
 - ``babysit.supervisor.node.aggregate.metrics_row`` writes ``StepSummary.to_row`` instead of
   per-rank lists above ``PER_RANK_LIMIT`` ranks: the metrics file is what grows with the run, and a
   row of 8,192 ranks' values is 508 KiB a step.
-- ``SummaryAggregator`` shares ``StepAggregator``'s emission rule (``aggregate.Completion``)
+- ``SummaryAggregator`` shares ``StepAggregator``'s emission rule (``completion.Completion``)
   and holds a step in constant memory: the shape a node's supervisor can send a leader.
 - A multi-node run: each node sends its steps' ``to_dict()``; the leader's ``NodeMerger``
   merges them (``cluster.merge.NodeMerger``), and ``Pipeline(policy, scope="job")`` observes
@@ -51,7 +51,7 @@ from typing import Any
 from babysit.policies import types
 from babysit.policies.types import RankStep
 from babysit.supervisor.contract import protocol
-from babysit.supervisor.node.aggregate import Completion
+from babysit.supervisor.node.completion import Completion
 from babysit.supervisor.node.quantiles import DEFAULT_ALPHA, MAX_RANKS, QuantileSketch
 
 _MAX_NONFINITE_RANKS = 64
@@ -440,7 +440,7 @@ class RawRing:
 
 class SummaryAggregator(Completion[StepSummary, StepSummary]):
     """``StepAggregator`` for large world sizes: the same calling and emission rules
-    (``babysit.supervisor.node.aggregate.Completion``), but a step is held as a ``StepSummary``,
+    (``babysit.supervisor.node.completion.Completion``), but a step is held as a ``StepSummary``,
     never as a list of reports. The raw reports of the last ``keep_raw`` steps are kept in ``ring``.
     This is what a node's supervisor can send a leader: summaries merge exactly."""
 
