@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from babysit.policies.detectors import (
     GradNormConfig,
@@ -30,14 +30,11 @@ from babysit.policies.detectors import (
     StragglerConfig,
     ThroughputConfig,
 )
+from babysit.policies.section import Section
 from babysit.policies.types import Action
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-
-class Detectors(_Model):
+class Detectors(Section):
     """Settings of each detector; see the detector modules for how each one decides."""
 
     loss_spike: LossSpikeConfig = LossSpikeConfig()
@@ -59,7 +56,7 @@ class Detectors(_Model):
     """Per-rank parameter and probe digests that must agree (policies/detectors/sdc.py)."""
 
 
-class Response(_Model):
+class Response(Section):
     """How babysit answers one kind of incident."""
 
     ladder: list[Action] = Field(min_length=1)
@@ -97,7 +94,7 @@ def _ladder(*actions: Action, **kw: object) -> Response:
 A = Action
 
 
-class Incidents(_Model):
+class Incidents(Section):
     """Per-incident responses. Crashes are configured under ``crash`` instead."""
 
     loss_spike: Response = _ladder(A.ROLLBACK, A.ROLLBACK, A.ROLLBACK, A.STOP,
@@ -138,7 +135,7 @@ class Incidents(_Model):
         return self
 
 
-class Rollback(_Model):
+class Rollback(Section):
     """What a rollback skips, in data-cursor batches around the onset, and how it escalates."""
 
     skip_before: int = Field(default=10, ge=0)
@@ -160,7 +157,7 @@ class Rollback(_Model):
     """Skip ranges grow by this factor each time the same region spikes again."""
 
 
-class CrashLimits(_Model):
+class CrashLimits(Section):
     """Relaunches allowed per crash class before babysit stops and pages."""
 
     oom: int = Field(default=1, ge=0)
@@ -179,7 +176,7 @@ class CrashLimits(_Model):
     """Anything else."""
 
 
-class CrashPolicy(_Model):
+class CrashPolicy(Section):
     """How worker crashes are answered (the class comes from the crash classifier)."""
 
     max_relaunches: CrashLimits = CrashLimits()
@@ -211,7 +208,7 @@ class CrashPolicy(_Model):
         return self
 
 
-class Budget(_Model):
+class Budget(Section):
     """A ceiling on disruptive interventions (rollbacks and relaunches, crash relaunches
     included; in-process step skips and alerts are free)."""
 
@@ -221,7 +218,7 @@ class Budget(_Model):
     """The sliding window, in seconds."""
 
 
-class Policy(_Model):
+class Policy(Section):
     """A complete policy: detector settings and the responses to what they find."""
 
     description: str = ""

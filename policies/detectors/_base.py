@@ -7,11 +7,11 @@ same declaration.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from babysit.policies.section import Section
 
 
-class DetectorConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+class DetectorConfig(Section):
+    """The base of every detector's config (``policies.section.Section``)."""
 
 
 def r4(x: float) -> float:

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from babysit.policies.section import DashedSection
 from babysit.supervisor.config.address import parse_address
 from babysit.supervisor.services.alerts.config import AlertsConfig
 from babysit.supervisor.services.dashboards import TensorBoardConfig, WandbConfig
@@ -34,19 +35,7 @@ class ConfigError(Exception):
     """A configuration mistake, with a message meant for the person who wrote the file."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _dashes_to_underscores(cls, data: Any) -> Any:
-        # Only this model's own keys are normalised; values such as launch.env keep their names.
-        if isinstance(data, dict):
-            return {k.replace("-", "_") if isinstance(k, str) else k: v for k, v in data.items()}
-        return data
-
-
-class LaunchConfig(_Section):
+class LaunchConfig(DashedSection):
     """How to start the workers: torchrun's options, the script and its environment."""
 
     script: str | None = None
@@ -177,7 +166,7 @@ class LaunchConfig(_Section):
         return self
 
 
-class CadenceConfig(_Section):
+class CadenceConfig(DashedSection):
     """Checkpoint cadence advice: the interval that minimises expected lost work (docs/cadence.md).
 
     babysit measures a checkpoint's blocking cost C on this run and the mean time between
@@ -203,7 +192,7 @@ class CadenceConfig(_Section):
         return self
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(DashedSection):
     """Where and how often the worker API saves checkpoints."""
 
     dir: str | None = None
@@ -226,7 +215,7 @@ class CheckpointConfig(_Section):
     """Advice on ``every_steps`` from this run's measured costs, and its opt-in adoption."""
 
 
-class SdcCheckConfig(_Section):
+class SdcCheckConfig(DashedSection):
     """The silent-data-corruption check: ranks compare checksums of values that must agree."""
 
     every_steps: int = Field(0, ge=0)
@@ -235,7 +224,7 @@ class SdcCheckConfig(_Section):
     disagrees. 0 (default) turns the check off. Needs ``attach(model=...)``."""
 
 
-class NodesConfig(_Section):
+class NodesConfig(DashedSection):
     """How the babysitters of a multi-node run (``launch.nnodes`` above 1) find and trust each
     other. Every node runs ``babysit run`` with the same config and its own ``--node-rank``;
     node rank 0's babysitter is the leader (docs/multinode.md)."""
@@ -296,7 +285,7 @@ def compile_pattern(pattern: str) -> re.Pattern[str]:
     return compiled
 
 
-class StdoutConfig(_Section):
+class StdoutConfig(DashedSection):
     """Stdout mode: progress read from what a script prints, for scripts that never call
     ``attach()`` (nanoGPT's ``iter N: loss X``, Hugging Face Trainer's logged dicts,
     Lightning's bar, torchtitan's step lines, a plain ``step N loss X``)."""
@@ -334,7 +323,7 @@ class StdoutConfig(_Section):
         return self
 
 
-class PolicyRef(_Section):
+class PolicyRef(DashedSection):
     """Which policy judges this run, and the fields it changes."""
 
     name: str = "default"
@@ -343,7 +332,7 @@ class PolicyRef(_Section):
     """Fields of the policy to change, nested as in the policy file."""
 
 
-class RunConfig(_Section):
+class RunConfig(DashedSection):
     """One babysat run."""
 
     launch: LaunchConfig

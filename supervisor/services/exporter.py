@@ -62,9 +62,10 @@ from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from babysit.policies.decide import State
+from babysit.policies.section import Section
 
 if TYPE_CHECKING:
     # prometheus-client is imported when an Exporter is built, not with this module: the config
@@ -79,10 +80,8 @@ DEFAULT_PORT = 9478
 """The default metrics port (fixed, so a static scrape config finds the run)."""
 
 
-class ExporterConfig(BaseModel):
+class ExporterConfig(Section):
     """The Prometheus metrics endpoint (off unless enabled)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
     enabled: bool = False
     """Serve ``http://<host>:<port>/metrics`` while the run lasts."""

@@ -32,7 +32,9 @@ from types import ModuleType
 from typing import Any, Literal
 
 import psutil
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from babysit.policies.section import Section
 
 GIB = 1024**3
 
@@ -70,10 +72,8 @@ _NVML_FEATURE_ENABLED = 1
 # -- configuration --------------------------------------------------------------------------------
 
 
-class HealthConfig(BaseModel):
+class HealthConfig(Section):
     """Thresholds for host, disk, worker and GPU health warnings."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
     min_available_memory_percent: float = Field(5.0, ge=0, le=100)
     """Warn when the host's available memory falls below this percentage of its total."""

@@ -28,8 +28,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from babysit.policies.section import Section
 from babysit.supervisor.services.health import (
     HealthConfig,
     HealthSample,
@@ -43,10 +44,8 @@ if TYPE_CHECKING:
     from apscheduler.schedulers.background import BackgroundScheduler
 
 
-class ScheduleConfig(BaseModel):
+class ScheduleConfig(Section):
     """How often babysit's background jobs run (seconds; null turns a job off)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
     health_every_s: float | None = Field(10.0, gt=0)
     """Sample host memory, disk, worker processes and GPUs every this many seconds (the first

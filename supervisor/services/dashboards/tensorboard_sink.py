@@ -12,15 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
+from babysit.policies.section import Section
 from babysit.supervisor.services.dashboards.writes import IncidentNote, StepValues
 
 
-class TensorBoardConfig(BaseModel):
+class TensorBoardConfig(Section):
     """The opt-in TensorBoard sink (``pip install 'babysit[tensorboard]'``)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
     enabled: bool = False
     """Write babysit's metrics and incidents as TensorBoard events."""

@@ -17,16 +17,13 @@ import secrets
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
-
+from babysit.policies.section import Section
 from babysit.supervisor.services.dashboards.writes import IncidentNote, StepValues
 
 
-class WandbConfig(BaseModel):
+class WandbConfig(Section):
     """The opt-in Weights & Biases sink (``pip install 'babysit[wandb]'``). Unset keys follow
     wandb's own rules (``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_MODE``, ``wandb login``)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
     enabled: bool = False
     """Log babysit's metrics and incidents to a W&B run of its own (job type ``babysit``)."""
