@@ -25,7 +25,22 @@ from babysit.supervisor.cluster.membership import (
     RANK_DEATH_EXIT_S,
     STACK_READING_S,
     Cluster,
+    Heard,
     JobExit,
+    Lost,
+)
+from babysit.supervisor.cluster.messages import (
+    Beat,
+    Exited,
+    Finish,
+    Launch,
+    LeaderMessage,
+    Refused,
+    Stop,
+    Stopped,
+    Summary,
+    encode,
+    from_leader,
 )
 from babysit.supervisor.cluster.node_view import NodeView, located
 from babysit.supervisor.cluster.wire import AuthError, Peer, connect, parse_address
@@ -69,15 +84,17 @@ def accepted(cluster: Cluster, count: int) -> list[tuple[str, dict[str, Any]]]:
     return poll(cluster.accept, count)
 
 
-def received(cluster: Cluster, count: int) -> list[tuple[int, dict[str, Any]]]:
+def received(cluster: Cluster, count: int) -> list[tuple[int, Heard]]:
     """Poll ``receive()`` until ``count`` messages came back."""
     return poll(cluster.receive, count)
 
 
-def collect(peer: Peer, count: int, beats: bool = False) -> list[dict[str, Any]]:
-    """Poll a follower's end until ``count`` messages from the leader arrived; the leader's
-    heartbeats (sent on their own schedule) are left out unless ``beats``."""
-    return poll(peer.receive, count, keep=lambda m: beats or m.get("type") != "beat")
+def collect(peer: Peer, count: int, beats: bool = False) -> list[LeaderMessage]:
+    """Poll a follower's end until ``count`` messages from the leader arrived, read as a
+    follower reads them; the leader's heartbeats (sent on their own schedule) are left out
+    unless ``beats``."""
+    return poll(lambda: [from_leader(m) for m in peer.receive()], count,
+                keep=lambda m: beats or not isinstance(m, Beat))
 
 
 def make_plan(tmp_path: Path, **nodes: Any) -> RunPlan:
@@ -138,9 +155,9 @@ def followers(cluster: Cluster, follow: Follow) -> dict[int, Peer]:
 @pytest.fixture
 def launched(cluster: Cluster, followers: dict[int, Peer]) -> dict[int, Peer]:
     """Attempt 0 launched on nodes 0, 1 and 2; the followers' launch messages consumed."""
-    cluster.launch(0, Directive().to_json(), "t-0", None)
+    cluster.launch(0, Directive(), "t-0", None)
     for peer in followers.values():
-        assert collect(peer, 1)[0]["type"] == "launch"
+        assert isinstance(collect(peer, 1)[0], Launch)
     return followers
 
 
@@ -184,7 +201,7 @@ def test_a_second_connection_claiming_a_connected_node_rank_is_refused(
     assert "already taken by gpu-a" in entry["reason"]
     [refusal] = collect(impostor, 1)
     # Not final: the rank may be held by the follower's own connection, not yet seen closing.
-    assert refusal == {"type": "refused", "reason": entry["reason"], "final": False}
+    assert refusal == Refused(entry["reason"], final=False)
     wait_for(lambda: impostor.closed)
     # The node that was there first keeps its place and its connection.
     assert cluster.present() == [0, 1]
@@ -204,7 +221,7 @@ def test_a_node_rank_outside_nnodes_is_refused(cluster: Cluster, follow: Follow,
     assert entry["node"] == node_rank
     assert "is not in 1..2 (launch.nnodes)" in entry["reason"]
     # Final: another config or a typo in --node-rank never gets better by retrying.
-    assert collect(peer, 1) == [{"type": "refused", "reason": entry["reason"], "final": True}]
+    assert collect(peer, 1) == [Refused(entry["reason"], final=True)]
     wait_for(lambda: peer.closed)
     assert cluster.present() == [LEADER]
 
@@ -214,8 +231,7 @@ def test_a_follower_whose_connection_closed_rejoins_under_its_node_rank(
     gone = follow(1, "gpu-a")
     accepted(cluster, 1)
     gone.close()
-    [(node, lost)] = received(cluster, 1)
-    assert (node, lost["type"]) == (1, "lost")
+    assert received(cluster, 1) == [(1, Lost("its connection closed (eof)"))]
     assert cluster.present() == [LEADER]
 
     back = follow(1, "gpu-a2")
@@ -224,8 +240,8 @@ def test_a_follower_whose_connection_closed_rejoins_under_its_node_rank(
     assert (kind, entry["node"], entry["host"]) == ("node_joined", 1, "gpu-a2")
     assert cluster.present() == [0, 1]
     assert cluster.describe(1) == "node 1 (gpu-a2)"
-    assert back.send({"type": "beat"})
-    assert received(cluster, 1) == [(1, {"type": "beat"})]
+    assert back.send(encode(Beat()))
+    assert received(cluster, 1) == [(1, Beat())]
 
 
 def test_a_rejoin_is_accepted_even_before_the_old_connection_was_reported_lost(
@@ -240,25 +256,24 @@ def test_a_rejoin_is_accepted_even_before_the_old_connection_was_reported_lost(
 
     assert (kind, entry["node"]) == ("node_joined", 1)
     assert cluster.present() == [0, 1]
-    assert back.send({"type": "beat"})
+    assert back.send(encode(Beat()))
     # The old connection's loss still counts (its babysitter and workers are gone), first.
-    assert received(cluster, 2) == [(1, {"type": "lost", "why": "its connection closed (eof)"}),
-                                    (1, {"type": "beat"})]
+    assert received(cluster, 2) == [(1, Lost("its connection closed (eof)")), (1, Beat())]
 
 
 def test_a_quick_rejoin_still_delivers_the_old_connections_last_messages(
         cluster: Cluster, follow: Follow) -> None:
     gone = follow(1)
     accepted(cluster, 1)
-    assert gone.send({"type": "exited", "attempt": 0, "code": 1, "tails": {}, "root": None})
+    assert gone.send(encode(Exited(attempt=0, code=1)))
     gone.close()
     wait_for(lambda: cluster.peers[1].closed)
     follow(1)
     accepted(cluster, 1)
 
-    messages = [m["type"] for _, m in cluster.receive()]
+    messages = [m for _, m in cluster.receive()]
 
-    assert messages[:2] == ["exited", "lost"]
+    assert messages[:2] == [Exited(attempt=0, code=1), Lost("its connection closed (eof)")]
 
 
 def test_a_client_with_the_wrong_secret_is_reported_as_rejected(
@@ -282,21 +297,17 @@ def test_launch_tells_every_present_follower_the_same_attempt(
         cluster: Cluster, followers: dict[int, Peer]) -> None:
     directive = Directive(attempt=3, lr_scale=0.5)
 
-    nodes, endpoint = cluster.launch(3, directive.to_json(), "t-3", None)
+    nodes, endpoint = cluster.launch(3, directive, "t-3", None)
 
     assert nodes == [0, 1, 2]
     assert cluster.attempt.nodes == [0, 1, 2]
     host, port = parse_address(endpoint)
     assert host == "127.0.0.1" and port != cluster.listener.port
-    launches = {node: collect(peer, 1)[0] for node, peer in followers.items()}
-    for message in launches.values():
-        assert {k: message[k] for k in ("type", "attempt", "rdzv_id", "rdzv_endpoint",
-                                        "nnodes")} == {
-            "type": "launch", "attempt": 3, "rdzv_id": "t-3", "rdzv_endpoint": endpoint,
-            "nnodes": "3"}
-        assert Directive.from_json(message["directive"]) == directive
+    launches = [collect(peer, 1)[0] for peer in followers.values()]
     # The leader is index 0; the followers get the other indices, one each.
-    assert sorted(m["node_rank"] for m in launches.values()) == [1, 2]
+    for index in (1, 2):
+        assert Launch(attempt=3, directive=directive, rdzv_id="t-3", rdzv_endpoint=endpoint,
+                      nnodes=3, node_rank=index) in launches
 
 
 def test_launch_numbers_the_nodes_present_now_not_the_configured_ranks(
@@ -304,27 +315,27 @@ def test_launch_numbers_the_nodes_present_now_not_the_configured_ranks(
     peer = follow(2)  # node 1 never came: an elastic run goes on with two nodes
     accepted(cluster, 1)
 
-    nodes, endpoint = cluster.launch(1, Directive(attempt=1).to_json(), "t-1",
-                                     "10.0.0.5:29400")
+    nodes, endpoint = cluster.launch(1, Directive(attempt=1), "t-1", "10.0.0.5:29400")
 
     assert (nodes, endpoint) == ([0, 2], "10.0.0.5:29400")
     [message] = collect(peer, 1)
-    assert (message["nnodes"], message["node_rank"]) == ("2", 1)
-    assert message["rdzv_endpoint"] == "10.0.0.5:29400"
+    assert isinstance(message, Launch)
+    assert (message.nnodes, message.node_rank) == (2, 1)
+    assert message.rdzv_endpoint == "10.0.0.5:29400"
 
 
 def test_tell_reaches_only_the_followers_of_the_attempt(
         cluster: Cluster, follow: Follow) -> None:
     first = follow(1)
     accepted(cluster, 1)
-    cluster.launch(0, Directive().to_json(), "t-0", None)  # nodes 0 and 1
-    assert collect(first, 1)[0]["type"] == "launch"
+    cluster.launch(0, Directive(), "t-0", None)  # nodes 0 and 1
+    assert isinstance(collect(first, 1)[0], Launch)
     late = follow(2)  # joins during attempt 0: it takes part from the next launch
     accepted(cluster, 1)
 
-    cluster.tell({"type": "stop", "reason": "hang"})
+    cluster.tell(Stop("hang"))
 
-    assert collect(first, 1) == [{"type": "stop", "reason": "hang"}]
+    assert collect(first, 1) == [Stop("hang")]
     time.sleep(0.05)
     assert late.receive() == []
     assert cluster.present() == [0, 1, 2]
@@ -335,13 +346,13 @@ def test_the_leader_beats_on_its_own_thread_and_close_says_finish(
     # Nobody calls the cluster here: the beats come from the connection's own thread, so a
     # leader busy checksumming a checkpoint or stopping workers never looks lost.
     for peer in followers.values():
-        assert collect(peer, 2, beats=True) == [{"type": "beat"}, {"type": "beat"}]
+        assert collect(peer, 2, beats=True) == [Beat(), Beat()]
 
     cluster.close(3)
     for peer in followers.values():
         wait_for(lambda p=peer: p.closed)  # it hung up, after saying how the run ended
-        assert [m for m in peer.receive() if m["type"] != "beat"] == [
-            {"type": "finish", "code": 3}]
+        assert [m for m in map(from_leader, peer.receive()) if not isinstance(m, Beat)] == [
+            Finish(3)]
 
 
 # -- hearing from the nodes -----------------------------------------------------------------------
@@ -349,15 +360,12 @@ def test_the_leader_beats_on_its_own_thread_and_close_says_finish(
 
 def test_a_closed_connection_is_reported_lost_once_after_its_last_messages(
         cluster: Cluster, followers: dict[int, Peer]) -> None:
-    followers[1].send({"type": "stopped", "attempt": 0})
+    followers[1].send(encode(Stopped(attempt=0)))
     followers[1].close()
 
     got = received(cluster, 2)
 
-    assert got[0] == (1, {"type": "stopped", "attempt": 0})
-    node, lost = got[1]
-    assert (node, lost["type"]) == (1, "lost")
-    assert lost["why"] == "its connection closed (eof)"
+    assert got == [(1, Stopped(attempt=0)), (1, Lost("its connection closed (eof)"))]
     assert cluster.present() == [0, 2]
     assert 1 not in cluster.peers
     time.sleep(0.05)
@@ -368,19 +376,19 @@ def test_a_silent_follower_is_lost_while_one_that_beats_is_not(
         cluster: Cluster, followers: dict[int, Peer]) -> None:
     deadline = time.monotonic() + LOST_AFTER_S + 0.15
     while time.monotonic() < deadline:  # node 2 beats, node 1 says nothing
-        followers[2].send({"type": "beat"})
+        followers[2].send(encode(Beat()))
         time.sleep(0.1)
 
-    got = [(n, m) for n, m in cluster.receive() if m["type"] != "beat"]
+    got = [(n, m) for n, m in cluster.receive() if not isinstance(m, Beat)]
 
     assert len(got) == 1
     node, lost = got[0]
-    assert (node, lost["type"]) == (1, "lost")
-    assert lost["why"].startswith("its babysitter was silent for")
+    assert node == 1 and isinstance(lost, Lost)
+    assert lost.why.startswith("its babysitter was silent for")
     assert cluster.present() == [0, 2]
     wait_for(lambda: followers[1].closed)  # the leader hung up on it
     assert not followers[2].closed
-    assert [m for _, m in cluster.receive() if m["type"] == "lost"] == []
+    assert [m for _, m in cluster.receive() if isinstance(m, Lost)] == []
 
 
 def test_summaries_from_a_follower_merge_with_the_leaders_own(
@@ -391,10 +399,11 @@ def test_summaries_from_a_follower_merge_with_the_leaders_own(
             s.add(RankStep(rank=rank, step=step, time=float(step), loss=2.0))
         return s
 
-    launched[1].send({"type": "summary", "summary": summary(1, (2, 3)).to_dict()})
+    launched[1].send(encode(Summary(0, summary(1, (2, 3)))))
     [(node, message)] = received(cluster, 1)
+    assert isinstance(message, Summary)
     assert cluster.summary(LEADER, summary(1, (0, 1))) == []
-    assert cluster.summary(node, StepSummary.from_dict(message["summary"])) == []
+    assert cluster.summary(node, message.summary) == []
 
     [merged] = cluster.summary(2, summary(1, (4, 5)))  # the last node of the attempt
 
@@ -453,7 +462,7 @@ def test_exits_from_outside_the_attempt_and_repeated_exits_are_ignored(
         cluster: Cluster, clock: Clock, follow: Follow) -> None:
     follow(1)
     accepted(cluster, 1)
-    cluster.launch(0, Directive().to_json(), "t-0", None)  # nodes 0 and 1
+    cluster.launch(0, Directive(), "t-0", None)  # nodes 0 and 1
 
     cluster.exited(2, 1, {4: "not in this attempt"}, 4)
     clock.advance(10)
@@ -469,7 +478,7 @@ def test_exits_from_outside_the_attempt_and_repeated_exits_are_ignored(
 def test_a_new_launch_forgets_the_previous_attempts_exits(
         cluster: Cluster, clock: Clock, launched: dict[int, Peer]) -> None:
     cluster.exited(1, 1, {2: "boom"}, 2)
-    cluster.launch(1, Directive(attempt=1).to_json(), "t-1", None)
+    cluster.launch(1, Directive(attempt=1), "t-1", None)
     clock.advance(10)
     assert cluster.settled_exit() is None
 
@@ -588,14 +597,15 @@ def test_lost_finding_names_the_nodes_ranks_and_host(
     cluster.rank_node.update({0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2})
     launched[1].close()
     [(node, lost)] = received(cluster, 1)
+    assert isinstance(lost, Lost)
 
-    finding = cluster.lost_finding(node, lost["why"], step=42)
+    finding = cluster.lost_finding(node, lost.why, step=42)
 
     assert finding.incident is Incident.NODE_LOST
     assert finding.severity is Severity.CRITICAL
     assert (finding.step, finding.onset_step, finding.ranks) == (42, 42, (2, 3))
     assert finding.message == "node 1 (gpu-1) lost at step 42: its connection closed (eof)"
-    assert finding.evidence == {"node": 1, "host": "gpu-1", "why": lost["why"],
+    assert finding.evidence == {"node": 1, "host": "gpu-1", "why": lost.why,
                                 "nodes_left": [0, 2]}
 
 

@@ -1,7 +1,7 @@
 """A follower node's babysitter: runs its node's workers as the leader says, and reports.
 
 It decides nothing about the run. It joins the leader (``supervisor.cluster.wire``), then, a
-tick at a time::
+tick at a time (the messages both ways are ``supervisor.cluster.messages``)::
 
     the leader's commands             launch / stop / control / finish / beat
     the ranks' telemetry              per-rank detectors and hang timers over this node's ranks;
@@ -13,8 +13,10 @@ A hang found here is diagnosed here (only this node can read its ranks' stacks) 
 folder written here; the finding goes to the leader, which chooses between the nodes' views.
 
 If the leader vanishes, nobody can coordinate a relaunch: the follower stops its workers and
-exits (code 1), and its journal says why. Its journal (``RUN_DIR/nodes/<node rank>/``) records
-what it saw and did; the leader's is the run's record.
+exits (code 1), and its journal says why. A message from the leader that it cannot read (another
+babysit version, or a bug) is journaled (``leader_message_refused``) and otherwise ignored.
+Its journal (``RUN_DIR/nodes/<node rank>/``) records what it saw and did; the leader's is the
+run's record.
 """
 
 from __future__ import annotations
@@ -27,6 +29,28 @@ from types import FrameType
 from typing import Any
 
 from babysit.policies.types import Finding
+from babysit.supervisor.cluster.messages import (
+    Beat,
+    Control,
+    Exited,
+    Finish,
+    FollowerMessage,
+    HangCleared,
+    HangSuspected,
+    Launch,
+    LeaderMessage,
+    Leaving,
+    MessageError,
+    NodeFinding,
+    RankDied,
+    RankEvent,
+    Refused,
+    Stop,
+    Stopped,
+    Summary,
+    encode,
+    from_leader,
+)
 from babysit.supervisor.cluster.node_view import NodeView
 from babysit.supervisor.cluster.wire import AuthError, Peer, connect
 from babysit.supervisor.config.plan import RunPlan
@@ -58,7 +82,7 @@ class Follower:
         # another node's, whose ranks only wait in the collective.
         self.own: OwnNode[tuple[list[StepSummary], list[Finding]]] = OwnNode(
             self.workers, self.view, flush_on_exit=True,
-            on_suspect=lambda _: self._send({"type": "hang_suspected"}))
+            on_suspect=lambda _: self._send(HangSuspected(self.attempt)))
         self.journal = journal_mod.Journal(plan.run_dir / "events.jsonl")
         self.peer: Peer | None = None
         self.attempt = -1
@@ -112,7 +136,7 @@ class Follower:
                 self.peer = connect(address, self.secret,
                                     {"node_rank": self.node, "host": self.host,
                                      "pid": os.getpid()}, timeout_s=10.0)
-                self.peer.keep_alive(self.plan.config.nodes.heartbeat_s)
+                self.peer.keep_alive(self.plan.config.nodes.heartbeat_s, encode(Beat()))
                 self._journal("joined", leader=address)
                 self.console.log(f"babysit: node {self.node} joined the leader at {address}")
                 return None
@@ -146,7 +170,14 @@ class Follower:
             if code is not None:
                 return code
             gone = self.peer.closed  # before draining: the leader's last word comes first
-            for message in self.peer.receive():
+            for received in self.peer.receive():
+                try:
+                    message = from_leader(received)
+                except MessageError as exc:
+                    self._journal("leader_message_refused", type=exc.kind, error=str(exc))
+                    self.console.log(f"babysit: node {self.node}: ignoring a message from the "
+                                     f"leader: {exc}")
+                    continue
                 code = self._command(message)
                 if code is not None:
                     return code
@@ -178,52 +209,45 @@ class Follower:
         sig = self._signal or signal.SIGTERM
         self._stop_workers(f"signal {sig}")
         assert self.peer is not None
-        self.peer.send({"type": "leaving", "why": f"signal {sig}"})
+        self.peer.send(encode(Leaving(f"signal {sig}")))
         return 128 + sig
 
     def _term_grace(self) -> float:
         c = self.plan.config
         return c.checkpoints.final_grace_s + c.launch.stop_grace_s + 10.0
 
-    def _command(self, message: dict[str, Any]) -> int | None:
-        kind = message.get("type")
-        if kind == "launch":
-            self._launch(message)
-        elif kind == "stop":
-            self._stop_workers(str(message.get("reason", "the leader said so")),
-                               replacing=bool(message.get("replacing")))
-            assert self.peer is not None
-            self.peer.send({"type": "stopped", "attempt": self.attempt})
-        elif kind == "control":
-            fields = message.get("fields")
-            if isinstance(fields, dict):
-                self.workers.control.request(**fields)
-                self._journal("control", fields=fields)
-        elif kind == "refused":
-            if message.get("final"):
-                return self._fail("join_refused", str(message.get("reason")))
-            self._journal("join_refused", why=f"{message.get('reason')}; trying again")
-            assert self.peer is not None
-            self.peer.close()
-            raise _Rejoin
-        elif kind == "finish":
-            self._stop_workers("the run is over")
-            code = message.get("code")
-            return code if isinstance(code, int) else 1
+    def _command(self, message: LeaderMessage) -> int | None:
+        match message:
+            case Launch():
+                self._launch(message)
+            case Stop():
+                self._stop_workers(message.reason, replacing=message.replacing)
+                self._send(Stopped(self.attempt))
+            case Control():
+                self.workers.control.request(**message.fields)
+                self._journal("control", fields=message.fields)
+            case Refused() if message.final:
+                return self._fail("join_refused", message.reason)
+            case Refused():
+                self._journal("join_refused", why=f"{message.reason}; trying again")
+                assert self.peer is not None
+                self.peer.close()
+                raise _Rejoin
+            case Finish():
+                self._stop_workers("the run is over")
+                return message.code
+            case Beat():
+                pass
         return None
 
-    def _launch(self, message: dict[str, Any]) -> None:
-        from babysit.supervisor.contract.directive import Directive
-
+    def _launch(self, message: Launch) -> None:
         self._stop_workers("a new attempt starts", replacing=True)
-        attempt = int(message["attempt"])
-        directive = Directive.from_json(message["directive"])
+        attempt, directive = message.attempt, message.directive
         self.attempt, self._step = attempt, 0
         command = self.own.launch(attempt, directive, time.monotonic(), lambda: self.workers.launch(
-            attempt, directive, rdzv_endpoint=str(message["rdzv_endpoint"]),
-            rdzv_id=str(message["rdzv_id"]), nnodes=str(message["nnodes"]),
-            node_rank=int(message["node_rank"])))
-        self._journal("launch", command=command, rdzv_endpoint=message["rdzv_endpoint"],
+            attempt, directive, rdzv_endpoint=message.rdzv_endpoint, rdzv_id=message.rdzv_id,
+            nnodes=str(message.nnodes), node_rank=message.node_rank))
+        self._journal("launch", command=command, rdzv_endpoint=message.rdzv_endpoint,
                       directive=directive.to_json())
 
     def _stop_workers(self, reason: str, replacing: bool = False) -> None:
@@ -243,34 +267,31 @@ class Follower:
             self._step = max(self._step, tick.newest)
         for event in tick.events:
             if event.type in FORWARDED:
-                self._send({"type": "event", "rank": event.rank, "event": event.type,
-                            "time": event.time, "data": event.data})
+                self._send(RankEvent(self.attempt, event))
         for summaries, findings in tick.outputs:
             self._report(summaries, findings)
         for fields in tick.cleared:
             self._journal("hang_cleared", **fields)
-            self._send({"type": "hang_cleared"})
+            self._send(HangCleared(self.attempt))
         for hang in tick.hangs:
             self._report_hang(hang)
         if tick.rank_died:  # the leader holds any hang elsewhere until our exit explains it
-            self._send({"type": "rank_died"})
+            self._send(RankDied(self.attempt))
         if tick.exit is not None:
             end = tick.exit
             teardown = end.teardown(self.workers.closed_ranks)
             if teardown is not None:
                 self._journal(teardown[0], **teardown[1])
             self._journal("workers_exited", exit_code=end.code)
-            self._send({"type": "exited", "attempt": self.attempt, "code": end.code,
-                        "tails": {str(r): t for r, t in end.tails.items()}, "root": end.root,
-                        "exits": {str(r): c for r, c in end.exits.items()},
-                        "step": self._step})
+            self._send(Exited(self.attempt, end.code, end.tails, end.root, end.exits,
+                              self._step))
 
     def _report(self, summaries: list[StepSummary], findings: list[Finding]) -> None:
         for summary in summaries:
-            self._send({"type": "summary", "summary": summary.to_dict()})
+            self._send(Summary(self.attempt, summary))
         for finding in findings:
             self._journal("finding", step=finding.step, finding=finding.to_json())
-            self._send({"type": "finding", "finding": finding.to_json()})
+            self._send(NodeFinding(self.attempt, finding))
 
     def _report_hang(self, hang: Hang) -> None:
         finding = hang.finding
@@ -283,11 +304,11 @@ class Follower:
                 finding, evidence={**finding.evidence, "incident_dir": str(folder)})
         self._report([], [finding])
 
-    def _send(self, message: dict[str, Any]) -> None:
-        """Send to the leader, saying which attempt it is about: the leader drops what an
+    def _send(self, message: FollowerMessage) -> None:
+        """Send to the leader. What is about an attempt says which: the leader drops what an
         attempt it already replaced still had to say."""
         if self.peer is not None:
-            self.peer.send(journal_mod.json_safe({"attempt": self.attempt, **message}))
+            self.peer.send(encode(message))
 
     def _journal(self, event: str, /, step: int | None = None, **fields: Any) -> None:
         self.journal.write(event, time.time(), max(self.attempt, 0),

@@ -22,7 +22,27 @@ import time
 from typing import Any
 
 from babysit.policies.types import Finding, Incident, Severity
-from babysit.supervisor.cluster.membership import LEADER, Cluster, JobExit
+from babysit.supervisor.cluster.membership import (
+    LEADER,
+    Cluster,
+    Heard,
+    JobExit,
+    Lost,
+    Unreadable,
+)
+from babysit.supervisor.cluster.messages import (
+    Control,
+    Exited,
+    HangCleared,
+    HangSuspected,
+    Leaving,
+    NodeFinding,
+    RankDied,
+    RankEvent,
+    Stop,
+    Stopped,
+    Summary,
+)
 from babysit.supervisor.cluster.node_view import NodeView, located
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
@@ -42,6 +62,9 @@ from babysit.supervisor.run.members import (
 )
 
 TICK_S = 0.1
+_ABOUT_AN_ATTEMPT = (Summary, NodeFinding, HangSuspected, HangCleared, RankDied, RankEvent, Exited,
+                     Stopped)
+"""The follower messages that say something about one attempt (and carry its number)."""
 LOST_EXIT_CODE = 137
 """The exit a lost node's torchrun is counted with: killed, as far as anyone can tell."""
 
@@ -107,8 +130,7 @@ class ClusterMembers(OnThisNode):
             self._await_rejoin(present)
         launch = self.plan.config.launch
         rdzv_id = launch.rdzv_id or f"{self.plan.name}-{attempt}"
-        nodes, endpoint = self.cluster.launch(attempt, directive.to_json(), rdzv_id,
-                                              launch.rdzv_endpoint)
+        nodes, endpoint = self.cluster.launch(attempt, directive, rdzv_id, launch.rdzv_endpoint)
         self._attempt = attempt
         command = self.node.launch(attempt, directive, now, lambda: self.workers.launch(
             attempt, directive, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
@@ -122,14 +144,14 @@ class ClusterMembers(OnThisNode):
 
     def stop(self, reason: str, *, replacing: bool = False) -> int | None:
         self.cluster.attempt.done = True  # what the nodes say of its end is moot now
-        self.cluster.tell({"type": "stop", "reason": reason, "replacing": replacing})
+        self.cluster.tell(Stop(reason, replacing))
         code = self.node.stop(replacing)
         deadline = self.clock() + self.plan.config.launch.stop_grace_s + 10.0
         moot = Gathered()
         while not self.cluster.all_stopped() and self.clock() < deadline:
             time.sleep(TICK_S)
             for node, message in self.cluster.receive():
-                if message.get("type") in ("stopped", "lost", "leaving"):
+                if isinstance(message, (Stopped, Lost, Leaving)):
                     self._node_message(node, message, moot, watching=False)
         for event, fields in moot.entries:
             self.voice.journal(event, **fields)
@@ -140,7 +162,7 @@ class ClusterMembers(OnThisNode):
 
     def request(self, **fields: Any) -> None:
         self.workers.control.request(**fields)
-        self.cluster.tell({"type": "control", "fields": fields})
+        self.cluster.tell(Control(fields))
 
     def gather(self, now: float, watching: bool) -> Gathered:
         out = Gathered()
@@ -193,42 +215,38 @@ class ClusterMembers(OnThisNode):
 
     # -- the other nodes ------------------------------------------------------------------------
 
-    def _node_message(self, node: int, message: dict[str, Any], out: Gathered,
-                      watching: bool) -> None:
-        kind = message.get("type")
-        if kind in ("summary", "finding", "hang_suspected", "hang_cleared", "rank_died", "event",
-                    "exited", "stopped") \
-                and message.get("attempt") != self._attempt:
+    def _node_message(self, node: int, message: Heard, out: Gathered, watching: bool) -> None:
+        if isinstance(message, _ABOUT_AN_ATTEMPT) and message.attempt != self._attempt:
             return  # about an attempt already replaced: it judges nothing now
         try:
-            if kind == "summary":
-                self._node_report(node, [StepSummary.from_dict(message["summary"])], [], out)
-            elif kind == "hang_suspected":
-                self.cluster.hang_suspected(node)
-            elif kind == "rank_died":
-                self.cluster.rank_died(node)
-            elif kind == "hang_cleared":
-                self.cluster.hang_cleared(node)
-            elif kind == "finding":
-                self._node_report(node, [], [Finding.from_json(message["finding"])], out)
-            elif kind == "event":
-                self._rank_event(node, WorkerEvent(
-                    rank=int(message["rank"]), type=str(message["event"]),
-                    time=float(message["time"]), data=dict(message["data"])), out)
-            elif kind == "exited":
-                tails = {int(r): str(t) for r, t in dict(message.get("tails") or {}).items()}
-                root = message.get("root")
-                exits = {int(r): int(c) for r, c in dict(message.get("exits") or {}).items()}
-                self.cluster.exited(node, int(message["code"]), tails,
-                                    root if isinstance(root, int) else None, exits)
-            elif kind == "stopped":
-                self.cluster.stopped(node)
-            elif kind in ("lost", "leaving"):
-                self._node_lost(node, str(message.get("why")), out, watching)
-        except Exception as exc:
-            # A follower of another babysit version, or a bug: say so, never stop the run.
+            match message:
+                case Summary():
+                    self._node_report(node, [message.summary], [], out)
+                case HangSuspected():
+                    self.cluster.hang_suspected(node)
+                case RankDied():
+                    self.cluster.rank_died(node)
+                case HangCleared():
+                    self.cluster.hang_cleared(node)
+                case NodeFinding():
+                    self._node_report(node, [], [message.finding], out)
+                case RankEvent():
+                    self._rank_event(node, message.event, out)
+                case Exited():
+                    self.cluster.exited(node, message.code, message.tails, message.root,
+                                        message.exits)
+                case Stopped():
+                    self.cluster.stopped(node)
+                case Lost() | Leaving():
+                    self._node_lost(node, message.why, out, watching)
+                case Unreadable():
+                    # A follower of another babysit version, or a bug: say so, never stop the run.
+                    out.entries.append(("node_message_refused", {
+                        "node": node, "type": message.error.kind, "error": str(message.error)}))
+        except Exception as exc:  # a bug in handling a readable message: never stop the run
             out.entries.append(("node_message_refused", {
-                "node": node, "type": str(kind), "error": f"{type(exc).__name__}: {exc}"}))
+                "node": node, "type": type(message).__name__,
+                "error": f"{type(exc).__name__}: {exc}"}))
 
     def _node_report(self, node: int, summaries: list[StepSummary], findings: list[Finding],
                      out: Gathered) -> None:
@@ -270,7 +288,7 @@ class ClusterMembers(OnThisNode):
             return JobEnd(0)
         # Whatever still runs of the attempt (ranks blocked in a collective with a dead peer)
         # stops now, not when the next attempt starts on the same devices.
-        self.cluster.tell({"type": "stop", "reason": "the attempt failed on another node"})
+        self.cluster.tell(Stop("the attempt failed on another node"))
         if self.workers.group is not None and self.workers.group.processes():
             self.workers.stop()
         self._crash_tails = end.tails
@@ -288,8 +306,8 @@ class ClusterMembers(OnThisNode):
             for event, fields in self.cluster.accept():
                 self.voice.journal(event, **fields)
             for node, message in self.cluster.receive():
-                if message.get("type") == "lost":
-                    self.voice.journal("node_lost", node=node, why=message.get("why"))
+                if isinstance(message, Lost):
+                    self.voice.journal("node_lost", node=node, why=message.why)
             self.voice.status(f"waiting for nodes: {len(self.cluster.present())}/{want}")
         return True
 

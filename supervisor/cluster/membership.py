@@ -4,7 +4,8 @@ told.
 The leader's babysitter (node rank 0) listens on ``nodes.leader``; every other node's babysitter
 joins it over an authenticated channel (``supervisor.cluster.wire``). The control loop
 (``babysit.supervisor.run.loop``) stays the one place that decides; this class only turns the nodes'
-messages into things it can decide on, and its decisions into messages::
+messages into things it can decide on, and its decisions into messages (declared, encoded and
+decoded in ``supervisor.cluster.messages``)::
 
     follower -> leader                      leader -> follower
     summary   one node's StepSummary        launch   attempt, directive, rendezvous, nnodes
@@ -14,7 +15,8 @@ messages into things it can decide on, and its decisions into messages::
     hang_cleared    its ranks were working
     event     checkpoint, fingerprint, ...  control  checkpoint cadence / final checkpoint
     exited    torchrun's code, log tails    finish   the run is over
-    stopped   the stop asked for is done    beat     heartbeat (both ways)
+    stopped   the stop asked for is done    refused  this connection is not taken
+    leaving   a signal stops the node       beat     heartbeat (both ways)
     beat      heartbeat
 
 Two things need every node's view before the leader acts, so they *settle* for ``nodes.settle_s``: a
@@ -23,8 +25,9 @@ connection) and a hang (the node with the stuck rank names it from its stacks; t
 waiting in a collective). A node reads its ranks' stacks before it reports a hang, which takes
 seconds under load, so it says ``hang_suspected`` first and the leader waits for its view (up to
 ``STACK_READING_S``) however long the settle time. A node that vanishes (its connection closes, or
-it is silent for ``nodes.lost_after_s``) is reported at once: the crashes of its peers that follow
-are its consequence.
+it is silent for ``nodes.lost_after_s``) is reported at once (``Lost``): the crashes of its peers
+that follow are its consequence. An object from a follower that is no message of this version is
+handed on as ``Unreadable``, with the reason, never raised.
 
 The leader's own node takes part like any other (node 0); its messages come from the loop, not
 the wire.
@@ -39,14 +42,47 @@ from typing import Any
 
 from babysit.policies.types import Finding, Incident, Severity
 from babysit.supervisor.cluster.merge import NodeMerger
+from babysit.supervisor.cluster.messages import (
+    Beat,
+    Finish,
+    FollowerMessage,
+    Launch,
+    LeaderMessage,
+    MessageError,
+    Refused,
+    encode,
+    from_follower,
+)
 from babysit.supervisor.cluster.node_view import node_name
 from babysit.supervisor.cluster.wire import Listener, Peer
 from babysit.supervisor.config.address import format_address, parse_address
 from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.node.launcher import free_port
 from babysit.supervisor.node.sketch import StepSummary
 
 LEADER = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """Never on the wire: what ``Cluster.receive`` says of a follower whose connection closed
+    or that fell silent for ``nodes.lost_after_s`` (once, after its last messages)."""
+
+    why: str
+    """What happened, for the journal and the finding (``its connection closed (eof)``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """Never on the wire: an object a follower sent that is no message of this version."""
+
+    error: MessageError
+    """Why it could not be read: its claimed kind (``error.kind``) and what is wrong."""
+
+
+Heard = FollowerMessage | Lost | Unreadable
+"""What ``Cluster.receive`` hands on for each follower."""
 
 
 @dataclass
@@ -112,7 +148,7 @@ class Cluster:
         """Global rank -> node rank, from the hellos of the current attempt."""
         self.merger = NodeMerger({LEADER})
         self.attempt = _Attempt([LEADER])
-        self._backlog: list[tuple[int, dict[str, Any]]] = []
+        self._backlog: list[tuple[int, Heard]] = []
 
     def open(self) -> None:
         self.listener.open()
@@ -121,7 +157,7 @@ class Cluster:
         """Tell every follower the run is over (with its exit code), then hang up."""
         if code is not None:
             for peer in self.peers.values():
-                peer.send({"type": "finish", "code": code})
+                peer.send(encode(Finish(code)))
         self.listener.close()
 
     # -- membership -------------------------------------------------------------------------------
@@ -143,12 +179,12 @@ class Cluster:
                 if old is not None:  # gone, but what it said last (its exit, its loss) counts
                     self._backlog.extend(self._hear(node, old, time.monotonic()))
                 self.peers[node], self.hosts[node] = peer, host
-                peer.keep_alive(self.config.heartbeat_s)
+                peer.keep_alive(self.config.heartbeat_s, encode(Beat()))
                 entries.append(("node_joined", {"node": node, "host": host,
                                                 "pid": peer.info.get("pid"),
                                                 "address": peer.info.get("address")}))
                 continue
-            peer.send({"type": "refused", "reason": why, "final": final})
+            peer.send(encode(Refused(why, final)))
             peer.close()
             entries.append(("node_refused", {"node": node, "host": host, "reason": why}))
         if self.listener.last_rejected:
@@ -166,7 +202,7 @@ class Cluster:
 
     # -- telling the nodes ---------------------------------------------------------------------
 
-    def launch(self, attempt: int, directive: dict[str, Any], rdzv_id: str,
+    def launch(self, attempt: int, directive: Directive, rdzv_id: str,
                endpoint: str | None) -> tuple[list[int], str]:
         """Tell every present follower to start ``attempt``; returns the nodes taking part and
         the rendezvous endpoint. The leader's own node is node index 0 of the attempt."""
@@ -175,24 +211,24 @@ class Cluster:
         self.attempt = _Attempt(nodes, peers={n: self.peers[n] for n in nodes if n != LEADER})
         for index, node in enumerate(nodes):
             if node != LEADER:
-                self.peers[node].send({"type": "launch", "attempt": attempt,
-                                       "directive": directive, "rdzv_id": rdzv_id,
-                                       "rdzv_endpoint": endpoint, "nnodes": str(len(nodes)),
-                                       "node_rank": index})
+                self.peers[node].send(encode(Launch(
+                    attempt=attempt, directive=directive, rdzv_id=rdzv_id,
+                    rdzv_endpoint=endpoint, nnodes=len(nodes), node_rank=index)))
         self.merger.reset(set(nodes))
         self.rank_node = {}
         return nodes, endpoint
 
-    def tell(self, message: dict[str, Any]) -> None:
+    def tell(self, message: LeaderMessage) -> None:
         """Send ``message`` to every follower of the current attempt (not to a babysitter that
         has since taken a lost node's place: it runs nothing of this attempt)."""
+        body = encode(message)
         for peer in self.attempt.peers.values():
-            peer.send(message)
+            peer.send(body)
 
     # -- hearing from the nodes ------------------------------------------------------------------
 
-    def receive(self) -> list[tuple[int, dict[str, Any]]]:
-        """Every follower's messages since the last call, then ``lost`` for followers that
+    def receive(self) -> list[tuple[int, Heard]]:
+        """Every follower's messages since the last call, then ``Lost`` for followers that
         closed or fell silent (each once)."""
         out, self._backlog = self._backlog, []
         now = time.monotonic()  # the wire stamps last_heard with the real monotonic clock
@@ -200,10 +236,10 @@ class Cluster:
             out.extend(self._hear(node, peer, now))
         return out
 
-    def _hear(self, node: int, peer: Peer, now: float) -> list[tuple[int, dict[str, Any]]]:
-        """One follower's messages, then ``lost`` (once) if it closed or fell silent."""
+    def _hear(self, node: int, peer: Peer, now: float) -> list[tuple[int, Heard]]:
+        """One follower's messages, then ``Lost`` (once) if it closed or fell silent."""
         closed = peer.closed  # before draining: the reader queues its last message, then closes
-        out = [(node, m) for m in peer.receive()]
+        out: list[tuple[int, Heard]] = [(node, _read(m)) for m in peer.receive()]
         silent = now - peer.last_heard
         if closed or silent > self.config.lost_after_s:
             why = (f"its babysitter was silent for {silent:.0f} s" if not closed
@@ -211,7 +247,7 @@ class Cluster:
             peer.close()
             if self.peers.get(node) is peer:
                 del self.peers[node]
-            out.append((node, {"type": "lost", "why": why}))
+            out.append((node, Lost(why)))
         return out
 
     def summary(self, node: int, summary: StepSummary) -> list[StepSummary]:
@@ -317,3 +353,9 @@ class Cluster:
             evidence={"node": node, "host": self.hosts.get(node), "why": why,
                       "nodes_left": [n for n in self.present() if n != node]})
 
+
+def _read(obj: dict[str, Any]) -> FollowerMessage | Unreadable:
+    try:
+        return from_follower(obj)
+    except MessageError as exc:
+        return Unreadable(exc)

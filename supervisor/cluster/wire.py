@@ -3,6 +3,8 @@
 One babysitter per node; the node-rank-0 one is the *leader* and listens on TCP, the others are
 *followers* and connect to it. Both sides exchange small JSON objects: followers send step
 summaries, findings, events and heartbeats; the leader sends commands (launch, stop, finish).
+What those objects are is declared once, in ``supervisor.cluster.messages``; this module only
+carries them and vouches for who sent them.
 
 Threat model. Every babysitter of a run knows a per-run secret (bytes). We defend against a stray
 process on the same network that does not know it (it must neither join the run nor command it)
@@ -244,16 +246,16 @@ class Peer:
             except queue.Empty:
                 return messages
 
-    def keep_alive(self, every_s: float) -> None:
-        """Send ``{"type": "beat"}`` every ``every_s`` seconds from a daemon thread until the
-        connection closes. The other side's silence timer then measures whether this process
-        lives, not how long its loop is busy (checksumming a checkpoint, stopping workers,
-        dumping stacks)."""
-        def beat() -> None:
-            while not self._closed.wait(every_s) and self.send({"type": "beat"}):
+    def keep_alive(self, every_s: float, beat: dict[str, Any]) -> None:
+        """Send ``beat`` (a heartbeat message, ``messages.encode(Beat())``) every ``every_s``
+        seconds from a daemon thread until the connection closes. The other side's silence
+        timer then measures whether this process lives, not how long its loop is busy
+        (checksumming a checkpoint, stopping workers, dumping stacks)."""
+        def send_beats() -> None:
+            while not self._closed.wait(every_s) and self.send(beat):
                 pass
 
-        threading.Thread(target=beat, daemon=True, name="babysit-beat").start()
+        threading.Thread(target=send_beats, daemon=True, name="babysit-beat").start()
 
     def close(self) -> None:
         """Close the connection; idempotent. Messages already received stay in ``receive``."""
