@@ -1,6 +1,7 @@
 """Multi-node runs: one babysitter per node, the node-rank-0 one leads.
 
-``wire`` is the authenticated channel between them (handshake, frames, threat model).
+``wire`` is the authenticated channel between them (handshake, frames, threat model);
+``messages`` declares what travels on it, and encodes and decodes it.
 """
 
 from babysit.supervisor.cluster.wire import (
