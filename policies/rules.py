@@ -10,14 +10,15 @@
    crashes follow the ``crash`` section instead: per-class relaunch limits, exponential backoff
    (from the second crash of a class, unless ``first_relaunch_at_once`` is off),
    stop on a deterministic repeat, numerical crashes rolled back;
-4. escalation (rollbacks): a rollback cuts the LR by ``lr_factor`` for a while (it wears off
-   over ``lr_rewarm_steps`` past the skipped batches); an onset within ``escalation_window``
-   batches of a previous rollback's skip range is the same region again: the skip range grows
-   by ``escalation_skip_factor`` per repeat and the cut stays (``lr_rewarm`` None). SDC rollbacks
-   are the exception: they skip nothing and keep the LR (the data is fine, the hardware is
-   not), and leave no skip range behind;
+4. the rollback itself (``policies/rollback.py``'s ``plan``, the one place that decides it):
+   the checkpoint, the skip sizes (wider when the same region spikes again), the LR cut and its
+   re-warm; SDC rollbacks skip nothing and keep the LR;
 5. budget: a disruptive remedy (rollback, relaunch) that would exceed ``max_interventions`` in
    ``window_s`` becomes STOP.
+
+``Rules(policy).judge(finding, now, known) -> (Remedy, Plan | None)`` does the same and also
+returns the rollback's whole plan (skip range and LR orders placed with ``known``'s cursors
+and orders) for the supervisor to carry out.
 
 Pure: the clock is the ``now`` argument (seconds, any epoch, non-decreasing), there is no I/O,
 and ``state_dict()`` / ``load_state_dict()`` carry everything through a supervisor restart.
@@ -25,14 +26,15 @@ and ``state_dict()`` / ``load_state_dict()`` carry everything through a supervis
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from babysit.policies import rollback
+from babysit.policies.rollback import Known, Plan, Region, Shelf
 from babysit.policies.schema import Policy, Response
 from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
 
 _DISRUPTIVE = (Action.ROLLBACK, Action.RELAUNCH)
-_SPIKES = (Incident.LOSS_SPIKE, Incident.GRAD_SPIKE)
-"""Anomalies a run survives unaided: never worth a restart from scratch."""
 _SEVERITY = {"warning": Severity.WARNING, "critical": Severity.CRITICAL}
 
 
@@ -44,7 +46,7 @@ class Rules:
         # Per incident: next rung, step and time of the last intervention.
         self._ladders: dict[str, dict[str, Any]] = {}
         # Every rollback's skipped cursor range [lo, hi) and its escalation generation.
-        self._rollbacks: list[dict[str, Any]] = []
+        self._rollbacks: list[Region] = []
         # Times of disruptive interventions (budget) and of crash relaunches per class.
         self._interventions: list[float] = []
         self._crashes: dict[str, list[float]] = {}
@@ -54,27 +56,40 @@ class Rules:
         catalog). Without one a spike's rollback would restart the run from scratch, which
         loses more than the spike: it becomes an alert that says why, and uses up no rung, no
         budget and no escalation (a NaN or a crash still relaunches)."""
+        return self.judge(finding, now, Known(shelf=None if checkpoint else Shelf()))[0]
+
+    def judge(self, finding: Finding, now: float,
+              known: Known = rollback.NOTHING_KNOWN) -> tuple[Remedy, Plan | None]:
+        """The remedy for ``finding`` and, when it is a rollback, its whole plan
+        (``rollback.plan``) from what the supervisor ``known``s: the checkpoints (a spike with
+        no good one before its onset is an alert instead, as ``on_finding`` says), the cursor
+        memory and the LR orders in force. ``now``: as for ``on_finding``."""
         if finding.incident is Incident.CRASH:
-            remedy = self._crash(finding, now)
+            remedy, plan = self._crash(finding, now, known)
         else:
-            remedy = self._incident(finding, now, checkpoint)
-        return self._charge(remedy, now)
+            remedy, plan = self._incident(finding, now, known)
+        if plan is not None and plan.region is not None:
+            # Remembered even when the budget stops the run instead: the region did spike.
+            self._rollbacks.append(plan.region)
+        remedy = self._charge(remedy, now)
+        return remedy, plan if remedy.action is Action.ROLLBACK else None
 
     # -- ladders ----------------------------------------------------------------------------
 
-    def _incident(self, finding: Finding, now: float, checkpoint: bool = True) -> Remedy:
+    def _incident(self, finding: Finding, now: float,
+                  known: Known) -> tuple[Remedy, Plan | None]:
         resp: Response = getattr(self.policy.incidents, finding.incident.value)
         name = finding.incident.value
         if finding.severity < _SEVERITY[resp.act_on]:
             return Remedy(resp.below, finding, f"{finding.severity.name.lower()} {name}: below "
-                          f"act_on={resp.act_on}, so {resp.below.value} only")
+                          f"act_on={resp.act_on}, so {resp.below.value} only"), None
         st = self._ladders.setdefault(name, {"rung": 0, "step": None, "time": None})
         if st["step"] is not None:
             since_s = now - st["time"]
             since_steps = finding.step - st["step"]
             if since_s < resp.cooldown_s or 0 <= since_steps < resp.cooldown_steps:
                 return Remedy(Action.IGNORE, finding, f"inside the {name} cooldown: last "
-                              f"intervention at step {st['step']}, {since_s:.0f}s ago")
+                              f"intervention at step {st['step']}, {since_s:.0f}s ago"), None
             stale_steps = resp.reset_after_steps is not None and \
                 since_steps >= resp.reset_after_steps
             stale_time = resp.reset_after_s is not None and since_s >= resp.reset_after_s
@@ -82,70 +97,54 @@ class Rules:
                 st["rung"] = 0
         rung = min(st["rung"], len(resp.ladder) - 1)
         action = resp.ladder[rung]
-        if action is Action.ROLLBACK and not checkpoint and finding.incident in _SPIKES:
+        plan = self._plan(finding, known) if action is Action.ROLLBACK else None
+        if plan is not None and not plan.possible:
             return Remedy(Action.ALERT, finding, f"{name}: not rolled back: no good checkpoint "
                           f"from before step {finding.onset_step} to go back to, and restarting "
                           "from scratch would lose more than the spike. Save checkpoints ("
                           "babysit run --checkpoint-every N, or checkpoints.every_steps in the "
-                          "config, with attach(model=...)) to make spikes recoverable")
+                          "config, with attach(model=...)) to make spikes recoverable"), None
         st.update(rung=st["rung"] + 1, step=finding.step, time=now)
         why = f"{name} intervention {rung + 1} -> ladder rung {rung + 1}/{len(resp.ladder)}: " \
               f"{action.value}"
-        if action is Action.ROLLBACK and finding.incident is Incident.SDC:
-            # Not a bad region of data: skipping batches or lowering the LR would change the run
-            # for nothing. Roll back to before the corruption and replay the same steps.
-            return Remedy(Action.ROLLBACK, finding, why + "; silent data corruption is the "
-                          "hardware's fault, not the data's or the LR's: no batches skipped, "
-                          "LR kept", skip_before=0, skip_after=0, lr_scale=1.0)
-        if action is Action.ROLLBACK:
-            return self._rollback(finding, why)
-        return Remedy(action, finding, why)
+        if plan is not None:
+            return _rollback_remedy(plan, why), plan
+        return Remedy(action, finding, why), None
 
-    # -- rollbacks and their escalation -----------------------------------------------------
+    # -- rollbacks --------------------------------------------------------------------------
 
-    def _rollback(self, finding: Finding, why: str) -> Remedy:
-        rb = self.policy.rollback
-        onset = finding.onset_cursor if finding.onset_cursor is not None else finding.onset_step
-        same = [r for r in self._rollbacks
-                if r["lo"] - rb.escalation_window <= onset < r["hi"] + rb.escalation_window]
-        gen = 1 + max((r["gen"] for r in same), default=-1)
-        widen = rb.escalation_skip_factor ** gen
-        before = round(rb.skip_before * widen)
-        after = round(rb.skip_after * widen)
-        self._rollbacks.append({"lo": onset - before, "hi": onset + after, "gen": gen})
-        if gen:
-            why += (f"; onset {onset} is inside the region of {len(same)} earlier rollback(s), "
-                    f"so skip x{widen:g} and LR x{rb.lr_factor:g} for the rest of the run")
-        return Remedy(Action.ROLLBACK, finding, why, skip_before=before, skip_after=after,
-                      lr_scale=rb.lr_factor, lr_rewarm=None if gen else rb.lr_rewarm_steps)
+    def _plan(self, finding: Finding, known: Known) -> Plan:
+        return rollback.plan(finding, self.policy.rollback, self._rollbacks, known)
 
     # -- crashes ----------------------------------------------------------------------------
 
-    def _crash(self, finding: Finding, now: float) -> Remedy:
+    def _crash(self, finding: Finding, now: float,
+               known: Known) -> tuple[Remedy, Plan | None]:
         cp = self.policy.crash
         ev = finding.evidence
         cls = str(ev.get("class", "unknown"))
         if cp.stop_on_deterministic and ev.get("deterministic"):
             return Remedy(Action.STOP, finding, f"{cls} crash repeated with the same signature "
                           f"at the same step ({ev.get('signature')}): deterministic, a relaunch "
-                          "would reproduce it")
+                          "would reproduce it"), None
         times = self._crashes.setdefault(cls, [])
         if cp.forget_after_s is not None:
             times[:] = [t for t in times if now - t < cp.forget_after_s]
         limit = getattr(cp.max_relaunches, cls, cp.max_relaunches.unknown)
         if len(times) >= limit:
             return Remedy(Action.STOP, finding, f"{cls} crash: {len(times)} relaunch(es) for "
-                          f"this class already, limit crash.max_relaunches.{cls}={limit}")
+                          f"this class already, limit crash.max_relaunches.{cls}={limit}"), None
         waits = len(times) - 1 if cp.first_relaunch_at_once else len(times)
         backoff = min(cp.backoff_base_s * 2 ** waits, cp.backoff_max_s) if waits >= 0 else 0.0
         times.append(now)
         why = f"{cls} crash {len(times)}/{limit}"
         if cls == "numerical" and cp.rollback_numerical:
-            r = self._rollback(finding, why + ": numerical, so roll back past it")
-            return Remedy(r.action, finding, r.reason, r.skip_before, r.skip_after, r.lr_scale,
-                          backoff, r.lr_rewarm)
+            plan = self._plan(finding, known)
+            r = _rollback_remedy(plan, why + ": numerical, so roll back past it")
+            return replace(r, backoff_s=backoff), plan
         when = f"after {backoff:g}s" if backoff else "at once"
-        return Remedy(Action.RELAUNCH, finding, f"{why}: relaunch {when}", backoff_s=backoff)
+        return Remedy(Action.RELAUNCH, finding, f"{why}: relaunch {when}",
+                      backoff_s=backoff), None
 
     # -- budget -----------------------------------------------------------------------------
 
@@ -167,13 +166,22 @@ class Rules:
     def state_dict(self) -> dict[str, Any]:
         return {
             "ladders": {k: dict(v) for k, v in self._ladders.items()},
-            "rollbacks": [dict(r) for r in self._rollbacks],
+            "rollbacks": [{"lo": r.lo, "hi": r.hi, "gen": r.gen} for r in self._rollbacks],
             "interventions": list(self._interventions),
             "crashes": {k: list(v) for k, v in self._crashes.items()},
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self._ladders = {k: dict(v) for k, v in d["ladders"].items()}
-        self._rollbacks = [dict(r) for r in d["rollbacks"]]
+        self._rollbacks = [Region(int(r["lo"]), int(r["hi"]), int(r["gen"]))
+                           for r in d["rollbacks"]]
         self._interventions = [float(t) for t in d["interventions"]]
         self._crashes = {k: [float(t) for t in v] for k, v in d["crashes"].items()}
+
+
+def _rollback_remedy(plan: Plan, why: str) -> Remedy:
+    """The remedy that carries ``plan``'s sizes and LR (journaled, and read back by a
+    supervisor taking over)."""
+    assert plan.finding is not None  # a rollback always answers a finding
+    return Remedy(Action.ROLLBACK, plan.finding, why + plan.note, skip_before=plan.skip_before,
+                  skip_after=plan.skip_after, lr_scale=plan.lr_factor, lr_rewarm=plan.lr_rewarm)

@@ -6,12 +6,13 @@ every verdict and every refusal is on the record:
     on_checkpoint(step)      a rank reported a committed checkpoint  -> retention
     on_progress(step)        healthy steps went by                   -> pending ones become good
     on_finding(finding, ...) an acted-on anomaly began at its onset   -> nearby ones become suspect
+    shelf()                  a finding is about to be judged         -> the checkpoints, plainly
     resume_for(remedy)       a relaunch is about to start            -> which checkpoint, verified
 
-Rules: a rollback (loss spike, NaN) resumes from the newest *good* checkpoint strictly before
-the onset; a relaunch after a hang or a crash may also use a *pending* one (nothing suggests
-its weights are bad, and the work since it would otherwise be lost). A torn or corrupted
-checkpoint is refused, marked corrupt, and the next older one is tried.
+Which checkpoint a rollback or a relaunch may use is decided in ``policies/rollback.py``
+(``resume_bound``, ``suspect_window``, ``can_roll_back``); this module reads and writes the
+catalog on disk around those rules. A torn or corrupted checkpoint is refused, marked corrupt,
+and the next older one is tried.
 """
 
 from __future__ import annotations
@@ -19,15 +20,13 @@ from __future__ import annotations
 from typing import Any
 
 from babysit.checkpoints import Catalog, Verdict
-from babysit.policies.types import Action, Finding, Incident, Remedy
+from babysit.policies import rollback
+from babysit.policies.rollback import Saved, Shelf
+from babysit.policies.types import Action, Finding, Remedy
 from babysit.supervisor.contract.directive import Resume
 
 Entry = tuple[str, dict[str, Any]]
 
-# Anomalies that say something about the weights around them (a hang or a crash does not).
-_WEIGHT_ANOMALIES = (Incident.LOSS_SPIKE, Incident.NONFINITE, Incident.GRAD_SPIKE)
-_SPIKES = (Incident.LOSS_SPIKE, Incident.GRAD_SPIKE)
-"""Anomalies a run survives unaided: only a checkpoint from before them makes a rollback pay."""
 _PROMOTE_EVERY = 10
 """Steps between promotion passes: each pass re-reads the catalog from disk."""
 
@@ -90,14 +89,11 @@ class Recovery:
         """Checkpoints near an anomaly's onset become suspect, but only when babysit acts on it
         (rolls back, relaunches or stops): a spike that heals by itself, or a grad spike whose
         step was skipped in-process, left the weights as good as they were."""
-        if finding.incident not in _WEIGHT_ANOMALIES and finding.incident is not Incident.SDC:
-            return []
-        if remedy.action not in (Action.ROLLBACK, Action.RELAUNCH, Action.STOP):
+        window = rollback.suspect_window(finding.incident, self.probation_steps)
+        if window is None or remedy.action not in (Action.ROLLBACK, Action.RELAUNCH,
+                                                   Action.STOP):
             return []
         reason = f"{finding.incident.value} with onset at step {finding.onset_step}"
-        # Silent corruption began after the last agreeing check (onset - 1), which vouches for
-        # the checkpoints up to it: no window before the onset, every one after it is suspect.
-        window = 0 if finding.incident is Incident.SDC else self.probation_steps
         try:
             marked = self.catalog.mark_anomaly(finding.onset_step, window, reason)
         except OSError as exc:
@@ -107,18 +103,21 @@ class Recovery:
                                         "reason": reason})
                 for c in marked if c.verdict is not Verdict.SUSPECT]
 
+    def shelf(self) -> Shelf:
+        """The committed checkpoints as the rules judge a finding by them (``Known.shelf``).
+        Storage that cannot be read offers none: a spike then alerts instead of rolling back
+        (a NaN still rolls back, from scratch if need be)."""
+        try:
+            listed = self.catalog.checkpoints()
+        except OSError:
+            listed = []
+        return Shelf(tuple(Saved(c.step, c.cursor, c.verdict is Verdict.GOOD) for c in listed),
+                     self.probation_steps)
+
     def can_roll_back(self, finding: Finding) -> bool:
         """Whether a rollback for ``finding`` would find a good checkpoint before its onset
-        (one the anomaly will not make suspect: ``on_finding``). A spike's rollback without one
-        would restart the run from scratch, which the rules refuse (``Rules.on_finding``)."""
-        if finding.incident not in _SPIKES:
-            return True
-        before = finding.onset_step - self.probation_steps
-        try:
-            return any(c.verdict is Verdict.GOOD and c.step < before
-                       for c in self.catalog.checkpoints())
-        except OSError:
-            return False
+        (``rollback.can_roll_back`` on ``shelf()``)."""
+        return rollback.can_roll_back(finding, self.shelf())
 
     def resume_for(self, remedy: Remedy | None) -> tuple[Resume | None, list[Entry]]:
         """The checkpoint the next attempt starts from (None: from scratch), and what was
@@ -133,9 +132,8 @@ class Recovery:
             entries.append(("checkpoint_cleaned", {"paths": [str(p) for p in cleaned]}))
         if remedy is None:
             return None, entries
-        rollback = remedy.action is Action.ROLLBACK
-        before = remedy.finding.onset_step if rollback else remedy.finding.step + 1
-        return self._choose(before, not rollback, entries)
+        before, allow_pending = rollback.resume_bound(remedy)
+        return self._choose(before, allow_pending, entries)
 
     def resume_latest(self, watched_until: int | None = None
                       ) -> tuple[Resume | None, list[Entry]]:

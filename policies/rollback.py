@@ -1,0 +1,270 @@
+"""What a rollback does, decided in one place: the checkpoint, the batches skipped, the LR cut.
+
+``plan(finding, section, memory, known) -> Plan`` computes a whole rollback from plain data:
+the finding, the policy's ``rollback`` section, the escalation memory (the regions earlier
+rollbacks skipped), and what the supervisor knows (``Known``: the checkpoints on the shelf, the
+step -> data-cursor memory, the LR orders in force). The rules call it when their ladder says
+rollback (``Rules.judge``); the supervisor writes the plan into the next attempt's directive
+and only verifies the chosen checkpoint on disk. Pure: no I/O, no clock, no supervisor types.
+
+- checkpoint: the newest *good* checkpoint strictly before the onset. A loss or grad spike's
+  rollback needs one saved at least ``probation_steps`` before the onset (the anomaly makes the
+  ones after that suspect); without one the run would restart from scratch, which loses more
+  than the spike, so the plan is not ``possible`` and the rules alert instead. Relaunches after
+  a hang or a crash resume from the newest checkpoint before the next step, pending included
+  (``resume_bound``).
+- skip sizes: ``skip_before`` / ``skip_after`` batches around the onset. An onset within
+  ``escalation_window`` batches of an earlier rollback's skipped region is the same region
+  again: the sizes grow by ``escalation_skip_factor`` per repeat. The onset is the finding's
+  own cursor (the step where it has none), so escalation reads the same after a takeover.
+- skip range: ``[cursor(onset) - 1 - skip_before, cursor(detected) + skip_after)`` in batches
+  (the batch behind step s is cursor(s) - 1); the finding's onset cursor stands in for an empty
+  cursor memory (after a takeover).
+- LR: the scale drops to ``base x lr_factor`` where the skipped batches begin (the replayed
+  steps before them trained well the first time, at ``base``) and returns linearly to ``base``
+  over ``lr_rewarm_steps`` batches past them. A repeat of the same region keeps the lower scale
+  for the rest of the run (it becomes the new base, from the resume point on).
+- SDC: the hardware's fault, not the data's or the LR's: nothing skipped, the LR orders in force
+  kept, and no region left behind for escalation.
+
+Units: steps are optimizer steps; cursors and skip ranges are global batches consumed; LR
+scales multiply the script's own LR.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from babysit.policies.types import Action, Finding, Incident, Remedy
+
+if TYPE_CHECKING:
+    from babysit.policies.schema import Rollback as Section
+
+SPIKES = (Incident.LOSS_SPIKE, Incident.GRAD_SPIKE)
+"""Anomalies a run survives unaided: only a checkpoint from before them makes a rollback pay."""
+WEIGHT_ANOMALIES = (Incident.LOSS_SPIKE, Incident.NONFINITE, Incident.GRAD_SPIKE)
+"""Anomalies that say something about the weights around them (a hang or a crash does not)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """A committed checkpoint as the catalog last listed it."""
+
+    step: int
+    cursor: int
+    good: bool
+    """It passed probation (a rollback may use it); False: still pending."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shelf:
+    """The checkpoints a rollback could go back to, as plain data."""
+
+    saved: tuple[Saved, ...] = ()
+    probation_steps: int = 0
+    """Checkpoints saved this close before an onset turn suspect with it."""
+
+    def newest_good_before(self, step: int) -> Saved | None:
+        return max((c for c in self.saved if c.good and c.step < step),
+                   key=lambda c: c.step, default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Global batches ``start <= cursor < end`` (the directive's ``SkipRange``)."""
+
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ramp:
+    """A temporary LR cut in cursor space (the directive's ``LrRamp``): ``to`` up to ``cut``,
+    the attempt's scale until ``start``, then linearly back to ``to`` by ``end``."""
+
+    cut: int
+    start: int
+    end: int
+    to: float
+
+
+@dataclass(frozen=True, slots=True)
+class Orders:
+    """An attempt's LR orders: ``scale`` from its first step, worn off by ``ramp`` (or not)."""
+
+    scale: float = 1.0
+    ramp: Ramp | None = None
+
+    @property
+    def base(self) -> float:
+        """The scale the run returns to once the ramp has worn off."""
+        return self.ramp.to if self.ramp is not None else self.scale
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """Batches ``lo <= cursor < hi`` an earlier rollback skipped, and its escalation generation
+    (0: a first rollback there)."""
+
+    lo: int
+    hi: int
+    gen: int
+
+
+@dataclass(frozen=True, slots=True)
+class Known:
+    """What the supervisor knows when a rollback is decided."""
+
+    shelf: Shelf | None = None
+    """The checkpoints; None: not known (replay, or a caller that vouches one exists)."""
+    cursor_at: Mapping[int, int] = field(default_factory=dict)
+    """Recent steps -> their data cursor (empty after a takeover)."""
+    orders: Orders = Orders()
+    """The LR orders of the attempt running now."""
+
+
+NOTHING_KNOWN = Known()
+"""No checkpoints known (one is assumed), no cursors, the LR untouched: replay's view."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What the attempt a remedy causes is told beyond the run's standing orders."""
+
+    finding: Finding | None
+    """The finding the rollback answers; None: a plain start or a takeover."""
+    rollback: bool
+    possible: bool = True
+    """False: a spike with no good checkpoint before it: rolling back would restart the run."""
+    checkpoint: Saved | None = None
+    """The checkpoint the shelf offers (None: none known, or from scratch)."""
+    skip_before: int = 0
+    skip_after: int = 0
+    lr_factor: float = 1.0
+    lr_rewarm: int | None = None
+    """Batches past the skipped ones over which the cut wears off; None: the cut stays."""
+    region: Region | None = None
+    """What this rollback adds to the escalation memory (None: nothing, as for SDC)."""
+    note: str = ""
+    """Why the sizes are what they are, in words (appended to the remedy's reason)."""
+    skip: Span | None = None
+    """New batches to skip (added to the earlier ones), or None."""
+    orders: Orders = Orders()
+    """The LR orders of the attempt, from its first step."""
+
+    @property
+    def base(self) -> float:
+        return self.orders.base
+
+    def resumed(self, cursor: int | None) -> Plan:
+        """The plan once the supervisor verified the checkpoint it resumes from (``cursor``;
+        None: from scratch), which may be older than the shelf's offer. Only a rollback without
+        a skip range (no cursor known at all) anchors its LR ramp there."""
+        ramp = self.orders.ramp
+        cut_here = self.rollback and self.lr_factor != 1.0 and self.lr_rewarm is not None
+        if not cut_here or self.skip is not None or ramp is None:
+            return self
+        start = cursor if cursor is not None else 0
+        return replace(self, orders=replace(self.orders, ramp=replace(
+            ramp, cut=start, start=start, end=start + (self.lr_rewarm or 0))))
+
+
+def resume_bound(remedy: Remedy) -> tuple[int, bool]:
+    """Which checkpoint the attempt after ``remedy`` may resume from: one strictly before the
+    returned step, pending ones too when the flag says so. A rollback goes back before the
+    onset to a good one; a relaunch after a hang or a crash may use the newest one."""
+    if remedy.action is Action.ROLLBACK:
+        return remedy.finding.onset_step, False
+    return remedy.finding.step + 1, True
+
+
+def suspect_window(incident: Incident, probation_steps: int) -> int | None:
+    """How many steps before its onset an acted-on anomaly makes checkpoints suspect (those
+    after the onset too); None: it says nothing about the weights. Silent corruption began
+    after the last agreeing check (onset - 1), which vouches for the checkpoints up to it."""
+    if incident is Incident.SDC:
+        return 0
+    return probation_steps if incident in WEIGHT_ANOMALIES else None
+
+
+def offer(finding: Finding, shelf: Shelf) -> Saved | None:
+    """The checkpoint a rollback for ``finding`` will find: the newest good one from before
+    the checkpoints the anomaly makes suspect (``suspect_window``)."""
+    window = suspect_window(finding.incident, shelf.probation_steps) or 0
+    return shelf.newest_good_before(finding.onset_step - window)
+
+
+def can_roll_back(finding: Finding, shelf: Shelf) -> bool:
+    """Whether a rollback for ``finding`` pays: anything but a spike always does (a NaN cannot
+    be trained through); a spike needs a good checkpoint the anomaly will not make suspect."""
+    return finding.incident not in SPIKES or offer(finding, shelf) is not None
+
+
+def plan(finding: Finding, section: Section, memory: Sequence[Region],
+         known: Known = NOTHING_KNOWN) -> Plan:
+    """The whole rollback for ``finding``; see the module docstring. ``memory``: the regions
+    of the run's earlier rollbacks (``Plan.region`` of each one carried out)."""
+    shelf = known.shelf
+    possible = shelf is None or can_roll_back(finding, shelf)
+    checkpoint = offer(finding, shelf) if shelf is not None else None
+    if finding.incident is Incident.SDC:
+        # Not a bad region of data: skipping batches or lowering the LR would change the run
+        # for nothing. Roll back to before the corruption and replay the same steps.
+        return Plan(finding, True, possible, checkpoint, orders=known.orders,
+                    note="; silent data corruption is the hardware's fault, not the data's or "
+                         "the LR's: no batches skipped, LR kept")
+    onset = finding.onset_cursor if finding.onset_cursor is not None else finding.onset_step
+    window = section.escalation_window
+    same = [r for r in memory if r.lo - window <= onset < r.hi + window]
+    gen = 1 + max((r.gen for r in same), default=-1)
+    widen = section.escalation_skip_factor ** gen
+    before = round(section.skip_before * widen)
+    after = round(section.skip_after * widen)
+    note = ""
+    if gen:
+        note = (f"; onset {onset} is inside the region of {len(same)} earlier rollback(s), so "
+                f"skip x{widen:g} and LR x{section.lr_factor:g} for the rest of the run")
+    rewarm = None if gen else section.lr_rewarm_steps
+    skip, orders = _place(finding, before, after, section.lr_factor, rewarm, known,
+                          checkpoint.cursor if checkpoint is not None else None)
+    return Plan(finding, True, possible, checkpoint, before, after, section.lr_factor, rewarm,
+                Region(onset - before, onset + after, gen), note, skip, orders)
+
+
+def for_remedy(remedy: Remedy | None, known: Known = NOTHING_KNOWN,
+               resume_cursor: int | None = None) -> Plan:
+    """The plan behind a remedy whose ``plan`` this process did not keep (one inherited from
+    the journal, or built by hand): the remedy's own sizes and LR, placed with ``known``'s
+    cursors and orders. A relaunch that is not a rollback (or None: a plain start or a
+    takeover) keeps the orders in force: the ramp is in cursor space, so it holds wherever
+    the attempt resumes."""
+    if remedy is None or remedy.action is not Action.ROLLBACK:
+        return Plan(remedy.finding if remedy is not None else None, False, orders=known.orders)
+    finding = remedy.finding
+    if finding.incident is Incident.SDC:
+        return Plan(finding, True, orders=known.orders)
+    skip, orders = _place(finding, remedy.skip_before, remedy.skip_after, remedy.lr_scale,
+                          remedy.lr_rewarm, known, resume_cursor)
+    return Plan(finding, True, True, None, remedy.skip_before, remedy.skip_after,
+                remedy.lr_scale, remedy.lr_rewarm, None, "", skip, orders)
+
+
+def _place(finding: Finding, before: int, after: int, factor: float, rewarm: int | None,
+           known: Known, resume_cursor: int | None) -> tuple[Span | None, Orders]:
+    """The skip range in batches and the attempt's LR orders (see the module docstring)."""
+    base = known.orders.base
+    onset = known.cursor_at.get(finding.onset_step, finding.onset_cursor)
+    detected = known.cursor_at.get(finding.step, onset)
+    skip = None
+    if onset is not None and detected is not None:
+        skip = Span(max(0, onset - 1 - before), detected + after)
+    if factor == 1.0:
+        return skip, Orders(base)
+    cut = base * factor
+    if rewarm is None:  # the same region again: the lower scale stays
+        return skip, Orders(cut)
+    start = skip.end if skip is not None else (resume_cursor if resume_cursor is not None else 0)
+    cut_at = skip.start if skip is not None else start
+    return skip, Orders(cut, Ramp(cut=cut_at, start=start, end=start + rewarm, to=base))
