@@ -15,7 +15,8 @@ from pathlib import Path
 
 from babysit.policies.types import Finding, Incident, Severity
 from babysit.supervisor.config.plan import from_mapping
-from babysit.supervisor.node import flight_recorder, forensics
+from babysit.supervisor.node import flight_recorder
+from babysit.supervisor.node.incident import write_incident
 from babysit.supervisor.node.workers import NodeWorkers
 
 NAMES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
@@ -78,7 +79,7 @@ def test_a_hang_incident_asks_the_ranks_to_dump_and_keeps_the_dumps(tmp_path: Pa
             time.sleep(0.01)
         finding = Finding(incident=Incident.HANG, detector="hang", severity=Severity.CRITICAL,
                           step=7, onset_step=7, ranks=(1,), message="hang at step 7")
-        incident = forensics.write_incident(run_dir, 0, finding, "relaunch", None, {})
+        incident = write_incident(run_dir, 0, finding, "relaunch", None, {})
     finally:
         stop.set()
         for thread in ranks:
@@ -100,7 +101,7 @@ def test_other_incidents_copy_the_watchdogs_dumps_and_ask_for_none(tmp_path: Pat
     try:
         finding = Finding(incident=Incident.CRASH, detector="crash", severity=Severity.CRITICAL,
                           step=9, onset_step=9, ranks=(3,), message="network crash")
-        incident = forensics.write_incident(run_dir, 1, finding, "relaunch", None, {})
+        incident = write_incident(run_dir, 1, finding, "relaunch", None, {})
         assert os.read(reader, 64) == b""  # nothing was written to the pipe: no dump asked for
     finally:
         os.close(reader)

@@ -1,5 +1,5 @@
 """Slow work that is not a hang, on real processes: what the hang confirmation
-(``forensics.confirm_hang``) sees of each shape a healthy rank can take when it goes seconds
+(``hang.confirm``) sees of each shape a healthy rank can take when it goes seconds
 without a step and without ``phase()``: a slow loader (the rank waits on a busy child), checkpoint
 I/O (writes and fsyncs), a GC pause over a big object graph, and a CPU-bound eval. Each is a real
 Python process read with the real py-spy and psutil; every one must be cleared (keep watching),
@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from babysit.policies.types import Finding, Incident, Severity
-from babysit.supervisor.node.forensics import confirm_hang
+from babysit.supervisor.node.hang import confirm
 
 pytestmark = pytest.mark.e2e  # real processes, read by py-spy
 
@@ -71,17 +71,18 @@ def rank(tmp_path: Path) -> Iterator[dict[str, int]]:
         for p in tree:
             p.kill()
         psutil.wait_procs(tree, timeout=10)
-        for p in procs.values():
-            p.wait()
+        for child in procs.values():
+            child.wait()
 
 
 def test_slow_work_is_cleared_and_an_idle_rank_is_confirmed(rank: dict[str, int]) -> None:
     suspicion = Finding(Incident.HANG, "hang", Severity.CRITICAL, 10, 10, "no step for 2 s",
                         evidence={"confirm": True})
     for name in SHAPES:
-        named, _, fields = confirm_hang(suspicion, {0: rank[name]})
-        assert named is None, (name, fields)  # working: keep watching
-        assert not fields["hung"] and "working" in fields["reason"], (name, fields)
-    named, _, fields = confirm_hang(suspicion, {0: rank["idle"]})
-    assert named is not None and fields["hung"], fields
-    assert "no rank makes CPU progress" in fields["reason"]
+        seen = confirm(suspicion, {0: rank[name]})
+        assert seen.finding is None, (name, seen.fields)  # working: keep watching
+        assert not seen.fields["hung"] and "working" in seen.fields["reason"], (name, seen.fields)
+    seen = confirm(suspicion, {0: rank["idle"]})
+    assert seen.finding is not None and seen.fields["hung"], seen.fields
+    assert "no rank makes CPU progress" in seen.fields["reason"]
+    assert seen.finding.evidence["processes"]["0"]["pid"] == rank["idle"]

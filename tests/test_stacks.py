@@ -16,10 +16,11 @@ import psutil
 import pytest
 
 from babysit.policies.types import Finding, Incident, Severity
-from babysit.supervisor.node.forensics import EarlyLook, confirm_hang
+from babysit.supervisor.node.hang import EarlyLook, confirm
 from babysit.supervisor.node.incident import write_incident
 from babysit.supervisor.node.launcher import free_port
 from babysit.supervisor.node.stacks import (
+    Diagnosis,
     Frame,
     StackDump,
     ThreadStack,
@@ -262,10 +263,12 @@ def test_real_hang_names_the_rank_outside_the_collective(hung_job: dict[int, int
     # Rank 0 waits in the gradient all-reduce: a Python all_reduce frame, or (DDP) C++ c10d.
     assert "all_reduce (torch/distributed/" in dumps[0].raw or "c10d::" in dumps[0].raw
     assert elapsed < 10, f"diagnosing two ranks took {elapsed:.1f} s"
-    folder = write_incident(tmp_path / "run", "hang", 5, {
-        "what": "no rank made progress for 12.0 s (limit 10.0 s)",
-        "action": "stopped the group; relaunching from the last good checkpoint"},
-        dumps, {0: "rank 0 log\n", 1: "rank 1: injected hang at step 5\n"}, verdict)
+    hang = Finding(Incident.HANG, "hang", Severity.CRITICAL, 5, 5,
+                   "no rank made progress for 12.0 s (limit 10.0 s)")
+    folder = write_incident(tmp_path / "run", 0, hang,
+                            "stopped the group; relaunching from the last good checkpoint",
+                            Diagnosis(dumps, verdict),
+                            {0: "rank 0 log\n", 1: "rank 1: injected hang at step 5\n"})
     text = (folder / "summary.txt").read_text()
     print(text)
     assert "which rank:    rank 1" in text and "[suspect]" in text
@@ -278,6 +281,6 @@ def test_real_hang_names_the_rank_outside_the_collective(hung_job: dict[int, int
     early.wait()
     suspicion = Finding(Incident.HANG, "hang", Severity.CRITICAL, 5, 5, "no step for 2 s",
                         evidence={"confirm": True})
-    named, _, fields = confirm_hang(suspicion, hung_job, early)
-    assert named is not None and named.ranks == (1,), fields
-    assert fields["read_ahead"] == ("c10d::" in dumps[0].raw), fields
+    seen = confirm(suspicion, hung_job, early)
+    assert seen.finding is not None and seen.finding.ranks == (1,), seen.fields
+    assert seen.fields["read_ahead"] == ("c10d::" in dumps[0].raw), seen.fields

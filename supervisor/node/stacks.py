@@ -66,9 +66,10 @@ from collections.abc import Iterable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, NamedTuple
 
 __all__ = [
+    "Diagnosis",
     "Frame",
     "StackDump",
     "StackVerdict",
@@ -197,6 +198,14 @@ class StackVerdict:
         return {"suspects": list(self.suspects), "reason": self.reason, "rule": self.rule,
                 "waiting": list(self.waiting),
                 "evidence": {str(r): frames for r, frames in sorted(self.evidence.items())}}
+
+
+class Diagnosis(NamedTuple):
+    """Every rank's dump and the verdict on them: what ``diagnose`` returns, what a hang
+    confirmation hands on, and what an incident folder keeps."""
+
+    dumps: dict[int, StackDump]
+    verdict: StackVerdict
 
 
 # -- dumping (side effects) -----------------------------------------------------------------------
@@ -445,7 +454,7 @@ def odd_one_out(dumps: Mapping[int, StackDump]) -> StackVerdict:
 
 
 def diagnose(pids: Mapping[int, int], timeout_s: float = 10.0, *,
-             py_spy: str | Path | None = None) -> tuple[dict[int, StackDump], StackVerdict]:
+             py_spy: str | Path | None = None) -> Diagnosis:
     """Dump every rank (``pids``: rank -> pid) and judge. When the Python frames show no rank
     in a collective and the ranks differ (DDP's backward, ``work.wait()``), dump again with
     native frames and judge those; ranks whose native dump fails keep their Python dump.
@@ -455,13 +464,12 @@ def diagnose(pids: Mapping[int, int], timeout_s: float = 10.0, *,
 
 
 def deepen(pids: Mapping[int, int], dumps: dict[int, StackDump], verdict: StackVerdict,
-           timeout_s: float = 10.0, *, py_spy: str | Path | None = None
-           ) -> tuple[dict[int, StackDump], StackVerdict]:
+           timeout_s: float = 10.0, *, py_spy: str | Path | None = None) -> Diagnosis:
     """``diagnose``'s second pass: when the Python frames of ``dumps`` show no rank in a
     collective and the ranks differ, dump again with native frames and judge those."""
     if verdict.waiting or verdict.rule == "same" or \
             all(d.error is not None for d in dumps.values()):
-        return dumps, verdict
+        return Diagnosis(dumps, verdict)
     deeper = dump_stacks(pids, timeout_s, native=True, py_spy=py_spy)
     merged = {r: deeper[r] if deeper[r].error is None else dumps[r] for r in dumps}
-    return merged, odd_one_out(merged)
+    return Diagnosis(merged, odd_one_out(merged))

@@ -1,8 +1,8 @@
 """Is a suspected hang real? Every rank's process state and CPU use, judged with its stack.
 
 The hang detector only knows that no step arrived for a while (``max(floor_s, k x p99)``, two
-seconds by default). That is cheap to suspect and expensive to act on, so before the loop
-relaunches anything it looks at the processes:
+seconds by default). That is cheap to suspect and expensive to act on, so before anything is
+stopped, the confirmation (``node/hang.py``) looks at the processes with this module:
 
     procs = sample({0: 4242, 1: 4243})        # state and CPU over WINDOW_S (side effects)
     # or: sampling = Sample(pids); ...dump stacks...; procs = sampling.finish()
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,9 @@ BUSY_CPU = 0.05
 rank waiting in gloo or sleeping uses about 0; a busy loop starved on this 2-core machine
 under five other jobs still got 17 %). Erring high only delays a hang (watching on)."""
 
-_STOPPED = ("stopped", "tracing-stop")
+STOPPED = ("stopped", "tracing-stop")
+"""psutil's states of a process that cannot run until someone resumes it (py-spy would wait on
+it too)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +62,7 @@ class RankProcess:
 
     @property
     def stopped(self) -> bool:
-        return self.state in _STOPPED
+        return self.state in STOPPED
 
     @property
     def busy(self) -> bool:
@@ -140,40 +142,20 @@ class Sample:
         return out
 
 
+def all_alive(pids: Iterable[int]) -> bool:
+    """No rank process has died (a zombie is dead: torchrun has not reaped it yet)."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.Error:
+            return False
+    return True
+
+
 def sample(pids: Mapping[int, int], window_s: float = WINDOW_S) -> dict[int, RankProcess]:
     """Each rank's state and CPU use over ``window_s`` seconds (``pids``: rank -> pid)."""
     return Sample(pids).finish(window_s)
-
-
-class Teardown:
-    """After every rank of a node closed its run, is the process teardown stuck?
-
-    torchrun exits once its ranks' processes do. A rank can hang in its teardown instead (gloo
-    in torch 2.13 sometimes blocks in a peer's destructor after a peer node aborted), and then
-    torchrun waits forever. ``stuck(now)`` each tick: True once the ranks' processes used less
-    than ``IDLE_CPU`` of a core over ``idle_s`` seconds since the last look, which a script
-    still working after ``run.close()`` (saving a model, an upload, an eval) does not."""
-
-    IDLE_CPU = 0.01
-    """Cores used over the whole window (0.3 s of CPU over 30 s): a process blocked on a socket
-    uses about 0; any work at all (TLS, serialization, a loop) uses more."""
-
-    def __init__(self, pids: Mapping[int, int], now: float, idle_s: float = 30.0) -> None:
-        self.pids = dict(pids)
-        self.idle_s = idle_s
-        self._since = now
-        self._sample = Sample(self.pids)
-        self.seen: dict[int, RankProcess] = {}
-        """The processes as of the last look (the journal's evidence)."""
-
-    def stuck(self, now: float) -> bool:
-        if now - self._since < self.idle_s:
-            return False
-        self.seen = self._sample.finish(0.0)
-        if all(p.cpu < self.IDLE_CPU and p.state != "disk-sleep" for p in self.seen.values()):
-            return True
-        self._since, self._sample = now, Sample(self.pids)  # working: look again later
-        return False
 
 
 # -- judging (pure) -------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ from typing import Any, Generic, Protocol, TypeVar
 from babysit.policies.types import Finding, RankStep
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
-from babysit.supervisor.node import forensics, stall
+from babysit.supervisor.node import hang, stall, teardown
+from babysit.supervisor.node.stacks import Diagnosis
 from babysit.supervisor.node.workers import NodeWorkers
 
 Out = TypeVar("Out")
@@ -86,7 +87,7 @@ class Hang:
     """A hang this node's timers found, after its ranks' stacks were read."""
 
     finding: Finding
-    diagnosis: forensics.Diagnosis | None
+    diagnosis: Diagnosis | None
     fields: dict[str, Any]
     """The ``hang_diagnosis`` journal entry's fields (empty when no rank had said hello)."""
 
@@ -128,9 +129,8 @@ class OwnNode(Generic[Out]):
         self.hang: Hang | None = None
         """The newest hang found here (its stacks go into the incident folder)."""
         self._death_told = False
-        self._teardown: stall.Teardown | None = None
-        self._early: forensics.EarlyLook | None = None
-        """Native stacks read ahead while a stall is half-way to a hang suspicion."""
+        self._teardown: teardown.Teardown | None = None
+        self._confirmer = hang.Confirmer()
 
     def launch(self, attempt: int, directive: Directive, now: float,
                start: Callable[[], list[str]]) -> list[str]:
@@ -138,7 +138,7 @@ class OwnNode(Generic[Out]):
         with this attempt's rendezvous); returns the torchrun command."""
         self.judge.new_attempt(now, directive)
         self.attempt, self.running, self.hang, self._death_told = attempt, True, None, False
-        self._teardown = self._early = None
+        self._teardown, self._confirmer = None, hang.Confirmer()
         return start()
 
     def stop(self, replacing: bool = False) -> int | None:
@@ -162,18 +162,15 @@ class OwnNode(Generic[Out]):
             # watches. One that sits with no CPU progress is stuck: torchrun would wait forever.
             idle_s = self.workers.plan.config.launch.teardown_idle_s
             if self._teardown is None:
-                self._teardown = stall.Teardown(self.workers.rank_pids, now, idle_s)
+                self._teardown = teardown.Teardown(self.workers.rank_pids, now, idle_s)
             elif self._teardown.stuck(now):
                 seen = {str(r): p.to_json() for r, p in self._teardown.seen.items()}
                 stopped = self.workers.stop()
                 self._end(now, out, NodeExit(0, {}, None, teardown_code=stopped, teardown_hung={
                     "idle_s": idle_s, "processes": seen}))
         elif self.workers.group is not None:
-            if forensics.ranks_all_alive(self.workers.rank_pids.values()):
-                if not self.judge.looming(now):
-                    self._early = None
-                elif self._early is None and self.workers.rank_pids:
-                    self._early = forensics.EarlyLook(self.workers.rank_pids)
+            if stall.all_alive(self.workers.rank_pids.values()):
+                self._confirmer.ahead(self.workers.rank_pids, self.judge.looming(now))
                 for finding in self.judge.check(now):
                     self._confirm(finding, now, out)
             elif not self._death_told:
@@ -208,21 +205,19 @@ class OwnNode(Generic[Out]):
         return NodeExit(code, tails, root, exits=self.workers.rank_exits(self.attempt))
 
     def _confirm(self, finding: Finding, now: float, out: NodeTick[Out]) -> None:
-        """Look at every rank before calling a stall a hang (``forensics.confirm_hang``): a
-        confirmed one is named from its process state, CPU and stack; one the processes refute
-        (the ranks are working) defers the judge's hang timer instead."""
+        """Look at every rank before calling a stall a hang (``hang.confirm``): a confirmed one
+        is named from its process state, CPU and stack; one the processes refute (the ranks are
+        working) defers the judge's hang timer instead."""
         if not self.workers.rank_pids:
             self.hang = Hang(finding, None, {})
             out.hangs.append(self.hang)
             return
         if self.on_suspect is not None:
             self.on_suspect(finding)
-        named, diagnosis, fields = forensics.confirm_hang(finding, self.workers.rank_pids,
-                                                          self._early)
-        self._early = None
-        if named is None:
+        seen = self._confirmer.confirm(finding, self.workers.rank_pids)
+        if seen.finding is None:
             self.judge.defer_hang(finding, now)
-            out.cleared.append(fields)
+            out.cleared.append(seen.fields)
             return
-        self.hang = Hang(self.judge.name(named), diagnosis, fields)
+        self.hang = Hang(self.judge.name(seen.finding), seen.diagnosis, seen.fields)
         out.hangs.append(self.hang)

@@ -1,0 +1,59 @@
+"""After every rank closed its run, only the process teardown is left: did it crash, or hang?
+
+Both are judged the same way in the end: the training finished, so the attempt counts as
+finished, and the journal says what went wrong on the way out (``tick.NodeExit.teardown``).
+
+    teardown_only(code, attempt_dir)   torchrun failed, but no rank left an error of its own
+    Teardown(pids, now).stuck(now)     the ranks' processes have sat idle for ``idle_s``
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from babysit.policies.detectors import CrashClass, classify
+from babysit.supervisor.node import launcher, stall
+
+
+def teardown_only(code: int, attempt_dir: Path) -> bool:
+    """For an attempt whose every rank closed its run cleanly (``NodeWorkers.all_closed``): the
+    ranks that failed left no error of their own (killed by a signal, no traceback), so the
+    training finished and only the process teardown crashed (gloo in torch 2.13 sometimes
+    aborts at exit with "terminate called without an active exception"). An exception raised
+    after ``run.close()`` leaves a traceback and stays a crash."""
+    logs = launcher.rank_logs(attempt_dir)
+    classes = {classify(code, None, launcher.tail(path), None).crash_class
+               for path in logs.values()}
+    return classes <= {CrashClass.KILLED, CrashClass.UNKNOWN}
+
+
+class Teardown:
+    """After every rank of a node closed its run, is the process teardown stuck?
+
+    torchrun exits once its ranks' processes do. A rank can hang in its teardown instead (gloo
+    in torch 2.13 sometimes blocks in a peer's destructor after a peer node aborted), and then
+    torchrun waits forever. ``stuck(now)`` each tick: True once the ranks' processes used less
+    than ``IDLE_CPU`` of a core over ``idle_s`` seconds since the last look, which a script
+    still working after ``run.close()`` (saving a model, an upload, an eval) does not."""
+
+    IDLE_CPU = 0.01
+    """Cores used over the whole window (0.3 s of CPU over 30 s): a process blocked on a socket
+    uses about 0; any work at all (TLS, serialization, a loop) uses more."""
+
+    def __init__(self, pids: Mapping[int, int], now: float, idle_s: float = 30.0) -> None:
+        self.pids = dict(pids)
+        self.idle_s = idle_s
+        self._since = now
+        self._sample = stall.Sample(self.pids)
+        self.seen: dict[int, stall.RankProcess] = {}
+        """The processes as of the last look (the journal's evidence)."""
+
+    def stuck(self, now: float) -> bool:
+        if now - self._since < self.idle_s:
+            return False
+        self.seen = self._sample.finish(0.0)
+        if all(p.cpu < self.IDLE_CPU and p.state != "disk-sleep" for p in self.seen.values()):
+            return True
+        self._since, self._sample = now, stall.Sample(self.pids)  # working: look again later
+        return False
