@@ -46,7 +46,7 @@ def describe_lr(scale: float, ramp: LrRamp | None) -> str:
             f"{ramp.start}-{ramp.end - 1}")
 
 
-def orders(lr_scale: float, lr_ramp: LrRamp | None) -> Orders:
+def lr_orders(lr_scale: float, lr_ramp: LrRamp | None) -> Orders:
     """The directive's LR orders as the plan's plain data."""
     ramp = None if lr_ramp is None else Ramp(lr_ramp.cut, lr_ramp.start, lr_ramp.end, lr_ramp.to)
     return Orders(lr_scale, ramp)
@@ -68,5 +68,5 @@ def plan_relaunch(remedy: Remedy | None, resume: Resume | None, cursor_at: Mappi
     remedy's own sizes (``rollback.for_remedy``): for a remedy whose plan the rules' ``judge``
     did not hand over. ``cursor_at`` maps recent steps to their data cursor; ``lr_scale`` and
     ``lr_ramp`` are the LR orders in force (the last attempt's)."""
-    known = Known(cursor_at=cursor_at, orders=orders(lr_scale, lr_ramp))
+    known = Known(cursor_at=cursor_at, orders=lr_orders(lr_scale, lr_ramp))
     return in_directive(rollback.for_remedy(remedy, known), resume)

@@ -21,6 +21,7 @@ from babysit.policies.detectors.crash import (
 from babysit.policies.detectors.sdc import SdcDetector
 from babysit.policies.loader import load_policy
 from babysit.policies.pipeline import Pipeline
+from babysit.policies.rollback import Known, Orders, Plan, Shelf
 from babysit.policies.schema import Policy
 from babysit.policies.types import Action, Finding, JobStep, RankStep, Remedy
 from babysit.supervisor.config.plan import RunPlan
@@ -33,7 +34,8 @@ from babysit.supervisor.contract.directive import (
 )
 from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node.aggregate import PER_RANK_LIMIT
-from babysit.supervisor.run.rollback import RollbackPlan, plan_relaunch
+from babysit.supervisor.run.recovery import Entry
+from babysit.supervisor.run.rollback import RollbackPlan, in_directive, lr_orders, plan_relaunch
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +98,8 @@ class Watch:
         """...and how it wears off (a rollback's temporary cut), in cursor space."""
         self.lr_change: dict[str, Any] | None = None
         """What the last ``directive_for`` changed in the LR orders (for the journal)."""
+        self._planned: Plan | None = None
+        """The plan of the newest rollback the rules chose (``judge``), for its launch."""
         self.reshard = False
         """Relaunches may change the world size (an elastic multi-node run)."""
         self.crashes: list[CrashSignature] = []
@@ -170,11 +174,22 @@ class Watch:
             self._cursor_at.popitem(last=False)
         return self.pipeline.findings(record, OWN_LOAD_BLIND if self.own_load else ())
 
+    def judge(self, finding: Finding, now: float, shelf: Shelf | None) -> Remedy:
+        """The policy's answer to ``finding`` (ladders, cooldowns, the rollback's plan, budget).
+        ``now`` is wall-clock seconds: cooldowns and budget windows span hours and supervisor
+        restarts. ``shelf``: the checkpoints a rollback could go back to (``Recovery.shelf``);
+        None when the caller vouches that one exists. A rollback's plan (``rules.judge``, from
+        the shelf, this watch's cursor memory and the LR orders in force) is kept for
+        ``launch``."""
+        known = Known(shelf, self._cursor_at, self.orders)
+        remedy, plan = self.rules.judge(finding, now, known)
+        if plan is not None:
+            self._planned = plan
+        return remedy
+
     def remedy(self, finding: Finding, now: float, checkpoint: bool = True) -> Remedy:
-        """The policy's answer to ``finding`` (ladders, cooldowns, escalation, budget). ``now``
-        is wall-clock seconds: cooldowns and budget windows span hours and supervisor
-        restarts. ``checkpoint``: a good checkpoint before the onset exists to roll back to."""
-        return self.rules.on_finding(finding, now, checkpoint)
+        """``judge``, told only whether a checkpoint to roll back to exists."""
+        return self.judge(finding, now, None if checkpoint else Shelf())
 
     def check(self, now: float) -> list[Finding]:
         """Periodic judgements that need no new telemetry (hangs)."""
@@ -265,17 +280,30 @@ class Watch:
         self.lr_ramp = LrRamp(int(ramp["cut"]), int(ramp["start"]), int(ramp["end"]),
                               float(ramp["to"])) if isinstance(ramp, dict) else None
 
+    @property
+    def orders(self) -> Orders:
+        """The LR orders in force (the last attempt's), as the rollback plan takes them."""
+        return lr_orders(self.lr_scale, self.lr_ramp)
+
     def plan(self, remedy: Remedy | None, resume: Resume | None) -> RollbackPlan:
-        """What the attempt ``remedy`` causes changes (``rollback.plan_relaunch``), from the
-        cursor memory and the LR orders in force; pure, it records nothing."""
+        """What the attempt ``remedy`` causes changes, resuming from ``resume``: the plan the
+        rules made for it (``judge``), or for a remedy they did not plan here (one inherited
+        from the journal) the same computation from the remedy's own sizes; pure."""
+        planned = self._planned
+        if remedy is not None and remedy.action is Action.ROLLBACK and planned is not None \
+                and planned.finding == remedy.finding:
+            return in_directive(planned, resume)
         return plan_relaunch(remedy, resume, self._cursor_at, self.lr_scale, self.lr_ramp)
 
-    def directive_for(self, attempt: int, remedy: Remedy | None,
-                      resume: Resume | None = None) -> Directive:
-        """The directive of ``attempt``, folding in the remedy that caused it (``plan``): skip
-        ranges accumulate over the run, the LR orders are the plan's; ``resume`` is the
-        checkpoint the loop chose."""
+    def launch(self, attempt: int, remedy: Remedy | None,
+               resume: Resume | None) -> tuple[Directive, list[Entry]]:
+        """The directive of ``attempt``, which ``remedy`` caused (None: a plain start or a
+        takeover), resuming from ``resume`` (the checkpoint ``Recovery`` verified): the
+        rollback's plan folded in, skip ranges accumulated over the run. Also the journal
+        entry of a change to the LR orders (``lr_scale``: every change is on the record).
+        Call once per launch: it records the orders as those in force."""
         plan = self.plan(remedy, resume)
+        self._planned = None
         if plan.skip is not None:
             self.skips.append(plan.skip)
         changed = (plan.lr_scale, plan.lr_ramp) != (self.lr_scale, self.lr_ramp)
@@ -286,12 +314,18 @@ class Watch:
         guard: dict[str, Any] = {}
         if self.policy.incidents.grad_spike.ladder[0] is Action.SKIP_STEP:
             guard = self.policy.detectors.grad_norm.model_dump()
-        return Directive(
+        directive = Directive(
             attempt=attempt, resume=plan.resume, skip=merge_skips(self.skips),
             lr_scale=self.lr_scale, lr_ramp=self.lr_ramp, checkpoint_dir=self._checkpoint_dir,
             checkpoint_every=self.checkpoint_every, checkpoint_async=self._checkpoint_async,
             grad_guard=guard, sdc_every=self.sdc_every, reshard=self.reshard,
         )
+        return directive, [("lr_scale", self.lr_change)] if self.lr_change is not None else []
+
+    def directive_for(self, attempt: int, remedy: Remedy | None,
+                      resume: Resume | None = None) -> Directive:
+        """``launch`` without its journal entries (they stay in ``lr_change``)."""
+        return self.launch(attempt, remedy, resume)[0]
 
 
 def _ramp_json(ramp: LrRamp | None) -> dict[str, Any] | None:
