@@ -136,6 +136,7 @@ class Plan:
     finding: Finding | None
     """The finding the rollback answers; None: a plain start or a takeover."""
     rollback: bool
+    """False: a relaunch (or a start) that keeps the LR orders in force and skips nothing."""
     possible: bool = True
     """False: a spike with no good checkpoint before it: rolling back would restart the run."""
     checkpoint: Saved | None = None
@@ -205,7 +206,7 @@ def can_roll_back(finding: Finding, shelf: Shelf) -> bool:
 def plan(finding: Finding, section: Section, memory: Sequence[Region],
          known: Known = NOTHING_KNOWN) -> Plan:
     """The whole rollback for ``finding``; see the module docstring. ``memory``: the regions
-    of the run's earlier rollbacks (``Plan.region`` of each one carried out)."""
+    of the run's earlier rollbacks (``Plan.region`` of each one the rules chose)."""
     shelf = known.shelf
     possible = shelf is None or can_roll_back(finding, shelf)
     checkpoint = offer(finding, shelf) if shelf is not None else None
