@@ -1,16 +1,19 @@
-"""The leader's view of a multi-node run (``Cluster``) and one node's view of its ranks
-(``NodeView``).
+"""The leader's view of a multi-node run (``Cluster``), the leader's members as the control
+loop drives them (``ClusterMembers``), and one node's view of its ranks (``NodeView``).
 
 Followers are real ``supervisor.cluster.wire.connect`` clients on loopback talking to the
-``Cluster``'s real listener; the only fake is the clock that ``Cluster`` takes for its settle
-timing (an injected seam). Silence is measured by the wire with the real monotonic clock, so the
-silence test waits for real, with ``nodes.lost_after_s`` kept small.
+``Cluster``'s real listener, scripted by the test with typed messages; the only fake is the clock
+that ``Cluster`` takes for its settle timing (an injected seam). Silence is measured by the wire
+with the real monotonic clock, so the silence test waits for real, with ``nodes.lost_after_s``
+kept small. ``ClusterMembers``' own torchrun is a shell script that sleeps (``launch.python``):
+a real process, started and stopped, without torch.
 """
 
 from __future__ import annotations
 
 import math
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +23,7 @@ import pytest
 
 from babysit.policies.loader import load_policy
 from babysit.policies.types import Finding, Incident, RankStep, Severity
+from babysit.supervisor.cluster.leader import ClusterMembers
 from babysit.supervisor.cluster.membership import (
     LEADER,
     RANK_DEATH_EXIT_S,
@@ -35,6 +39,8 @@ from babysit.supervisor.cluster.messages import (
     Finish,
     Launch,
     LeaderMessage,
+    NodeFinding,
+    RankEvent,
     Refused,
     Stop,
     Stopped,
@@ -49,6 +55,7 @@ from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node.launcher import free_port
 from babysit.supervisor.node.sketch import StepSummary
+from babysit.supervisor.run.members import Gathered, Voice
 from babysit.supervisor.run.watch import Watch
 from tests.conftest import poll
 
@@ -89,11 +96,12 @@ def received(cluster: Cluster, count: int) -> list[tuple[int, Heard]]:
     return poll(cluster.receive, count)
 
 
-def collect(peer: Peer, count: int, beats: bool = False) -> list[LeaderMessage]:
+def collect(peer: Peer, count: int, beats: bool = False, timeout: float = 2.0
+            ) -> list[LeaderMessage]:
     """Poll a follower's end until ``count`` messages from the leader arrived, read as a
     follower reads them; the leader's heartbeats (sent on their own schedule) are left out
     unless ``beats``."""
-    return poll(lambda: [from_leader(m) for m in peer.receive()], count,
+    return poll(lambda: [from_leader(m) for m in peer.receive()], count, timeout,
                 keep=lambda m: beats or not isinstance(m, Beat))
 
 
@@ -746,3 +754,152 @@ Root Cause (first observed failure):
     assert launcher.failed_ranks(summary) == {1: 3, 0: 2}
     assert launcher.root_cause_rank(summary) == 2
     assert launcher.failed_ranks("torchrun exited cleanly") == {}
+
+
+# -- the leader's members (ClusterMembers) --------------------------------------------------------
+
+
+class Said:
+    """A ``Voice`` that keeps what the members said."""
+
+    def __init__(self) -> None:
+        self.journal: list[tuple[str, dict[str, Any]]] = []
+        self.voice = Voice(journal=lambda event, **fields: self.journal.append((event, fields)),
+                           log=lambda _: None, status=lambda _: None,
+                           alert=lambda *_: None, stopping=lambda: False)
+
+
+@pytest.fixture
+def members(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ClusterMembers]:
+    """A two-node run's leader; its own torchrun is a shell script that sleeps (``launch.python``)
+    so that a launch starts a real process, cheaply."""
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    fake = tmp_path / "fake-python"
+    fake.write_text("#!/bin/sh\nexec sleep 60\n")
+    fake.chmod(0o755)
+    script = tmp_path / "train.py"
+    script.write_text("print('training')\n")
+    plan = from_mapping({
+        "launch": {"script": str(script), "nproc_per_node": 2, "nnodes": "2",
+                   "python": str(fake), "stop_grace_s": 2.0},
+        "nodes": {"leader": f"127.0.0.1:{free_port()}", "heartbeat_s": 0.2,
+                  "lost_after_s": LOST_AFTER_S, "settle_s": SETTLE_S, "join_timeout_s": 10.0},
+    }, "test", tmp_path, "t", run_dir=str(tmp_path / "run"))
+    plan.run_dir.mkdir(parents=True)  # the loop makes it before its members open
+    m = ClusterMembers(plan, plan.secret())
+    m.open()
+    yield m
+    m.close(0)
+
+
+def join(members: ClusterMembers, said: Said) -> Peer:
+    """A scripted follower (node 1) joins while ``ready()`` waits for it."""
+    peers: list[Peer] = []
+
+    def connect_later() -> None:
+        deadline = time.monotonic() + 10.0
+        while not peers:
+            try:
+                peers.append(connect(members.plan.leader_address, SECRET.encode(),
+                                     {"node_rank": 1, "host": "gpu-1", "pid": 4001}))
+            except OSError:  # not listening yet
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+
+    thread = threading.Thread(target=connect_later, daemon=True)
+    thread.start()
+    members.ready(said.voice)
+    thread.join(timeout=10.0)
+    return peers[0]
+
+
+def gathered(members: ClusterMembers, done: Callable[[Gathered], bool]) -> Gathered:
+    """Gather ticks into one ``Gathered`` until ``done`` says so."""
+    out = Gathered()
+    deadline = time.monotonic() + 10.0
+    while not done(out):
+        assert time.monotonic() < deadline, f"not gathered in time: {out}"
+        tick = members.gather(time.monotonic(), watching=True)
+        out.events += tick.events
+        out.findings += tick.findings
+        out.entries += tick.entries
+        time.sleep(0.02)
+    return out
+
+
+def test_ready_waits_for_the_follower_and_launch_tells_it_the_attempt(
+        members: ClusterMembers) -> None:
+    said = Said()
+    follower = join(members, said)
+
+    fields = members.launch(0, Directive(lr_scale=0.5), time.monotonic())
+
+    assert [event for event, _ in said.journal] == ["leader_listening", "node_joined"]
+    assert said.journal[1][1]["host"] == "gpu-1"
+    assert fields["nodes"] == [0, 1] and fields["hosts"]["1"] == "gpu-1"
+    [message] = collect(follower, 1)
+    assert message == Launch(attempt=0, directive=Directive(lr_scale=0.5),
+                             rdzv_id="t-0", rdzv_endpoint=fields["rdzv_endpoint"], nnodes=2,
+                             node_rank=1)
+    assert members.running()
+
+
+def test_what_a_follower_reports_reaches_the_loop_and_an_unreadable_message_is_refused(
+        members: ClusterMembers) -> None:
+    follower = join(members, Said())
+    members.launch(0, Directive(), time.monotonic())
+    straggler = Finding(incident=Incident.STRAGGLER, detector="straggler",
+                        severity=Severity.WARNING, step=3, onset_step=3, ranks=(3,),
+                        message="rank 3 is slow [node 1, host gpu-1]", evidence={"node": 1})
+    hello = WorkerEvent(rank=3, type="hello", time=1.0, data={"world_size": 4})
+
+    follower.send(encode(RankEvent(0, hello)))
+    follower.send(encode(NodeFinding(0, straggler)))
+    follower.send(encode(NodeFinding(7, straggler)))  # about another attempt: dropped
+    follower.send({"type": "summary", "attempt": 0, "summary": {"step": "three"}})
+    out = gathered(members, lambda g: bool(g.findings and g.events and [
+        e for e in g.entries if e[0] == "node_message_refused"]))
+
+    assert [(e.rank, e.type, e.data["node"]) for e in out.events] == [(3, "hello", 1)]
+    assert members.cluster.rank_node[3] == 1
+    assert out.findings == [straggler]
+    [(_, refused)] = [e for e in out.entries if e[0] == "node_message_refused"]
+    assert (refused["node"], refused["type"]) == (1, "summary")
+    assert "field 'summary' is not valid" in refused["error"]
+
+
+def test_stop_tells_the_follower_and_waits_until_it_says_stopped(
+        members: ClusterMembers) -> None:
+    said = Said()
+    follower = join(members, said)
+    members.launch(0, Directive(), time.monotonic())
+    assert isinstance(collect(follower, 1)[0], Launch)
+
+    def answer() -> None:
+        assert collect(follower, 1, timeout=10.0) == [Stop("a hang", replacing=True)]
+        follower.send(encode(Stopped(0)))
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    members.stop("a hang", replacing=True)
+    thread.join(timeout=5.0)
+
+    assert not members.running()
+    assert said.journal[-1] == ("nodes_stopped", {"missing": []})
+
+
+def test_a_follower_that_hangs_up_is_a_lost_node_with_its_ranks(
+        members: ClusterMembers) -> None:
+    follower = join(members, Said())
+    members.launch(0, Directive(), time.monotonic())
+    follower.send(encode(RankEvent(0, WorkerEvent(rank=3, type="hello", time=1.0, data={}))))
+    gathered(members, lambda g: bool(g.events))
+
+    follower.close()
+    out = gathered(members, lambda g: bool(g.findings))
+
+    [(_, fields)] = [e for e in out.entries if e[0] == "node_lost"]
+    assert fields == {"node": 1, "host": "gpu-1", "why": "its connection closed (eof)"}
+    [lost] = out.findings
+    assert (lost.incident, lost.ranks) == (Incident.NODE_LOST, (3,))
+    assert members.cluster.present() == [LEADER]
