@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 
-from babysit.policies.types import Finding, Incident, RankStep, Severity, StepRecord
+from babysit.policies.types import Finding, Incident, RankStep, Remedy, Severity, StepRecord
 from babysit.supervisor.config import plan as plan_mod
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
-from babysit.supervisor.node import forensics, standby
+from babysit.supervisor.node import standby
 from babysit.supervisor.node.aggregate import metrics_row
+from babysit.supervisor.node.stacks import Diagnosis
 from babysit.supervisor.run import loop as loop_mod
 from babysit.supervisor.run.console import Console
 from babysit.supervisor.run.loop import Supervisor
@@ -70,7 +71,7 @@ class ScriptedMembers:
         self.at.append(("gather" if watching else "drain", self.tick()))
         return self.script.pop(0) if self.script and watching else Gathered()
 
-    def diagnosis(self, finding: Finding) -> forensics.Diagnosis | None:
+    def diagnosis(self, finding: Finding) -> Diagnosis | None:
         return None
 
     def tails(self, attempt: int) -> dict[int, str]:
@@ -78,6 +79,15 @@ class ScriptedMembers:
 
     def locate(self, finding: Finding) -> Finding:
         return finding
+
+    def can_roll_back(self, finding: Finding, catalog: bool) -> bool:
+        return catalog
+
+    def shape_remedy(self, remedy: Remedy) -> Remedy:
+        return remedy
+
+    def prepare(self, remedy: Remedy | None, attempt: int) -> list[tuple[str, dict[str, Any]]]:
+        return []
 
     def pids(self) -> list[int]:
         return [4242] if self.up else []

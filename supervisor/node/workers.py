@@ -22,7 +22,7 @@ from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract import protocol
 from babysit.supervisor.contract.control import ControlFile
 from babysit.supervisor.contract.directive import Directive
-from babysit.supervisor.node import flight_recorder, forensics, launcher, standby
+from babysit.supervisor.node import flight_recorder, launcher, standby, teardown
 from babysit.supervisor.node.intake import Intake
 from babysit.supervisor.node.printed import Entry, PrintedProgress, rank_pids
 
@@ -243,8 +243,8 @@ class NodeWorkers:
 
     def teardown_only(self, code: int, attempt: int) -> bool:
         """torchrun's non-zero ``code`` came only from the process teardown after every rank
-        closed its run (``forensics.teardown_only``)."""
-        return self.all_closed and forensics.teardown_only(code, self.attempt_dir(attempt))
+        closed its run (``teardown.teardown_only``)."""
+        return self.all_closed and teardown.teardown_only(code, self.attempt_dir(attempt))
 
     def tails(self, attempt: int, max_bytes: int = 16384) -> dict[int, str]:
         """The end of each rank's stderr log of ``attempt``, by global rank (from the hellos,

@@ -25,7 +25,7 @@ from types import FrameType
 from typing import Any
 
 from babysit.policies import decide as sm
-from babysit.policies.types import Finding, JobStep, Remedy, Severity, StepRecord
+from babysit.policies.types import Action, Finding, JobStep, Remedy, Severity, StepRecord
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.services.alerts import Alert, AlertDispatcher
@@ -49,10 +49,12 @@ log = logging.getLogger(__name__)
 
 class Services:
     """Calling rules: ``start()`` once, then from the loop thread only: ``publish()`` every tick,
-    ``drain()`` every tick, ``observe_step()`` per merged step, ``count()`` per remedy,
-    ``journaled()`` per journal entry (any thread); the facts of the run's story as they happen
-    (``notify``, ``launched``, ``transition``, ``entries``, ``finished``); ``stop()`` once. The
-    constructor starts nothing."""
+    ``drain()`` every tick, ``observe_step()`` per merged step, ``notify()`` per alert the run
+    decides, ``finished()`` once at the end; ``stop()`` once. ``hear()`` listens to the journal
+    (``Journal.listen``, any thread): every entry feeds the goodput ledger, and the run's story
+    is told from the entries themselves (``launch``, ``state``, ``finding``,
+    ``checkpoint_verdict``), so the loop calls nothing for them. The constructor starts
+    nothing."""
 
     def __init__(self, plan: RunPlan, alerts: AlertDispatcher) -> None:
         self._plan = plan
@@ -103,11 +105,23 @@ class Services:
                                  mfu=snapshot.mfu)
             self.exporter.observe_goodput(ledger.wall_s, ledger.seconds)
 
-    def journaled(self, entry: Mapping[str, Any]) -> None:
-        """A journal entry was written (the goodput ledger's input). Any thread: alert
-        deliveries are journaled on sender threads."""
+    def hear(self, entry: Mapping[str, Any]) -> None:
+        """A journal entry was written. Any thread (alert deliveries are journaled on sender
+        threads); the entries of the run's story come from the loop's thread only."""
         with self._ledger_lock:
             self.ledger.entry(entry)
+        event = entry.get("event")
+        if event == "launch":
+            self._launched(Directive.from_json(entry["directive"]))
+        elif event == "state":
+            self._transition(str(entry["old"]), str(entry["new"]))
+        elif event == "finding":
+            finding = Finding.from_json(entry["finding"])
+            remedy = Remedy.from_json(entry["remedy"], finding)
+            if remedy.action is not Action.IGNORE:
+                self._count(finding, remedy)
+        elif event == "checkpoint_verdict":
+            self._checkpoint_verdict(entry)
 
     def goodput(self) -> Goodput:
         """This session's goodput ledger up to now."""
@@ -148,7 +162,7 @@ class Services:
                           attempt=machine.attempt, step=machine.step or None)
         self._alerts.submit(alert)
 
-    def launched(self, directive: Directive) -> None:
+    def _launched(self, directive: Directive) -> None:
         """An attempt started with ``directive`` (what its ranks run with)."""
         self._directive = directive
         applied = self.story.launched(directive, time.time())
@@ -157,22 +171,19 @@ class Services:
         if self.exporter is not None:
             self.exporter.observe_run(lr_scale=directive.lr_scale)
 
-    def transition(self, old: sm.State, new: sm.State) -> None:
+    def _transition(self, old: str, new: str) -> None:
         """The supervisor's state changed (counted, so a state shorter than a scrape shows)."""
         if self.exporter is not None:
-            self.exporter.observe_transition(old.value, new.value)
+            self.exporter.observe_transition(old, new)
             self._write_textfile()
 
-    def entries(self, entries: list[Entry]) -> None:
-        """Journal entries of the checkpoint recovery: a checkpoint passing probation."""
-        if self.exporter is None:
-            return
-        for event, fields in entries:
-            if event == "checkpoint_verdict" and fields.get("verdict") == "good":
-                created = fields.get("created")
-                self.exporter.observe_good_checkpoint(
-                    int(fields["checkpoint_step"]),
-                    float(created) if isinstance(created, (int, float)) else None)
+    def _checkpoint_verdict(self, fields: Mapping[str, Any]) -> None:
+        """A checkpoint passed probation: the exporter's newest good checkpoint."""
+        if self.exporter is not None and fields.get("verdict") == "good":
+            created = fields.get("created")
+            self.exporter.observe_good_checkpoint(
+                int(fields["checkpoint_step"]),
+                float(created) if isinstance(created, (int, float)) else None)
 
     def finished(self, machine: sm.Machine, exit_code: int) -> None:
         """The run ended (after its ``run_finished`` entry): the "finished"/"failed" message
@@ -196,7 +207,7 @@ class Services:
             log.warning("prometheus.textfile %s could not be written: %s",
                         self.exporter.config.textfile, exc.strerror or exc)
 
-    def count(self, finding: Finding, remedy: Remedy) -> None:
+    def _count(self, finding: Finding, remedy: Remedy) -> None:
         self.dashboards.incident(finding, remedy, time.time())
         if self.exporter is not None:
             self.exporter.count_intervention(finding.incident.value, remedy.action.value)

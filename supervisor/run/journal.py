@@ -14,17 +14,22 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+Listener = Callable[[dict[str, Any]], None]
+"""Hears one journal entry, as written."""
 
 
 class Journal:
     """Append-only writer. Call ``open()`` before ``write()``; the constructor does no I/O.
 
     ``write`` may be called from any thread (alert delivery results arrive on sender threads);
-    each entry is one whole line.
+    each entry is one whole line. Collaborators that only need to know what happened
+    ``listen()``: each written entry is handed to them, in order, on the writer's thread and
+    outside the file's lock, so a listener may write entries of its own.
     """
 
     def __init__(self, path: Path, fsync: bool = False) -> None:
@@ -32,6 +37,13 @@ class Journal:
         self._fsync = fsync
         self._file: IO[str] | None = None
         self._lock = threading.Lock()
+        self._listeners: list[tuple[frozenset[str] | None, Listener]] = []
+
+    def listen(self, listener: Listener, events: Iterable[str] | None = None) -> None:
+        """Hand ``listener`` every entry written from now on, or only those whose ``event`` is
+        in ``events``. A listener that needs the loop's thread names its events: the entries
+        written on other threads (``alert_delivery``) are never among them."""
+        self._listeners.append((frozenset(events) if events is not None else None, listener))
 
     def open(self) -> Journal:
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (owned until close)
@@ -58,6 +70,9 @@ class Journal:
             self._file.flush()
             if self._fsync:
                 os.fsync(self._file.fileno())
+        for events, listener in self._listeners:
+            if events is None or event in events:
+                listener(entry)
         return entry
 
     def close(self) -> None:

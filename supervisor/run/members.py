@@ -15,13 +15,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from babysit.policies.types import Finding, JobStep, RankStep, Severity, StepRecord
+from babysit.policies.types import Finding, JobStep, RankStep, Remedy, Severity, StepRecord
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent, mfu_inputs
-from babysit.supervisor.node import forensics, launcher, standby
+from babysit.supervisor.node import launcher, standby
 from babysit.supervisor.node.aggregate import StepAggregator, metrics_row
 from babysit.supervisor.node.printed import SOURCE
+from babysit.supervisor.node.stacks import Diagnosis
 from babysit.supervisor.node.tick import NodeTick, OwnNode
 from babysit.supervisor.node.workers import NodeWorkers
 from babysit.supervisor.run.watch import Watch
@@ -110,8 +111,21 @@ class Members(Protocol):
         """Everything since the last tick. ``watching``: the loop is ready to act on exits and
         hangs (not while it replaces the workers)."""
 
-    def diagnosis(self, finding: Finding) -> forensics.Diagnosis | None:
+    def diagnosis(self, finding: Finding) -> Diagnosis | None:
         """The stacks behind a hang finding gathered here, for its incident folder."""
+
+    def can_roll_back(self, finding: Finding, catalog: bool) -> bool:
+        """Whether a rollback for ``finding`` has a checkpoint to go back to: ``catalog`` (the
+        answer of babysit's own checkpoints), or in stdout mode a copy of the script's own from
+        before the onset."""
+
+    def shape_remedy(self, remedy: Remedy) -> Remedy:
+        """``remedy`` as these members can carry it out: in stdout mode, a rollback with no
+        copy of the script's checkpoints becomes an alert saying what would enable it."""
+
+    def prepare(self, remedy: Remedy | None, attempt: int) -> list[Entry]:
+        """Before launching ``attempt`` for ``remedy``: put back what it resumes from that is
+        not babysit's own (stdout mode's copy of the script's checkpoint); journal entries."""
 
     def tails(self, attempt: int) -> dict[int, str]:
         """Every rank's log tail of ``attempt`` that this machine has, by global rank."""
@@ -139,7 +153,9 @@ class Members(Protocol):
 
 class OnThisNode:
     """What every member set does with the workers on this machine (``self.workers``, and their
-    tick ``self.node``): the part of ``Members`` a single node and a leader share."""
+    tick ``self.node``): the part of ``Members`` a single node and a leader share. Scripts that
+    print their progress instead of attaching (stdout mode) are a single node's business:
+    here a rollback is babysit's own and nothing else is restored."""
 
     workers: NodeWorkers
     node: OwnNode[Any]
@@ -152,7 +168,16 @@ class OnThisNode:
         self.workers.close()
         return self.workers.take_standby_entries()
 
-    def diagnosis(self, finding: Finding) -> forensics.Diagnosis | None:
+    def can_roll_back(self, finding: Finding, catalog: bool) -> bool:
+        return catalog
+
+    def shape_remedy(self, remedy: Remedy) -> Remedy:
+        return remedy
+
+    def prepare(self, remedy: Remedy | None, attempt: int) -> list[Entry]:
+        return []
+
+    def diagnosis(self, finding: Finding) -> Diagnosis | None:
         # Each node reads its own ranks' stacks when its timers fire; this node's go into the
         # incident folder when its view was chosen (other nodes' are in their own folders).
         hang = self.node.hang
@@ -247,11 +272,23 @@ class LocalMembers(OnThisNode):
         waiting = self.workers.standby
         # Its start-up (interpreters, import torch) competes with the training ranks for the
         # CPU: a slowdown babysit causes is not the run's.
-        self.judge.watch.own_load = waiting is not None and waiting.warming(time.time())
+        self.judge.own_load(waiting is not None and waiting.warming(time.time()))
         return self.workers.take_standby_entries()
 
     def stop(self, reason: str, *, replacing: bool = False) -> int | None:
         return self.node.stop(replacing)
+
+    # -- stdout mode (``node.printed``): the script's own checkpoints ---------------------------
+
+    def can_roll_back(self, finding: Finding, catalog: bool) -> bool:
+        printed = self.workers.printed
+        return printed.can_roll_back(finding) if printed.active else catalog
+
+    def shape_remedy(self, remedy: Remedy) -> Remedy:
+        return self.workers.printed.remedy(remedy)
+
+    def prepare(self, remedy: Remedy | None, attempt: int) -> list[Entry]:
+        return self.workers.restore_script_checkpoint(remedy, attempt)
 
     def request(self, **fields: Any) -> None:
         self.workers.control.request(**fields)
@@ -319,3 +356,8 @@ class LocalJudge:
 
     def name(self, finding: Finding) -> Finding:
         return finding
+
+    def own_load(self, busy: bool) -> None:
+        """babysit's own work (a warm standby starting up) competes with the ranks for the CPU
+        now: a slowdown it causes is not the run's."""
+        self.watch.own_load = busy

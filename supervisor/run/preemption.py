@@ -1,19 +1,24 @@
 """What a preemption (SIGTERM) leaves behind: the final checkpoint, or why there is none.
 
-The loop asks the ranks for a final checkpoint through the control file
+On SIGTERM the loop asks the ranks for a final checkpoint through the control file
 (``{"final_checkpoint": id}``: "at the next step boundary you can all reach"; the ranks agree
-on the step among themselves, ``babysit.supervisor.rank.saving``) and waits for it within
-``checkpoints.final_grace_s``. When it does not come, the user must hear it, with the
-checkpoint the next run will resume from: a silent loss of the last minutes of training is the
-failure this module exists to prevent. Pure: the loop journals, prints and alerts the result.
+on the step among themselves, ``babysit.supervisor.rank.saving``) and keeps ticking, reading
+telemetry but judging nothing, until ``Preemption.tick`` says the wait is over: the checkpoint came,
+``checkpoints.final_grace_s`` passed, or the workers exited. When it does not come, the user
+must hear it, with the checkpoint the next run will resume from: a silent loss of the last
+minutes of training is the failure this module exists to prevent.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from signal import SIGTERM
+from typing import Any
 
 from babysit.checkpoints import Catalog, Verdict
+from babysit.supervisor.config.schema import CheckpointConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,15 @@ def fallback(catalog: Catalog) -> Fallback:
     return Fallback(newest.step, str(newest.path))
 
 
+def unavailable(every_steps: int, grace_s: float) -> str | None:
+    """Why a SIGTERM can get no final checkpoint under this config, or None when it can."""
+    if not every_steps:
+        return "checkpoints.every_steps is 0: babysit does not save this run"
+    if grace_s <= 0:
+        return "checkpoints.final_grace_s is 0"
+    return None
+
+
 def request_id() -> str:
     """A fresh id for one final-checkpoint request (the ranks save once per id)."""
     return f"{time.time_ns():x}"
@@ -52,3 +66,82 @@ def missing_message(why: str, resume: Fallback) -> str:
     """The warning for a preemption without a final checkpoint: why, and what the next run
     resumes from."""
     return f"SIGTERM: no final checkpoint ({why}); {resume.describe()}"
+
+
+class Preemption:
+    """The loop's answer to a stop signal. SIGTERM while the workers run starts a wait for a
+    final checkpoint (``signal`` returns no stop yet; ``tick`` returns it once the wait is
+    over); any other signal, or a SIGTERM that can get no checkpoint, stops at once. The run
+    reads telemetry during the wait but judges nothing (``waiting``).
+
+    Calling rules: on the loop's thread, ``signal()`` for each signal caught, ``tick()`` each
+    tick, ``hear()`` each journal entry of ``EVENTS``."""
+
+    EVENTS = ("checkpoint_saved",)
+
+    def __init__(self, config: CheckpointConfig, catalog: Catalog, *,
+                 journal: Callable[..., None], log: Callable[[str], None],
+                 warn: Callable[[str], None], request: Callable[..., None],
+                 newest_step: Callable[[], int]) -> None:
+        self.config, self.catalog = config, catalog
+        self._journal, self._log, self._warn, self._request = journal, log, warn, request
+        self._newest_step = newest_step
+        self._deadline = 0.0
+        self._signum: int | None = None
+        """The signal that stops the run once the wait is over (None: not waiting)."""
+        self.saved: int | None = None
+        """The final checkpoint's step, once a rank reported it."""
+
+    @property
+    def waiting(self) -> bool:
+        return self._signum is not None
+
+    def signal(self, signum: int, now: float, running: bool) -> int | None:
+        """A stop signal; the signal to stop with now, or None while a final checkpoint is
+        awaited. ``running``: the workers are up and training (state RUNNING)."""
+        if self.waiting:  # the wait goes on; the last signal is the one that ends it
+            self._signum = signum
+            return None
+        if signum != SIGTERM or not running:
+            return signum
+        c = self.config
+        why = unavailable(c.every_steps, c.final_grace_s)
+        if why is not None:
+            self._missing(why)
+            return signum
+        self._signum, self._deadline, self.saved = signum, now + c.final_grace_s, None
+        self._request(final_checkpoint=request_id())
+        self._journal("final_checkpoint_requested", grace_s=c.final_grace_s,
+                      newest_step=self._newest_step())
+        self._log(f"babysit: SIGTERM: asking for a final checkpoint at the next step every "
+                  f"rank reaches (waiting up to {c.final_grace_s:g} s)")
+        return None
+
+    def hear(self, entry: dict[str, Any]) -> None:
+        data = entry.get("data")
+        if self.waiting and isinstance(data, dict) and data.get("final"):
+            self.saved = int(data.get("step", entry.get("step", 0)))
+
+    def tick(self, now: float, running: bool) -> int | None:
+        """The signal to stop with once the wait is over (the checkpoint came, the grace
+        passed, or the workers exited: ``running`` is False); None otherwise."""
+        signum = self._signum
+        if signum is None or (self.saved is None and now < self._deadline and running):
+            return None
+        self._signum = None
+        self._journal("final_checkpoint", saved=self.saved is not None,
+                      checkpoint_step=self.saved)
+        if self.saved is not None:
+            self._log(f"babysit: final checkpoint saved at step {self.saved}")
+        elif running:
+            self._missing(f"none arrived within checkpoints.final_grace_s = "
+                          f"{self.config.final_grace_s:g} s")
+        else:
+            self._missing("the workers exited first")
+        return signum
+
+    def _missing(self, why: str) -> None:
+        resume = fallback(self.catalog)
+        self._journal("final_checkpoint_missing", reason=why, resume_step=resume.step,
+                      resume_path=resume.path)
+        self._warn(missing_message(why, resume))

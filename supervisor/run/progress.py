@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from typing import Any
 
 from babysit.policies import decide as sm
-from babysit.policies.types import Finding, JobStep
+from babysit.policies.types import Action, JobStep
 from babysit.supervisor.services.schedule import DigestSnapshot
 
 RATE_WINDOW = 32
@@ -38,9 +39,12 @@ class RunProgress:
         if record.mfu is not None:
             self._mfu.append(record.mfu)
 
-    def intervened(self, finding: Finding) -> None:
-        self.interventions += 1
-        self.last_incident = f"{finding.incident.value}@{finding.step}"
+    def hear(self, entry: dict[str, Any]) -> None:
+        """A ``finding`` journal entry: one whose remedy does something is an incident."""
+        if entry.get("remedy", {}).get("action") != Action.IGNORE.value:
+            finding = entry["finding"]
+            self.interventions += 1
+            self.last_incident = f"{finding['incident']}@{finding['step']}"
 
     def steps_per_s(self) -> float | None:
         if len(self._recent) < 2:

@@ -3,14 +3,61 @@
 The previous supervisor died (killed, OOM, reboot) while its workers trained on. What they did
 then was not watched: their checkpoints stay pending until this supervisor observes their
 probation steps (``Recovery.resume_latest``), and if they finished the job, this supervisor
-says so and retrains nothing.
+says so and retrains nothing. ``take_over`` does all of it once, before the first launch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from babysit.supervisor.contract.directive import closed_ranks
+from babysit.policies.types import Finding, Remedy
+from babysit.supervisor.contract.directive import SkipRange, closed_ranks
+from babysit.supervisor.node import launcher
+from babysit.supervisor.run.journal import PriorRun
+from babysit.supervisor.run.watch import Watch
+
+
+@dataclass(frozen=True, slots=True)
+class Takeover:
+    """What this supervisor inherits from the one that died."""
+
+    prior: PriorRun
+    inherited: Remedy | None
+    """A remedy it decided and never launched: applied by the first launch."""
+    finished_unwatched: int | None
+    """The step the job finished at while no supervisor watched; None if it did not."""
+    fields: dict[str, Any]
+    """The ``supervisor_takeover`` journal entry's fields."""
+
+    def describe(self) -> str:
+        return (f"babysit: taking over an unfinished run (attempt {self.prior.last_attempt}); "
+                f"stopped {len(self.fields['stopped_pids'])} leftover process(es)")
+
+
+def take_over(prior: PriorRun, run_dir: Path, stop_grace_s: float, watch: Watch) -> Takeover:
+    """The previous supervisor of this run died without finishing it: stop what it left
+    running, keep what it had decided (its judgement, skips, LR orders), and see whether the
+    job finished meanwhile. ``watch`` takes the inherited judgement."""
+    stopped = launcher.stop_leftovers(prior.pids, run_dir, stop_grace_s)
+    if prior.watch_state:
+        watch.load_state_dict(prior.watch_state)
+    if prior.directive:  # the skips and LR orders the last attempt actually ran with
+        watch.skips = [SkipRange(int(r["start"]), int(r["end"]))
+                       for r in prior.directive.get("skip", ())]
+        watch.adopt_lr(prior.directive)
+    inherited = None
+    if prior.pending:
+        inherited = Remedy.from_json(prior.pending["remedy"],
+                                     Finding.from_json(prior.pending["finding"]))
+    finished = finished_unwatched(run_dir / "attempts" / str(prior.last_attempt))
+    fields = {"previous_attempt": prior.last_attempt, "stopped_pids": stopped,
+              "watched_until_step": prior.last_step, "finished_unwatched": finished,
+              "inherited_remedy": inherited.to_json() if inherited else None,
+              "skip": [{"start": r.start, "end": r.end} for r in watch.skips],
+              "lr_scale": watch.lr_scale}
+    return Takeover(prior, inherited, finished, fields)
 
 
 def finished_unwatched(attempt_dir: Path) -> int | None:

@@ -86,7 +86,7 @@ def main() -> None:
     # Leave without tearing gloo down: in torch 2.13 its teardown sometimes aborts the process
     # ("terminate called without an active exception", seen in CI), which would fail this job
     # under plain torchrun after every loss was written. babysit tells that abort from a crash
-    # (forensics.teardown_only); this test is about checkpoints, not torch's teardown.
+    # (teardown.teardown_only); this test is about checkpoints, not torch's teardown.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -1,0 +1,137 @@
+"""The checkpoint cadence in a live run: it hears the journal, and says and adopts its advice.
+
+``run.cadence`` is the arithmetic (pure). This is its place in a run: it listens to the journal
+for what the advice is made of, and speaks through the handles the loop gives it::
+
+    state            running time: the time between entering and leaving "running"
+    finding          an interruption, when the remedy ends the workers (rollback, relaunch, stop)
+    supervisor_takeover   an interruption, when the previous supervisor died with workers up
+                          and left no remedy that counted it
+    checkpoint_saved its cost (``data.blocking_s``); then the advice is journaled when it moved,
+                     and with ``checkpoints.cadence.auto`` a new interval is asked of the ranks
+
+and each merged step's time (``observe_step``). The loop never calls it for any of these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from babysit.policies.types import JobStep
+from babysit.supervisor.config.schema import CheckpointConfig
+from babysit.supervisor.contract.protocol import finite
+from babysit.supervisor.run.cadence import (
+    INTERRUPTING_ACTIONS,
+    CadenceAdvisor,
+    CadenceKeeper,
+    replay_journal,
+)
+
+Entry = tuple[str, dict[str, Any]]
+
+
+class LiveCadence:
+    """Calling rules: ``restore()`` once before the run's first entry; then, on the loop's
+    thread, ``hear()`` each journal entry of ``EVENTS`` (``Journal.listen``), ``observe_step()``
+    each merged step, and ``closing()`` once as the run finishes."""
+
+    EVENTS = ("state", "finding", "supervisor_takeover", "checkpoint_saved")
+
+    def __init__(self, config: CheckpointConfig, *, journal: Callable[..., None],
+                 log: Callable[[str], None], request: Callable[..., None],
+                 newest_step: Callable[[], int]) -> None:
+        """``journal(event, **fields)``, ``log(line)`` and ``request(**fields)`` (to the running
+        ranks' control file) are how it speaks; ``newest_step()`` is the newest step any rank
+        reported (a switch of interval must start ahead of every rank)."""
+        self.config = config
+        c = config.cadence
+        self.keeper = CadenceKeeper(CadenceAdvisor(config.every_steps, c.mtbf_prior_s),
+                                    c.auto, c.min_steps, c.max_steps)
+        self.advisor = self.keeper.advisor
+        self._journal, self._log, self._request = journal, log, request
+        self._newest_step = newest_step
+        self._running_since: float | None = None
+
+    @property
+    def every_steps(self) -> int:
+        """The interval in force: the config's, or the one ``auto`` adopted (every attempt's
+        directive carries it)."""
+        return self.advisor.every_steps
+
+    def restore(self, previous: list[dict[str, Any]]) -> list[Entry]:
+        """Earlier runs in this directory (their journal): their interruptions, checkpoint costs
+        and running time count, and an interval ``auto`` chose stays in force. The journal
+        entries saying so."""
+        if not previous:
+            return []
+        replay_journal(self.advisor, previous)
+        c = self.config
+        adopted = [e for e in previous if e.get("event") == "cadence_adopted"]
+        # Only when the config still says what the adoptions started from: a changed
+        # every_steps (0 in particular: the script saves itself) is the user's word.
+        if not (adopted and c.cadence.auto and c.every_steps > 0
+                and adopted[0].get("old_every") == c.every_steps):
+            return []
+        every = adopted[-1].get("new_every")
+        if not (isinstance(every, int) and every > 0):
+            return []
+        self.advisor.every_steps = min(max(every, c.cadence.min_steps), c.cadence.max_steps)
+        return [("cadence_restored", {
+            "every_steps": self.advisor.every_steps,
+            "reason": "checkpoints.cadence.auto adopted it before babysit restarted"})]
+
+    def observe_step(self, record: JobStep) -> None:
+        if record.step_time is not None:
+            self.advisor.on_step_time(record.step_time)
+
+    def hear(self, entry: dict[str, Any]) -> None:
+        event, t = entry.get("event"), float(entry["time"])
+        if event == "state":
+            if entry.get("old") == "running":
+                self._ran_until(t)
+                self._running_since = None
+            if entry.get("new") == "running":
+                self._running_since = t
+        elif event == "finding":
+            if entry.get("remedy", {}).get("action") in INTERRUPTING_ACTIONS:
+                self.advisor.on_interruption(entry["finding"]["incident"], t)
+        elif event == "supervisor_takeover":
+            if not entry.get("inherited_remedy"):  # one it inherited counted the loss already
+                self.advisor.on_interruption("supervisor_lost", t)
+        elif event == "checkpoint_saved":
+            self._ran_until(t)
+            data = entry.get("data") or {}
+            self.advisor.on_checkpoint(finite(data.get("blocking_s")))  # type: ignore[arg-type]
+            self._advise(max(int(entry.get("step") or 0), self._newest_step()))
+
+    def closing(self) -> list[Entry]:
+        """The whole run's advice, for status and report (none when there is nothing to
+        advise)."""
+        advice = self.advisor.advice()
+        if advice is None:
+            return []
+        return [("cadence_advice", {"summary": advice.summary(), "final": True,
+                                    **advice.to_json()})]
+
+    def _ran_until(self, t: float) -> None:
+        if self._running_since is not None:
+            self.advisor.on_run_time(t - self._running_since)
+            self._running_since = t
+
+    def _advise(self, newest: int) -> None:
+        """A checkpoint was saved: journal the advice when it moved; adopt it when ``auto``."""
+        old = self.advisor.every_steps
+        advice, adoption = self.keeper.after_checkpoint(newest)
+        if advice is not None:
+            self._journal("cadence_advice", summary=advice.summary(), **advice.to_json())
+            self._log(f"babysit: cadence: {advice.summary()}")
+        if adoption is None:
+            return
+        self._request(checkpoint_every=adoption.every_steps, from_step=adoption.from_step)
+        self._journal("cadence_adopted", old_every=old, new_every=adoption.every_steps,
+                      from_step=adoption.from_step,
+                      reason="checkpoints.cadence.auto: the advised interval is outside the "
+                             "20% band around the one in force")
+        self._log(f"babysit: cadence: checkpointing every {adoption.every_steps} steps from "
+                  f"step {adoption.from_step} (was {old})")

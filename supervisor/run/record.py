@@ -1,0 +1,126 @@
+"""The run's record: what the members gathered, written down in a fixed order.
+
+Each tick the loop hands ``Record.take`` what its members gathered (``run.members.Gathered``).
+In order, it journals the members' own entries, writes each of the job's steps to
+``metrics.jsonl`` (the watch judges it), journals each rank's event (an SDC digest is compared
+first), and hands back what the loop decides on: the watch's findings, the progress, the
+node findings. Who needs to know what happened listens: to the journal (``Journal.listen``)
+and to the steps (``StepLog.listen``), never called from here one by one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from babysit.policies import decide as sm
+from babysit.policies.types import Finding, JobStep
+from babysit.supervisor.contract.protocol import WorkerEvent
+from babysit.supervisor.run.journal import Journal
+from babysit.supervisor.run.members import Entry, Gathered
+from babysit.supervisor.run.recovery import Recovery
+from babysit.supervisor.run.steps import StepLog
+from babysit.supervisor.run.watch import Watch
+
+WATCH_STATE_EVERY = 100
+"""Steps between journaled judgement states (a few KB each: the detectors' windows)."""
+JOURNALED = {"hello": "worker_hello", "close": "worker_close", "skip": "worker_skip",
+             "scalars": "worker_scalars", "cadence": "cadence_applied"}
+"""Rank events journaled as they are, by the entry's name."""
+
+
+class Record:
+    """The journal and ``metrics.jsonl`` of one run. Call ``open()`` first and ``close()``
+    last; ``write`` from any thread, everything else from the loop's."""
+
+    def __init__(self, run_dir: Path, watch: Watch, recovery: Recovery, world_size: int, *,
+                 where: Callable[[], sm.Machine], warn: Callable[[str], None]) -> None:
+        """``where()``: the machine whose attempt and step each entry carries; ``warn(title)``
+        alerts at warning severity."""
+        self.journal = Journal(run_dir / "events.jsonl")
+        self.steps = StepLog(run_dir / "metrics.jsonl")
+        self.watch, self.recovery = watch, recovery
+        self._where, self._warn = where, warn
+        self.world = world_size
+        """The job's ranks, from the hellos (an SDC check waits for every rank's digests)."""
+        self.newest_step = 0
+        """The newest step any rank reported this attempt (ahead of the merged steps)."""
+
+    def open(self) -> None:
+        self.journal.open()
+        self.steps.open()
+
+    def close(self) -> None:
+        self.steps.close()
+        self.journal.close()
+
+    def write(self, event: str, /, step: int | None = None, **evidence: Any) -> None:
+        """Journal ``event`` now, at the machine's attempt and (unless given) step."""
+        machine = self._where()
+        self.journal.write(event, time.time(), machine.attempt,
+                           step if step is not None else (machine.step or None), **evidence)
+
+    def write_all(self, entries: list[Entry]) -> None:
+        for event, fields in entries:
+            self.write(event, **fields)
+
+    def take(self, got: Gathered, judging: bool) -> list[sm.Event | Finding]:
+        """Record what the members saw: their own entries, the job's steps (judged when
+        ``judging``: not while the workers are being replaced), the ranks' events, the
+        progress. Returns the findings and progress, in order, and then the node findings.
+        ``got.end`` is the caller's."""
+        self.write_all(got.entries)
+        for title in got.warnings:
+            self._warn(title)
+        if got.newest is not None:
+            self.newest_step = max(self.newest_step, got.newest)
+        items: list[sm.Event | Finding] = []
+        for record, row in got.steps:
+            self.steps.write(record, row)
+            if judging:
+                items += self._judge_step(record)
+        for event in got.events:
+            items += self._rank_event(event)
+        if got.steps:
+            newest = got.steps[-1][0].step
+            items.append(sm.Progress(newest))
+            self.write_all(self.recovery.on_progress(newest))
+        return items + got.findings
+
+    def _judge_step(self, record: JobStep) -> list[Finding]:
+        findings = self.watch.observe_record(record)
+        if record.step % WATCH_STATE_EVERY == 0:
+            # So a supervisor taking over inherits the baselines, not only the last finding's.
+            self.write("watch_state", state=self.watch.state_dict())
+        return findings
+
+    def _rank_event(self, event: WorkerEvent) -> list[Finding]:
+        """A rank's event (any node's rank, in a multi-node run), journaled; the journal's
+        listeners take it from there (a saved checkpoint: its probation, the cadence)."""
+        kind, data = event.type, event.data
+        if kind == "hello" and isinstance(data.get("world_size"), int) \
+                and data["world_size"] > 0:
+            self.world = data["world_size"]
+        if kind in JOURNALED:
+            self.write(JOURNALED[kind], rank=event.rank, data=data)
+        elif kind == "checkpoint":
+            self.write("checkpoint_saved", step=int(data.get("step", 0)), rank=event.rank,
+                       data=data)
+        elif kind == "checkpoint_failed":
+            step, error = int(data.get("step", 0)), str(data.get("error", ""))
+            self.write("checkpoint_failed", step=step, error=error)
+            self._warn(f"checkpoint at step {step} failed to save; training goes on from the "
+                       f"last good one: {error}")
+        elif kind == "fingerprint":
+            check = self.watch.observe_fingerprint(event, self.world)
+            if check is not None:
+                finding = check.finding
+                self.write("sdc_check", step=check.step, agree=check.agree, ranks=check.ranks,
+                           repeat=not check.agree and finding is None,
+                           last_agreeing_step=check.last_agreeing_step,
+                           disagreeing=list(finding.ranks) if finding else [],
+                           digests=finding.evidence.get("digests") if finding else None)
+                return [finding] if finding is not None else []
+        return []
