@@ -1,5 +1,6 @@
-"""What a relaunch changes (supervisor/run/rollback.py): skip range, LR cut and its re-warm,
-computed in one pure place; and how a rank applies the re-warm step by step."""
+"""What a relaunch changes, in the directive's terms (supervisor/run/rollback.py, over the one
+place that decides it, policies/rollback.py): skip range, LR cut and its re-warm for a remedy
+the rules did not plan in this process; and how a rank applies the re-warm step by step."""
 
 from __future__ import annotations
 
