@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from babysit.policies.rollback import Shelf
 from babysit.policies.types import Finding, Incident, RankStep, Remedy, Severity, StepRecord
 from babysit.supervisor.config import plan as plan_mod
 from babysit.supervisor.contract.directive import Directive
@@ -80,7 +81,7 @@ class ScriptedMembers:
     def locate(self, finding: Finding) -> Finding:
         return finding
 
-    def can_roll_back(self, finding: Finding, catalog: bool) -> bool:
+    def shelf(self, finding: Finding, catalog: Shelf) -> Shelf | None:
         return catalog
 
     def shape_remedy(self, remedy: Remedy) -> Remedy:

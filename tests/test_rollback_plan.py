@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from babysit.checkpoints import Catalog
+from babysit.policies import rollback
 from babysit.policies.loader import load_policy
 from babysit.policies.rules import Rules
 from babysit.policies.types import (
@@ -89,13 +90,13 @@ def test_the_watch_journals_each_change_and_carries_the_orders_through_a_takeove
     watch = Watch(load_policy("default"))
     for s in range(1, 130):
         watch._cursor_at[s] = s
-    d = watch.directive_for(1, remedy(), RESUME)
+    d, changes = watch.launch(1, remedy(), RESUME)
     assert (d.lr_scale, d.lr_ramp) == (0.5, LrRamp(89, 170, 220, 1.0))
-    assert watch.lr_change is not None and watch.lr_change["summary"] == (
-        "LR x0.5 from batch 89, back to x1 over batches 170-219")
+    assert [(event, fields["summary"]) for event, fields in changes] == [
+        ("lr_scale", "LR x0.5 from batch 89, back to x1 over batches 170-219")]
     # A crash relaunch keeps the ramp (it is in cursor space) and changes nothing.
-    d2 = watch.directive_for(2, remedy(Action.RELAUNCH), RESUME)
-    assert (d2.lr_scale, d2.lr_ramp, watch.lr_change) == (0.5, d.lr_ramp, None)
+    d2, changes = watch.launch(2, remedy(Action.RELAUNCH), RESUME)
+    assert (d2.lr_scale, d2.lr_ramp, changes) == (0.5, d.lr_ramp, [])
     heir = Watch(load_policy("default"))
     heir.load_state_dict(json.loads(json.dumps(watch.state_dict())))
     assert (heir.lr_scale, heir.lr_ramp) == (0.5, d.lr_ramp)
@@ -108,7 +109,7 @@ def test_a_spike_without_a_good_checkpoint_before_it_alerts_and_says_why(tmp_pat
     catalog = Catalog(tmp_path / "ckpts")
     recovery = Recovery(catalog, probation_steps=20, keep=3)
     spike = remedy(step=120, onset=100).finding
-    assert not recovery.can_roll_back(spike)
+    assert not rollback.can_roll_back(spike, recovery.shelf())
     rules = Rules(load_policy("default"))
     alert = rules.on_finding(spike, 0.0, checkpoint=False)
     assert alert.action is Action.ALERT
@@ -120,13 +121,13 @@ def test_a_spike_without_a_good_checkpoint_before_it_alerts_and_says_why(tmp_pat
     assert (later.action, later.lr_rewarm) == (Action.ROLLBACK, 50)
     assert "intervention 1 " in later.reason
     # A NaN still rolls back (from scratch if need be): the run cannot go on with it.
-    assert recovery.can_roll_back(remedy(incident=Incident.NONFINITE).finding)
+    assert rollback.can_roll_back(remedy(incident=Incident.NONFINITE).finding, recovery.shelf())
     # A good checkpoint, old enough not to turn suspect with the onset: roll back.
     make_ckpt(catalog.root, 50)
     catalog.promote(100, 20)
-    assert recovery.can_roll_back(spike)
+    assert rollback.can_roll_back(spike, recovery.shelf())
     # Too close before the onset (inside probation): it will be suspect; still alert only.
-    assert not recovery.can_roll_back(remedy(step=75, onset=65).finding)
+    assert not rollback.can_roll_back(remedy(step=75, onset=65).finding, recovery.shelf())
 
 
 # -- fresh baselines after a relaunch ----------------------------------------------------------

@@ -54,7 +54,7 @@ from babysit.supervisor.cluster.messages import (
 from babysit.supervisor.cluster.node_view import NodeView
 from babysit.supervisor.cluster.wire import AuthError, Peer, connect
 from babysit.supervisor.config.plan import RunPlan
-from babysit.supervisor.node import forensics, launcher
+from babysit.supervisor.node import incident, launcher
 from babysit.supervisor.node.sketch import StepSummary
 from babysit.supervisor.node.tick import Hang, OwnNode
 from babysit.supervisor.node.workers import NodeWorkers
@@ -297,7 +297,7 @@ class Follower:
         finding = hang.finding
         if hang.fields:
             self._journal("hang_diagnosis", **hang.fields)
-            folder = forensics.write_incident(
+            folder = incident.write_incident(
                 self.plan.run_dir, self.attempt, finding, "reported to the leader",
                 hang.diagnosis, self.workers.tails(self.attempt, 8192))
             finding = dataclasses.replace(

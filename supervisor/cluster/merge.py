@@ -14,7 +14,7 @@ from babysit.supervisor.node.sketch import StepSummary
 class NodeMerger:
     """The leader's merge of the nodes' summaries of each step into the job's, in step order.
 
-    **Emission rule** (``aggregate.Completion``'s, with nodes in place of ranks). Each node
+    **Emission rule** (``completion.Completion``'s, with nodes in place of ranks). Each node
     sends its summaries in step order on its own connection, so once every expected node has
     sent step *s* or a later one, nothing more of *s*, nor of any step before it, is coming:
 

@@ -26,23 +26,22 @@ import signal
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from babysit.checkpoints import Catalog
 from babysit.policies import decide as sm
-from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
+from babysit.policies.types import Finding, Remedy, Severity
 from babysit.supervisor.config.plan import RunPlan
-from babysit.supervisor.node import incident, launcher, standby
+from babysit.supervisor.node import launcher, standby
 from babysit.supervisor.run import journal as journal_mod
 from babysit.supervisor.run import preemption, run_dir, takeover
 from babysit.supervisor.run.background import Services
 from babysit.supervisor.run.cadence_live import LiveCadence
 from babysit.supervisor.run.console import Console
+from babysit.supervisor.run.judge import Judge
 from babysit.supervisor.run.members import (
     Gathered,
-    JobEnd,
     LocalMembers,
     Members,
     MembersMissing,
@@ -57,8 +56,6 @@ from babysit.supervisor.services.alerts import AlertDispatcher
 TICK_S = 0.1
 WATCH_STATE_EVERY = 100
 """Steps between journaled judgement states (a few KB each: the detectors' windows)."""
-DISRUPTIVE = (Action.ROLLBACK, Action.RELAUNCH, Action.STOP)
-"""Remedies that end the workers: each gets an incident folder."""
 Item = sm.Event | Finding
 """What one tick hands to the decision: events, and findings still to be judged."""
 
@@ -85,6 +82,8 @@ class Supervisor:
                              where=lambda: self.machine,
                              warn=lambda title: self._alert(Severity.WARNING, title))
         self._journal, self._journal_all = self.record.write, self.record.write_all
+        self.judge = Judge(plan.run_dir, self.watch, self.recovery, self.members, self.record,
+                           console.log)
         self.cadence = LiveCadence(c, journal=self._journal, log=console.log,
                                    request=self.members.request, newest_step=self._newest)
         self.alerts = AlertDispatcher.from_config(plan.config.alerts,
@@ -102,7 +101,6 @@ class Supervisor:
         self._started = 0.0
         self._first_attempt = 0
         self._takeover: takeover.Takeover | None = None
-        self._incident_dir: Path | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -151,7 +149,8 @@ class Supervisor:
         """Who hears what happened, in the order they hear it."""
         journal, steps = self.record.journal, self.record.steps
         journal.listen(self.services.hear)
-        journal.listen(self._recovery_hears, ("checkpoint_saved", "finding", "sdc_check"))
+        journal.listen(lambda entry: self._journal_all(self.recovery.hear(entry)),
+                       Recovery.EVENTS)
         journal.listen(self.cadence.hear, LiveCadence.EVENTS)
         journal.listen(self.progress.hear, ("finding",))
         journal.listen(self.preemption.hear, preemption.Preemption.EVENTS)
@@ -160,8 +159,7 @@ class Supervisor:
         steps.listen(self.services.observe_step)
 
     def _teardown(self) -> None:
-        for event, fields in self.members.close(self._exit_code):
-            self._journal(event, **fields)
+        self._journal_all(self.members.close(self._exit_code))
         self.services.stop(self.console.log)
         self.alerts.close()
         self.record.close()
@@ -176,8 +174,11 @@ class Supervisor:
         self.members.ready(Voice(journal=self._journal, log=self.console.log,
                                  status=self.console.status, alert=self._alert,
                                  stopping=lambda: self._signal is not None))
-        if self._takeover is not None and self._takeover.finished_unwatched is not None:
-            return self._finish_unwatched(self._takeover.finished_unwatched)
+        ended = self._takeover.ended() if self._takeover is not None else None
+        if ended is not None:  # the job finished while no supervisor watched: nothing to do
+            self._journal("run_finished", **ended)
+            self.console.log(f"babysit: {ended['reason']}")
+            return 0
         pending: deque[Item] = deque()
         inherited = self._takeover.inherited if self._takeover is not None else None
         code = self._perform(sm.Launch(self.machine.attempt, inherited), pending)
@@ -226,15 +227,13 @@ class Supervisor:
                     self._journal("finding_set_aside", step=item.step, finding=item.to_json(),
                                   state=self.machine.state.value)
                     continue
-                item = sm.Remedied(self._judge(item))
+                item = sm.Remedied(self.judge.finding(item, self.machine.attempt))
             old = self.machine
             self.machine, actions = sm.decide(old, item)
             if self.machine.state is not old.state:
-                new = self.machine
-                self._journal("state", old=old.state.value, new=new.state.value,
-                              reason=new.reason)
-                self.console.log(f"babysit: {old.state.value} -> {new.state.value} "
-                                 f"({new.reason})")
+                old_s, new_s, why = old.state.value, self.machine.state.value, self.machine.reason
+                self._journal("state", old=old_s, new=new_s, reason=why)
+                self.console.log(f"babysit: {old_s} -> {new_s} ({why})")
             for action in actions:
                 code = self._perform(action, pending)
                 if code is not None:
@@ -274,40 +273,8 @@ class Supervisor:
         items: list[Item] = [*self.record.take(got, judging)]
         self._print_output()
         if got.end is not None:
-            items.append(self._ended(got.end))
+            items.append(self.judge.end(got.end, self.machine.attempt, self.machine.step))
         return items
-
-    def _ended(self, end: JobEnd) -> sm.Exited:
-        """The attempt's workers ended: a crash is classified (most specific verdict first),
-        located and judged."""
-        if end.code == 0:
-            return sm.Exited(0)
-        finding = self.watch.classify_crash(end.code, end.tails, self.machine.step, end.root,
-                                            end.exits)
-        return sm.Exited(end.code, self._judge(self.members.locate(finding)))
-
-    def _judge(self, finding: Finding) -> Remedy:
-        """The policy's remedy for ``finding``; evidence for a disruptive one. Journaled as a
-        ``finding`` entry, which the services, cadence, recovery and progress hear."""
-        # Wall-clock time: the rules' cooldowns and budget windows span hours and must survive
-        # a supervisor restart, even across a reboot (the monotonic clock restarts at boot).
-        can = self.members.can_roll_back(finding, self.recovery.can_roll_back(finding))
-        remedy = self.members.shape_remedy(self.watch.remedy(finding, time.time(), can))
-        self._incident_dir = None
-        if remedy.action in DISRUPTIVE:
-            # The alert's title says what babysit does; this line says what it saw.
-            self.console.log(f"babysit: {finding.message}")
-            diagnosis = self.members.diagnosis(finding) \
-                if finding.incident is Incident.HANG else None
-            self._incident_dir = incident.write_incident(
-                self.plan.run_dir, self.machine.attempt, finding, remedy, diagnosis,
-                self.members.tails(self.machine.attempt))
-            self._journal("incident", step=finding.step, dir=str(self._incident_dir),
-                          incident=finding.incident.value, ranks=list(finding.ranks))
-        self._journal("finding", step=finding.step, finding=finding.to_json(),
-                      remedy=remedy.to_json())
-        self._journal("watch_state", state=self.watch.state_dict())
-        return remedy
 
     # -- actions --------------------------------------------------------------------------------
 
@@ -318,11 +285,11 @@ class Supervisor:
             resume, entries = self.recovery.resume_for(remedy)
         self._journal_all(entries)
         self._journal_all(self.members.prepare(remedy, attempt))
-        self.watch.checkpoint_every = self.cadence.every_steps
-        directive = self.watch.directive_for(attempt, remedy, resume)
-        if self.watch.lr_change is not None:  # every change of the LR scale is on the record
-            self._journal("lr_scale", **self.watch.lr_change)
-            self.console.log(f"babysit: {self.watch.lr_change['summary']}")
+        directive, changes = self.watch.launch(attempt, remedy, resume,
+                                               self.cadence.every_steps)
+        for event, fields in changes:  # every change of the LR scale is on the record
+            self._journal(event, **fields)
+            self.console.log(f"babysit: {fields['summary']}")
         self.record.newest_step = 0
         self.watch.new_attempt(self.clock(), directive)
         fields = self.members.launch(attempt, directive, self.clock())
@@ -343,7 +310,7 @@ class Supervisor:
     def _notify(self, action: sm.Notify) -> None:
         self.console.log(f"babysit: [{action.severity.name.lower()}] {action.title}")
         self._journal("alert", severity=action.severity.name.lower(), title=action.title)
-        folder = str(self._incident_dir) if self._incident_dir else None
+        folder = str(self.judge.incident_dir) if self.judge.incident_dir else None
         self.services.notify(action, self.machine, folder)
 
     def _alert(self, severity: Severity, title: str) -> None:
@@ -364,37 +331,16 @@ class Supervisor:
 
     # -- ends without a decision ------------------------------------------------------------------
 
-    def _finish_unwatched(self, step: int) -> int:
-        """The job finished while no supervisor watched (``takeover.finished_unwatched``)."""
-        reason = (f"every rank of attempt {self.machine.attempt - 1} closed its run at step "
-                  f"{step} while no supervisor watched; nothing left to train")
-        self._journal("run_finished", step=step, state="succeeded", exit_code=0, reason=reason)
-        self.console.log(f"babysit: {reason}")
-        return 0
-
     def _members_missing(self, exc: MembersMissing) -> int:
         """Too few members for the run to go on (nodes that never joined or did not come
         back): it ends here, stopped if a signal asked for that, else failed."""
-        if self._signal is not None:  # asked to stop while waiting for them
-            code, state, reason = 128 + self._signal, "stopped", f"signal {self._signal}"
-        else:
-            code, state, reason = 1, "failed", str(exc)
+        ended = exc.ending(self._signal)  # asked to stop while waiting for them, or failed
+        if self._signal is None:
             self._notify(sm.Notify(Severity.CRITICAL, f"run failed: {exc}"))
-        self._journal("run_finished", state=state, exit_code=code, reason=reason)
-        return code
+        self._journal("run_finished", **ended)
+        return int(ended["exit_code"])
 
     # -- the record ------------------------------------------------------------------------------
-
-    def _recovery_hears(self, entry: dict[str, Any]) -> None:
-        event = entry["event"]
-        if event == "checkpoint_saved":
-            self._journal_all(self.recovery.on_checkpoint(int(entry["step"])))
-        elif event == "finding":
-            finding = Finding.from_json(entry["finding"])
-            self._journal_all(self.recovery.on_finding(
-                finding, Remedy.from_json(entry["remedy"], finding)))
-        elif event == "sdc_check":
-            self.recovery.vouch(entry.get("last_agreeing_step"))
 
     def _newest(self) -> int:
         return max(self.machine.step, self.record.newest_step)
@@ -404,13 +350,11 @@ class Supervisor:
             self.console.log(line)
 
     def _summary(self, code: int) -> None:
-        m = self.machine
-        line = self.progress.summary(m, self.clock() - self._started,
-                                     m.attempt - self._first_attempt + 1)
-        self.console.close()
-        goodput = self.services.goodput().summary()
-        self.console.log(f"{line} {goodput[:1].upper()}{goodput[1:]}. Journal: "
-                         f"{self.plan.run_dir / 'events.jsonl'}; exit code {code}.")
+        self.console.close()  # the status line gives way to the last line
+        self.console.log(self.progress.summary(
+            self.machine, self.clock() - self._started,
+            self.machine.attempt - self._first_attempt + 1, self.services.goodput().summary(),
+            str(self.record.journal.path), code))
 
     def _alert_result(self, record: dict[str, Any]) -> None:
         # Runs on an alert sender thread; the journal is thread-safe and records carry no URL.

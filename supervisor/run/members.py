@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from babysit.policies.rollback import Shelf
 from babysit.policies.types import Finding, JobStep, RankStep, Remedy, Severity, StepRecord
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
@@ -81,6 +82,13 @@ class Voice:
 class MembersMissing(Exception):
     """Too few members joined, or came back, for the run to go on; the message says why."""
 
+    def ending(self, signum: int | None) -> dict[str, Any]:
+        """The ``run_finished`` entry's fields: stopped when ``signum`` asked for that while
+        the run waited for its members, else failed."""
+        if signum is not None:
+            return {"state": "stopped", "exit_code": 128 + signum, "reason": f"signal {signum}"}
+        return {"state": "failed", "exit_code": 1, "reason": str(self)}
+
 
 class Members(Protocol):
     """The loop's view of the processes that train. Calls come from the loop's one thread."""
@@ -114,10 +122,10 @@ class Members(Protocol):
     def diagnosis(self, finding: Finding) -> Diagnosis | None:
         """The stacks behind a hang finding gathered here, for its incident folder."""
 
-    def can_roll_back(self, finding: Finding, catalog: bool) -> bool:
-        """Whether a rollback for ``finding`` has a checkpoint to go back to: ``catalog`` (the
-        answer of babysit's own checkpoints), or in stdout mode a copy of the script's own from
-        before the onset."""
+    def shelf(self, finding: Finding, catalog: Shelf) -> Shelf | None:
+        """The checkpoints a rollback for ``finding`` could go back to: ``catalog`` (babysit's
+        own, ``Recovery.shelf``), or in stdout mode None when a copy of the script's own from
+        before the onset vouches for one (an empty shelf when none does)."""
 
     def shape_remedy(self, remedy: Remedy) -> Remedy:
         """``remedy`` as these members can carry it out: in stdout mode, a rollback with no
@@ -168,7 +176,7 @@ class OnThisNode:
         self.workers.close()
         return self.workers.take_standby_entries()
 
-    def can_roll_back(self, finding: Finding, catalog: bool) -> bool:
+    def shelf(self, finding: Finding, catalog: Shelf) -> Shelf | None:
         return catalog
 
     def shape_remedy(self, remedy: Remedy) -> Remedy:
@@ -280,9 +288,11 @@ class LocalMembers(OnThisNode):
 
     # -- stdout mode (``node.printed``): the script's own checkpoints ---------------------------
 
-    def can_roll_back(self, finding: Finding, catalog: bool) -> bool:
+    def shelf(self, finding: Finding, catalog: Shelf) -> Shelf | None:
         printed = self.workers.printed
-        return printed.can_roll_back(finding) if printed.active else catalog
+        if not printed.active:
+            return catalog
+        return None if printed.can_roll_back(finding) else Shelf()
 
     def shape_remedy(self, remedy: Remedy) -> Remedy:
         return self.workers.printed.remedy(remedy)

@@ -80,13 +80,21 @@ class RunProgress:
         parts.append(f"last incident: {self.last_incident or 'none'}")
         return " | ".join(parts)
 
-    def summary(self, machine: sm.Machine, elapsed_s: float, attempts: int) -> str:
+    def summary(self, machine: sm.Machine, elapsed_s: float, attempts: int,
+                goodput: str = "", journal: str = "", code: int | None = None) -> str:
+        """The run's last line: how it ended, and (when given) this session's ``goodput``
+        summary, the ``journal``'s path and the exit ``code``."""
         loss = f"{self.loss:.4f}" if self.loss is not None else "n/a"
         mfu = self.mfu()
         speed = f", MFU {100 * mfu:.1f}%" if mfu is not None else ""
-        return (f"babysit: {machine.state.value} ({machine.reason}) after {elapsed_s:.1f} s, "
+        line = (f"babysit: {machine.state.value} ({machine.reason}) after {elapsed_s:.1f} s, "
                 f"{attempts} attempt(s), step {machine.step}, last loss {loss}{speed}, "
                 f"{self.interventions} incident(s).")
+        if goodput:
+            line += f" {goodput[:1].upper()}{goodput[1:]}."
+        if journal:
+            line += f" Journal: {journal}; exit code {code}."
+        return line
 
 
 def si(value: float) -> str:

@@ -55,6 +55,23 @@ class Recovery:
         takeover): checkpoints whose probation fell there stay pending."""
         self._next_promotion = 0
 
+    EVENTS = ("checkpoint_saved", "finding", "sdc_check")
+    """The journal entries it hears (``hear``)."""
+
+    def hear(self, entry: dict[str, Any]) -> list[Entry]:
+        """A journal entry of ``EVENTS``: a saved checkpoint (retention), a finding acted on
+        (checkpoints near its onset turn suspect), an SDC check (the step it vouches for).
+        Returns the entries to journal in turn."""
+        event = entry["event"]
+        if event == "checkpoint_saved":
+            return self.on_checkpoint(int(entry["step"]))
+        if event == "finding":
+            finding = Finding.from_json(entry["finding"])
+            return self.on_finding(finding, Remedy.from_json(entry["remedy"], finding))
+        if event == "sdc_check":
+            self.vouch(entry.get("last_agreeing_step"))
+        return []
+
     def vouch(self, step: int | None) -> None:
         """Every replica agreed at ``step`` (the newest agreeing check, after a relaunch too)."""
         if self.vouched is not None and step is not None:
@@ -113,11 +130,6 @@ class Recovery:
             listed = []
         return Shelf(tuple(Saved(c.step, c.cursor, c.verdict is Verdict.GOOD) for c in listed),
                      self.probation_steps)
-
-    def can_roll_back(self, finding: Finding) -> bool:
-        """Whether a rollback for ``finding`` would find a good checkpoint before its onset
-        (``rollback.can_roll_back`` on ``shelf()``)."""
-        return rollback.can_roll_back(finding, self.shelf())
 
     def resume_for(self, remedy: Remedy | None) -> tuple[Resume | None, list[Entry]]:
         """The checkpoint the next attempt starts from (None: from scratch), and what was

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from babysit.policies.types import Finding, Remedy
-from babysit.supervisor.contract.directive import SkipRange, closed_ranks
+from babysit.supervisor.contract.directive import closed_ranks
 from babysit.supervisor.node import launcher
 from babysit.supervisor.run.journal import PriorRun
 from babysit.supervisor.run.watch import Watch
@@ -31,6 +31,15 @@ class Takeover:
     fields: dict[str, Any]
     """The ``supervisor_takeover`` journal entry's fields."""
 
+    def ended(self) -> dict[str, Any] | None:
+        """The ``run_finished`` entry's fields when the job finished unwatched, else None."""
+        step = self.finished_unwatched
+        if step is None:
+            return None
+        return {"step": step, "state": "succeeded", "exit_code": 0,
+                "reason": f"every rank of attempt {self.prior.last_attempt} closed its run at "
+                          f"step {step} while no supervisor watched; nothing left to train"}
+
     def describe(self) -> str:
         return (f"babysit: taking over an unfinished run (attempt {self.prior.last_attempt}); "
                 f"stopped {len(self.fields['stopped_pids'])} leftover process(es)")
@@ -44,9 +53,7 @@ def take_over(prior: PriorRun, run_dir: Path, stop_grace_s: float, watch: Watch)
     if prior.watch_state:
         watch.load_state_dict(prior.watch_state)
     if prior.directive:  # the skips and LR orders the last attempt actually ran with
-        watch.skips = [SkipRange(int(r["start"]), int(r["end"]))
-                       for r in prior.directive.get("skip", ())]
-        watch.adopt_lr(prior.directive)
+        watch.adopt_orders(prior.directive)
     inherited = None
     if prior.pending:
         inherited = Remedy.from_json(prior.pending["remedy"],
@@ -71,3 +78,4 @@ def finished_unwatched(attempt_dir: Path) -> int | None:
     if len(worlds) != 1 or set(closed) != set(range(worlds.pop())):
         return None
     return max(int(r.get("step", 0)) for r in closed.values())
+

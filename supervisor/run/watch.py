@@ -82,8 +82,8 @@ class Watch:
         """``scope`` picks the step detectors (``policies.pipeline.SCOPES``): a multi-node leader
         watches the job's global signals, each node its own ranks. ``checkpoint_dir`` is always
         passed to the workers: scripts that save their own checkpoints register them there even
-        when babysit does not save (every = 0). ``checkpoint_every`` may change during the run
-        (cadence adoption); the next attempt's directive carries the cadence in force."""
+        when babysit does not save (every = 0). ``checkpoint_every`` is the config's cadence;
+        ``launch`` is told the one in force when ``checkpoints.cadence.auto`` adopted another."""
         self.policy = policy
         self.pipeline = Pipeline(policy, scope=scope)
         self.rules = self.pipeline.rules
@@ -96,8 +96,6 @@ class Watch:
         """The LR scale of the last attempt's directive (from its start)."""
         self.lr_ramp: LrRamp | None = None
         """...and how it wears off (a rollback's temporary cut), in cursor space."""
-        self.lr_change: dict[str, Any] | None = None
-        """What the last ``directive_for`` changed in the LR orders (for the journal)."""
         self._planned: Plan | None = None
         """The plan of the newest rollback the rules chose (``judge``), for its launch."""
         self.reshard = False
@@ -187,10 +185,6 @@ class Watch:
             self._planned = plan
         return remedy
 
-    def remedy(self, finding: Finding, now: float, checkpoint: bool = True) -> Remedy:
-        """``judge``, told only whether a checkpoint to roll back to exists."""
-        return self.judge(finding, now, None if checkpoint else Shelf())
-
     def check(self, now: float) -> list[Finding]:
         """Periodic judgements that need no new telemetry (hangs)."""
         if not self._alive:
@@ -272,6 +266,12 @@ class Watch:
 
     # -- what the next attempt is told ----------------------------------------------------------
 
+    def adopt_orders(self, directive: dict[str, Any]) -> None:
+        """Take the skip ranges and LR orders of a journaled directive: a supervisor taking
+        over keeps what the last attempt actually ran with."""
+        self.skips = [SkipRange(int(r["start"]), int(r["end"])) for r in directive.get("skip", ())]
+        self.adopt_lr(directive)
+
     def adopt_lr(self, orders: dict[str, Any]) -> None:
         """Take the LR orders (``lr_scale``, ``lr_ramp``) of a journaled directive or watch
         state: a supervisor taking over keeps what the last attempt ran with."""
@@ -295,21 +295,23 @@ class Watch:
             return in_directive(planned, resume)
         return plan_relaunch(remedy, resume, self._cursor_at, self.lr_scale, self.lr_ramp)
 
-    def launch(self, attempt: int, remedy: Remedy | None,
-               resume: Resume | None) -> tuple[Directive, list[Entry]]:
+    def launch(self, attempt: int, remedy: Remedy | None, resume: Resume | None,
+               checkpoint_every: int | None = None) -> tuple[Directive, list[Entry]]:
         """The directive of ``attempt``, which ``remedy`` caused (None: a plain start or a
         takeover), resuming from ``resume`` (the checkpoint ``Recovery`` verified): the
         rollback's plan folded in, skip ranges accumulated over the run. Also the journal
         entry of a change to the LR orders (``lr_scale``: every change is on the record).
-        Call once per launch: it records the orders as those in force."""
+        ``checkpoint_every``: the cadence in force (None: the config's). Call once per launch:
+        it records the orders as those in force."""
         plan = self.plan(remedy, resume)
         self._planned = None
         if plan.skip is not None:
             self.skips.append(plan.skip)
-        changed = (plan.lr_scale, plan.lr_ramp) != (self.lr_scale, self.lr_ramp)
-        self.lr_change = {"lr_scale": plan.lr_scale, "lr_ramp": _ramp_json(plan.lr_ramp),
-                          "base": plan.base, "was": self.lr_scale,
-                          "summary": plan.describe()} if changed else None
+        changes: list[Entry] = []
+        if (plan.lr_scale, plan.lr_ramp) != (self.lr_scale, self.lr_ramp):
+            changes.append(("lr_scale", {"lr_scale": plan.lr_scale,
+                                         "lr_ramp": _ramp_json(plan.lr_ramp), "base": plan.base,
+                                         "was": self.lr_scale, "summary": plan.describe()}))
         self.lr_scale, self.lr_ramp = plan.lr_scale, plan.lr_ramp
         guard: dict[str, Any] = {}
         if self.policy.incidents.grad_spike.ladder[0] is Action.SKIP_STEP:
@@ -317,15 +319,11 @@ class Watch:
         directive = Directive(
             attempt=attempt, resume=plan.resume, skip=merge_skips(self.skips),
             lr_scale=self.lr_scale, lr_ramp=self.lr_ramp, checkpoint_dir=self._checkpoint_dir,
-            checkpoint_every=self.checkpoint_every, checkpoint_async=self._checkpoint_async,
+            checkpoint_every=self.checkpoint_every if checkpoint_every is None
+            else checkpoint_every, checkpoint_async=self._checkpoint_async,
             grad_guard=guard, sdc_every=self.sdc_every, reshard=self.reshard,
         )
-        return directive, [("lr_scale", self.lr_change)] if self.lr_change is not None else []
-
-    def directive_for(self, attempt: int, remedy: Remedy | None,
-                      resume: Resume | None = None) -> Directive:
-        """``launch`` without its journal entries (they stay in ``lr_change``)."""
-        return self.launch(attempt, remedy, resume)[0]
+        return directive, changes
 
 
 def _ramp_json(ramp: LrRamp | None) -> dict[str, Any] | None:
