@@ -11,7 +11,7 @@ allowance:
   0.05 s/step model is suspected after 2 s.
 
 A step stall is only a *suspicion*: its finding carries ``evidence["confirm"] = True`` and the
-supervisor confirms it from the ranks' processes (``babysit.supervisor.node.stall``: stacks,
+supervisor confirms it from the ranks' processes (``babysit.supervisor.node.hang``: stacks,
 process state, CPU) before acting. When they show work going on (a slow eval without
 ``phase()``, a GC pause), the supervisor calls ``defer(now)`` and the detector stays quiet for
 as long again as the stall has lasted (2 s, 4 s, 8 s, ...), until ``busy_s``: a stall that long
