@@ -101,8 +101,9 @@ class LiveCadence:
                 self.advisor.on_interruption("supervisor_lost", t)
         elif event == "checkpoint_saved":
             self._ran_until(t)
-            data = entry.get("data") or {}
-            self.advisor.on_checkpoint(finite(data.get("blocking_s")))  # type: ignore[arg-type]
+            blocking = finite((entry.get("data") or {}).get("blocking_s"))
+            if blocking is not None:  # a save that reported no cost costs nothing known
+                self.advisor.on_checkpoint(blocking)
             self._advise(max(int(entry.get("step") or 0), self._newest_step()))
 
     def closing(self) -> list[Entry]:
