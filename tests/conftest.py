@@ -7,8 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -104,3 +106,30 @@ def write_config(tmp_path: Path):
         return path
 
     return write
+
+
+WEBHOOK_SECRET = "T000/B000/SECRETxyz"
+"""The secret-looking path in ``webhook``'s URL: it must never appear in a journal or output."""
+
+
+@pytest.fixture
+def webhook() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """A webhook receiver on loopback (a real HTTP server): yields its URL, whose path holds
+    ``WEBHOOK_SECRET``, and the list of what it received (each POST's path and JSON body)."""
+    received: list[dict[str, Any]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append({"path": self.path, "body": json.loads(body)})
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/services/{WEBHOOK_SECRET}", received
+    httpd.shutdown()

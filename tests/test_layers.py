@@ -4,7 +4,7 @@ statement counts, wherever it stands: one deferred into a function still ties th
 
 A user's own ``checkpoints.py`` or ``policies/`` beside their script must never meet ours, so the
 wheel holds ``babysit`` and nothing else; the end-to-end half of that is the rollback run from
-such a folder in ``test_recovery_e2e.py``.
+such a folder in ``tests/e2e/test_recovery.py``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import babysat, journal, read_jsonl
-from tests.test_recovery_e2e import assert_resumed_bit_exact
+from tests.e2e.test_recovery import assert_resumed_bit_exact
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 

@@ -1,0 +1,93 @@
+"""The warm standby under real torchrun: one promoted, one that fails on its own, one stopped with
+the run (the decisions and handshake alone: ``tests/supervisor/node/test_standby.py``; the whole
+relaunch through a standby is in tests/e2e/test_recovery.py's hang test)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from babysit.supervisor.config import plan as plan_mod
+from babysit.supervisor.contract.directive import Directive, SkipRange
+from babysit.supervisor.node.launcher import free_port
+from babysit.supervisor.node.workers import NodeWorkers
+
+pytestmark = pytest.mark.e2e
+
+
+STANDBY_SCRIPT = """\
+import os, sys
+from babysit import attach
+if os.environ["BABYSIT_ATTEMPT"] == "2":
+    sys.exit("cannot import the model code")  # only this standby: it fails on its own
+run = attach()
+print("attempt", run.directive.attempt, "skips", [r.start for r in run.directive.skip])
+run.close()
+"""
+
+
+def wait_for(condition: Callable[[], object], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_standby_waits_silent_until_promoted_and_one_that_fails_is_journaled(
+        tmp_path: Path) -> None:
+    """Real torchrun: the standby's rank waits in attach() and sends nothing; promoted, it reads
+    the directive written then and reports; one that exits on its own is never used; one still
+    waiting when the run ends is stopped with it."""
+    (tmp_path / "train.py").write_text(STANDBY_SCRIPT)
+    (tmp_path / "run.yaml").write_text(f"launch: {{script: train.py, nproc-per-node: 1}}\n"
+                                       f"run_dir: {tmp_path / 'run'}\n")
+    (tmp_path / "run").mkdir(mode=0o700)
+    workers = NodeWorkers(plan_mod.from_file(tmp_path / "run.yaml"), tmp_path / "run")
+    workers.open()
+    try:
+        workers.start_standby(1, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="t-1")
+        spare = workers.standby
+        assert spare is not None
+        wait_for(spare.ready_at)
+        time.sleep(0.3)
+        assert workers.telemetry() == []  # waiting: not even a hello
+        assert spare.group.poll() is None
+        directive = Directive(attempt=1, skip=(SkipRange(7, 9),))
+        assert workers.promote(1, directive) is spare and workers.group is spare.group
+        wait_for(lambda: workers.poll() is not None)
+        assert workers.poll() == 0
+        hello = [m for m in workers.telemetry() if getattr(m, "type", None) == "hello"]
+        assert len(hello) == 1
+        assert "attempt 1 skips [7]" in "\n".join(workers.output())
+
+        workers.start_standby(2, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="t-2")
+        wait_for(lambda: workers.standby is not None and workers.standby.group.poll() is not None)
+        workers.standby_exit()
+        ((event, fields),) = [e for e in workers.standby_entries if e[0] != "standby_started"]
+        assert event == "standby_exited" and fields["for_attempt"] == 2
+        assert "cannot import the model code" in str(fields["tail"])
+        assert workers.standby is None and workers.promote(2, Directive(attempt=2)) is None
+
+        workers.start_standby(3, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="t-3")
+        spare = workers.standby
+        assert spare is not None
+        wait_for(spare.ready_at)  # waiting in attach() when the run ends: it goes too
+        workers.take_standby_entries()
+        workers.close()
+        assert [(event, fields["for_attempt"], fields["reason"])
+                for event, fields in workers.take_standby_entries()] == \
+            [("standby_stopped", 3, "the run ended")]
+    finally:
+        workers.close()
+    assert not [p for p in psutil.process_iter() if _of_run(p, tmp_path / "run")]
+
+
+def _of_run(proc: psutil.Process, run_dir: Path) -> bool:
+    try:
+        return proc.environ().get("BABYSIT_RUN_DIR") == str(run_dir)
+    except psutil.Error:
+        return False

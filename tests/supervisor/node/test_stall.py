@@ -1,0 +1,62 @@
+"""The hang confirmation (``supervisor.node.stall``): naming the right rank from evidence, its
+process state, CPU and stacks (pure). Crash blame: ``tests/supervisor/run/test_watch.py``; the
+hang detector: ``tests/policies/detectors/test_detectors.py``; all of it for real in one run:
+``tests/e2e/test_blame.py``."""
+
+from __future__ import annotations
+
+from babysit.supervisor.node.stacks import StackVerdict
+from babysit.supervisor.node.stall import RankProcess, judge
+
+
+def proc(rank: int, cpu: float = 0.0, state: str = "sleeping") -> RankProcess:
+    return RankProcess(rank, 1000 + rank, state, cpu)
+
+
+def collective(waiting: tuple[int, ...], suspects: tuple[int, ...] = ()) -> StackVerdict:
+    evidence = {r: ["finalize_backward (libtorch_cpu.so)"] for r in waiting}
+    return StackVerdict(suspects, "rank 1 is outside any collective, at main (train.py:9), "
+                        "while rank 0 waits for it", evidence, waiting, "collective")
+
+
+def test_a_stopped_rank_is_a_hang_named_without_its_stack() -> None:
+    verdict = judge({0: proc(0), 1: proc(1, state="stopped")}, collective((0,)))
+    assert verdict.hung and verdict.ranks == (1,) and "stopped" in verdict.reason
+
+
+def test_an_idle_rank_outside_the_collective_is_the_hang() -> None:
+    verdict = judge({0: proc(0), 1: proc(1, cpu=0.01)}, collective((0,), (1,)))
+    assert verdict.hung and verdict.ranks == (1,)
+    assert "CPU 1% of a core" in verdict.reason
+
+
+def test_a_busy_rank_outside_the_collective_is_slow_work_not_a_hang() -> None:
+    # A slow eval without phase(), a GC pause, a long first step: rank 0 computes.
+    verdict = judge({0: proc(0, cpu=0.95, state="running"), 1: proc(1)},
+                    collective((1,), (0,)))
+    assert not verdict.hung and verdict.ranks == (0,) and "watching on" in verdict.reason
+
+
+def test_uninterruptible_io_counts_as_work() -> None:
+    verdict = judge({0: proc(0, state="disk-sleep"), 1: proc(1)}, collective((1,), (0,)))
+    assert not verdict.hung
+
+
+def test_waiting_ranks_are_not_judged_by_their_cpu() -> None:
+    # NCCL's host threads may spin while they wait: rank 0's CPU does not make it "working".
+    verdict = judge({0: proc(0, cpu=1.0), 1: proc(1)}, collective((0,), (1,)))
+    assert verdict.hung and verdict.ranks == (1,)
+
+
+def test_an_unreadable_idle_rank_outside_the_collective_is_still_named() -> None:
+    stacks = StackVerdict((), "all ranks are in the same place", {
+        0: ["finalize_backward (libtorch_cpu.so)"], 1: ["no stack: ptrace refused"]}, (0,),
+        "same")
+    verdict = judge({0: proc(0), 1: proc(1)}, stacks)
+    assert verdict.hung and verdict.ranks == (1,) and "stack unreadable" in verdict.reason
+
+
+def test_without_a_collective_or_stacks_cpu_decides() -> None:
+    assert not judge({0: proc(0, cpu=0.5), 1: proc(1, cpu=0.6)}, None).hung
+    idle = judge({0: proc(0), 1: proc(1)}, None)
+    assert idle.hung and "no rank makes CPU progress" in idle.reason

@@ -1,0 +1,154 @@
+"""The warm standby: its decisions and handshake without processes. A real torchrun standby
+promoted and one that fails on its own: ``tests/e2e/test_standby.py``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from babysit.policies.loader import load_policy
+from babysit.policies.types import RankStep, StepRecord
+from babysit.supervisor.config.schema import LaunchConfig
+from babysit.supervisor.node import standby
+from babysit.supervisor.rank import api
+from babysit.supervisor.run.watch import Watch
+
+
+def launch(**fields: object) -> LaunchConfig:
+    return LaunchConfig.model_validate({"script": "train.py", **fields})
+
+
+def test_single_node_runs_get_a_standby_unless_turned_off_or_pinned() -> None:
+    assert standby.off_reason(launch(), gpus=False) is None
+    assert "warm_standby" in str(standby.off_reason(launch(warm_standby=False), gpus=False))
+    assert "multi-node" in str(standby.off_reason(launch(nnodes="2"), gpus=False))
+    assert "fixed" in str(standby.off_reason(launch(rdzv_endpoint="10.0.0.1:29500"),
+                                             gpus=False))
+    # On a machine whose GPUs the job sees, only when asked for (not measured there yet).
+    assert "GPUs" in str(standby.off_reason(launch(), gpus=True))
+    assert standby.off_reason(launch(warm_standby=True), gpus=True) is None
+
+
+def test_gpus_are_visible_when_the_driver_lists_one_the_job_is_not_hidden_from(
+        tmp_path: Path) -> None:
+    driver = tmp_path / "gpus"
+    assert not standby.gpus_visible(launch(), {}, driver)  # no NVIDIA driver here
+    (driver / "0000:3b:00.0").mkdir(parents=True)
+    assert standby.gpus_visible(launch(), {}, driver)
+    assert not standby.gpus_visible(launch(), {"CUDA_VISIBLE_DEVICES": ""}, driver)
+    assert not standby.gpus_visible(launch(env={"CUDA_VISIBLE_DEVICES": "-1"}),
+                                    {"CUDA_VISIBLE_DEVICES": "0"}, driver)
+
+
+def started(trigger: standby.Trigger, attempt: int = 0) -> standby.Trigger:
+    trigger.new_attempt(attempt)
+    trigger.observe(10.0, hello=True, stepped=True)
+    return trigger
+
+
+def test_a_standby_starts_only_after_an_attached_attempt_stepped_and_trained_a_while() -> None:
+    trigger = standby.Trigger(None, after_s=5.0)
+    assert trigger.due(100.0, True, None) is None  # no attempt yet
+    trigger.new_attempt(0)
+    trigger.observe(10.0, hello=False, stepped=True)  # stdout mode: steps, never a hello
+    assert trigger.due(100.0, True, None) is None
+    trigger.new_attempt(0)
+    trigger.observe(10.0, hello=True, stepped=False)
+    assert trigger.due(100.0, True, None) is None  # attached, no step yet
+    trigger.observe(10.0, hello=False, stepped=True)
+    assert trigger.due(14.9, True, None) is None  # its start-up still fresh
+    assert trigger.due(15.0, False, None) is None  # being replaced: not watched
+    assert trigger.due(15.0, True, None) == 1
+    assert trigger.due(16.0, True, None) is None  # once per attempt, even if it exited
+    started(trigger, 1)
+    assert trigger.due(16.0, True, 2) is None  # already there
+    assert trigger.due(16.0, True, None) == 2
+
+
+def test_no_standby_when_off() -> None:
+    trigger = started(standby.Trigger("launch.warm_standby is false", after_s=0.0))
+    assert trigger.due(100.0, True, None) is None
+
+
+def test_ready_once_every_rank_said_so(tmp_path: Path) -> None:
+    spare = standby.Standby(1, None, tmp_path, "127.0.0.1:1", started=100.0)  # type: ignore[arg-type]
+    assert spare.ready_at() is None
+    ready = tmp_path / standby.READY
+    ready.mkdir()
+    (ready / "0").write_text(json.dumps({"world_size": 2, "time": 103.0}))
+    (ready / "1.tmp").write_text("{")  # half-written: not counted
+    assert spare.ready_at() is None
+    (ready / "1").write_text(json.dumps({"world_size": 2, "time": 104.5}))
+    assert spare.ready_at() == 104.5
+    assert spare.launch_fields(110.0) == {"standby": True, "rdzv_endpoint": "127.0.0.1:1",
+                                          "standby_age_s": 10.0, "standby_ready_s": 5.5}
+
+
+def test_a_starting_standby_is_babysits_own_load_for_a_minute_at_most(tmp_path: Path) -> None:
+    spare = standby.Standby(1, None, tmp_path, "", started=100.0)  # type: ignore[arg-type]
+    assert spare.warming(101.0)
+    assert not spare.warming(100.0 + standby.WARMING_MAX_S)  # one never ready blinds no one
+    ready = tmp_path / standby.READY
+    ready.mkdir()
+    (ready / "0").write_text(json.dumps({"world_size": 1, "time": 104.0}))
+    assert not spare.warming(105.0)
+
+
+def test_steps_under_babysits_own_load_are_not_judged_for_throughput() -> None:
+    watch = Watch(load_policy("default"))
+
+    def slow_steps(first: int, step_time: float) -> list[str]:
+        found = []
+        for s in range(first, first + 40):
+            rank = RankStep(rank=0, step=s, time=float(s), cursor=s, loss=1.0,
+                            step_time=step_time, tokens=4096.0)
+            record = StepRecord(step=s, time=float(s), ranks=(rank,), world_size=1)
+            found += [f.detector for f in watch.observe_record(record)]
+        return found
+    assert slow_steps(1, 0.5) == []  # the baseline
+    watch.own_load = True  # the warm standby starting
+    assert slow_steps(41, 1.0) == []  # 2x slower, but babysit's doing
+    watch.own_load = False
+    assert slow_steps(81, 1.0) == ["throughput"]  # the run's own: judged against the baseline
+
+
+def test_a_standby_rank_waits_in_attach_until_promoted(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    spare = standby.Standby(1, None, tmp_path, "", started=0.0)  # type: ignore[arg-type]
+    go = threading.Timer(0.3, spare.promote)
+    go.start()
+    t0 = time.monotonic()
+    api._await_promotion(tmp_path, 2, 0)
+    assert 0.25 < time.monotonic() - t0 < 2.0
+    said = json.loads((tmp_path / standby.READY / "1").read_text())
+    assert said["world_size"] == 2 and said["time"] <= time.time()
+
+
+def test_a_standby_rank_whose_supervisor_died_exits(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process now
+    with pytest.raises(SystemExit) as exit_:
+        api._await_promotion(tmp_path, 1, gone.pid)
+    assert exit_.value.code == 0
+
+
+def test_a_cold_start_sets_an_unpromoted_standbys_logs_aside(tmp_path: Path) -> None:
+    standby.set_aside(tmp_path)  # no standby ran here: nothing moves
+    (tmp_path / "launcher.log").write_text("a cold attempt's own")
+    standby.set_aside(tmp_path)
+    assert (tmp_path / "launcher.log").exists()
+    (tmp_path / standby.FOLDER).mkdir()
+    (tmp_path / "torchrun" / "run_x" / "attempt_0" / "0").mkdir(parents=True)
+    (tmp_path / "torchrun" / "run_x" / "attempt_0" / "0" / "stderr.log").write_text("import err")
+    standby.set_aside(tmp_path)
+    assert not (tmp_path / "torchrun").exists() and not (tmp_path / "launcher.log").exists()
+    moved = tmp_path / standby.FOLDER / "torchrun" / "run_x" / "attempt_0" / "0" / "stderr.log"
+    assert moved.read_text() == "import err"

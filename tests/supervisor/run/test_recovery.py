@@ -1,0 +1,74 @@
+"""Checkpoint verdicts when the run compares replicas: only agreeing checks vouch for weights.
+
+The scenario a review found: checkpoints every 50 steps, probation 50, keep 3, SDC checks every
+200. The check at 1000 agrees, the one at 1200 does not. Without the vouching rule the
+checkpoints saved after the corruption were promoted and retention deleted every one from
+before it, so the rollback restarted from scratch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from babysit.checkpoints import Catalog, Verdict
+from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
+from babysit.supervisor.run.recovery import Recovery
+from tests.checkpoints.test_catalog import make_ckpt
+
+
+def sdc_finding(step: int, last_agreeing: int) -> Finding:
+    return Finding(Incident.SDC, "sdc", Severity.CRITICAL, step=step,
+                   onset_step=last_agreeing + 1, message="rank 1 disagrees", ranks=(1,))
+
+
+def run_until_disagreement(root: Path, sdc_checks: bool) -> Recovery:
+    recovery = Recovery(Catalog(root), probation_steps=50, keep=3, sdc_checks=sdc_checks)
+    for step in range(50, 1201, 50):
+        make_ckpt(root, step, size=100)
+        recovery.on_checkpoint(step)
+        if step % 200 == 0 and step <= 1000:
+            recovery.vouch(step)  # the checks up to 1000 agree
+        for healthy in range(step, step + 50, 10):
+            recovery.on_progress(healthy)
+    return recovery
+
+
+def test_sdc_rollback_finds_a_checkpoint_from_before_the_corruption(tmp_path: Path) -> None:
+    recovery = run_until_disagreement(tmp_path, sdc_checks=True)
+    finding = sdc_finding(1200, last_agreeing=1000)
+    recovery.on_finding(finding, Remedy(Action.ROLLBACK, finding, "sdc"))
+    resume, _ = recovery.resume_for(Remedy(Action.ROLLBACK, finding, "sdc"))
+    assert resume is not None and resume.step == 1000
+    verdicts = {c.step: c.verdict for c in Catalog(tmp_path).checkpoints()}
+    assert all(v is Verdict.SUSPECT for s, v in verdicts.items() if s > 1000)
+    # A later relaunch (or a takeover) may use pending checkpoints, never these suspect ones.
+    latest, _ = recovery.resume_latest()
+    assert latest is not None and latest.step == 1000
+
+
+def test_without_vouching_the_same_run_would_lose_everything(tmp_path: Path) -> None:
+    recovery = run_until_disagreement(tmp_path, sdc_checks=False)
+    finding = sdc_finding(1200, last_agreeing=1000)
+    recovery.on_finding(finding, Remedy(Action.ROLLBACK, finding, "sdc"))
+    resume, entries = recovery.resume_for(Remedy(Action.ROLLBACK, finding, "sdc"))
+    assert resume is None and entries[-1][1]["reason"].startswith("no usable checkpoint")
+
+
+def test_a_spike_that_only_warns_leaves_its_checkpoints_good(tmp_path: Path) -> None:
+    """A spike that heals by itself is a warning (an alert); the checkpoints around it stay good,
+    so a later rollback for something else need not go further back than it must. The same
+    onset acted on (a rollback) condemns them."""
+    recovery = Recovery(Catalog(tmp_path), probation_steps=50, keep=10)
+    for step in range(50, 401, 50):
+        make_ckpt(tmp_path, step, size=100)
+        recovery.on_checkpoint(step)
+        for healthy in range(step, step + 50, 10):
+            recovery.on_progress(healthy)
+    spike = Finding(Incident.LOSS_SPIKE, "loss_spike", Severity.WARNING, step=330,
+                    onset_step=320, message="loss 1.3x its baseline; healing")
+
+    assert recovery.on_finding(spike, Remedy(Action.ALERT, spike, "warning: alert")) == []
+    assert Catalog(tmp_path).get(300).verdict is Verdict.GOOD  # type: ignore[union-attr]
+
+    entries = recovery.on_finding(spike, Remedy(Action.ROLLBACK, spike, "not healed"))
+    assert [e[1]["checkpoint_step"] for e in entries] == [300, 350, 400]  # near and after it
+    assert Catalog(tmp_path).get(300).verdict is Verdict.SUSPECT  # type: ignore[union-attr]
