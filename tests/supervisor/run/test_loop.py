@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -231,3 +233,48 @@ def test_a_user_code_crash_stops_the_run_with_its_exit_code(plan: plan_mod.RunPl
     assert finding["finding"]["ranks"] == [1]
     assert finding["finding"]["evidence"]["class"] == "user_code"
     assert journal[-1]["state"] == "failed"
+
+
+class Preempted(ScriptedMembers):
+    """Members that send the supervisor SIGTERM in their second tick, then save the final
+    checkpoint the loop asks for (in a tick that only drains: the loop judges nothing then)."""
+
+    def __init__(self, script: list[Gathered]) -> None:
+        super().__init__(script)
+        self.requests: list[dict[str, Any]] = []
+        self.gathers = 0
+
+    def request(self, **fields: Any) -> None:
+        self.requests.append(fields)
+
+    def gather(self, now: float, watching: bool) -> Gathered:
+        self.gathers += 1
+        if self.gathers == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # caught by the supervisor's handler
+        if self.requests and not watching and self.up:
+            self.requests.append({"answered": True})
+            final = WorkerEvent(rank=0, type="checkpoint", time=0.0,
+                                data={"step": 7, "final": True, "blocking_s": 0.1})
+            return Gathered(events=[final]) if len(self.requests) == 2 else Gathered()
+        return super().gather(now, watching)
+
+
+def test_a_sigterm_waits_for_the_final_checkpoint_while_the_ticks_go_on(
+        tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    (tmp_path / "train.py").write_text("")
+    config.write_text(f"launch: {{script: train.py, nproc-per-node: 2}}\n"
+                      f"checkpoints: {{every_steps: 5, final_grace_s: 30}}\n"
+                      f"run_dir: {tmp_path / 'run'}\n")
+    members = Preempted([steps(0, 1, 5), steps(0, 6, 6), steps(0, 7, 7)])
+
+    code, journal = run(plan_mod.from_file(config), members)
+
+    assert code == 128 + signal.SIGTERM
+    assert "final_checkpoint" in members.requests[0]
+    events = [e["event"] for e in journal]
+    asked = events.index("final_checkpoint_requested")
+    assert events.index("checkpoint_saved") > asked
+    (final,) = [e for e in journal if e["event"] == "final_checkpoint"]
+    assert final["saved"] is True and final["checkpoint_step"] == 7
+    assert members.stops and journal[-1]["state"] == "stopped"

@@ -1,0 +1,92 @@
+"""A SIGTERM's final checkpoint (``run.preemption.Preemption``): when it is asked for, what ends
+the wait, and what is said when none comes. The loop's side is in test_loop.py."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+from babysit.checkpoints import Catalog
+from babysit.supervisor.config.schema import CheckpointConfig
+from babysit.supervisor.run.preemption import Preemption
+
+
+class Said:
+    """What a ``Preemption`` journals, logs, warns and asks of the ranks."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, dict[str, Any]]] = []
+        self.warnings: list[str] = []
+        self.requests: list[dict[str, Any]] = []
+
+    def preemption(self, tmp_path: Path, **config: Any) -> Preemption:
+        return Preemption(CheckpointConfig(**config), Catalog(tmp_path / "ckpt"),
+                          journal=lambda event, **f: self.entries.append((event, f)),
+                          log=lambda line: None, warn=self.warnings.append,
+                          request=lambda **f: self.requests.append(f),
+                          newest_step=lambda: 42)
+
+
+def saved(step: int, final: bool = True) -> dict[str, Any]:
+    return {"event": "checkpoint_saved", "step": step, "data": {"step": step, "final": final}}
+
+
+def test_a_sigterm_while_training_waits_for_the_final_checkpoint(tmp_path: Path) -> None:
+    said = Said()
+    p = said.preemption(tmp_path, every_steps=100, final_grace_s=30)
+
+    assert p.signal(signal.SIGTERM, now=0.0, running=True) is None
+    assert p.waiting
+    (request,) = said.requests
+    assert set(request) == {"final_checkpoint"}
+    assert said.entries == [("final_checkpoint_requested", {"grace_s": 30, "newest_step": 42})]
+    assert p.tick(1.0, running=True) is None
+    p.hear(saved(45, final=False))  # a cadence save is not the one asked for
+    assert p.tick(2.0, running=True) is None
+    p.hear(saved(47))
+    assert p.tick(3.0, running=True) == signal.SIGTERM
+    assert not p.waiting
+    assert said.entries[-1] == ("final_checkpoint", {"saved": True, "checkpoint_step": 47})
+    assert said.warnings == []
+
+
+def test_a_wait_that_runs_out_says_what_the_next_run_resumes_from(tmp_path: Path) -> None:
+    said = Said()
+    p = said.preemption(tmp_path, every_steps=100, final_grace_s=30)
+    p.signal(signal.SIGTERM, now=0.0, running=True)
+    # A second signal during the wait is remembered, and ends the run when the wait is over.
+    assert p.signal(signal.SIGINT, now=1.0, running=True) is None
+
+    assert p.tick(29.9, running=True) is None
+    assert p.tick(30.0, running=True) == signal.SIGINT
+    assert [e for e, _ in said.entries] == ["final_checkpoint_requested", "final_checkpoint",
+                                           "final_checkpoint_missing"]
+    missing = said.entries[-1][1]
+    assert missing["resume_step"] is None and "final_grace_s = 30 s" in missing["reason"]
+    (warning,) = said.warnings
+    assert "no final checkpoint" in warning and "starts from scratch" in warning
+
+
+def test_workers_that_exit_first_end_the_wait(tmp_path: Path) -> None:
+    said = Said()
+    p = said.preemption(tmp_path, every_steps=100, final_grace_s=30)
+    p.signal(signal.SIGTERM, now=0.0, running=True)
+
+    assert p.tick(1.0, running=False) == signal.SIGTERM
+    assert said.entries[-1][1]["reason"] == "the workers exited first"
+
+
+def test_no_wait_when_there_can_be_no_checkpoint_or_nothing_runs(tmp_path: Path) -> None:
+    said = Said()
+    off = said.preemption(tmp_path, every_steps=0, final_grace_s=30)
+    assert off.signal(signal.SIGTERM, now=0.0, running=True) == signal.SIGTERM
+    assert not off.waiting and said.requests == []
+    (warning,) = said.warnings
+    assert "checkpoints.every_steps is 0" in warning
+
+    said = Said()
+    p = said.preemption(tmp_path, every_steps=100, final_grace_s=30)
+    assert p.signal(signal.SIGINT, now=0.0, running=True) == signal.SIGINT  # a person's stop
+    assert p.signal(signal.SIGTERM, now=0.0, running=False) == signal.SIGTERM  # not training
+    assert said.entries == [] and said.warnings == []
