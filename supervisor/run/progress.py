@@ -1,8 +1,8 @@
 """What the run looks like from the outside, kept up to date from merged steps and findings.
 
-The control loop feeds ``RunProgress`` every ``StepRecord`` and every acted-on finding; it answers
-with the live status line, the snapshot the digest and the Prometheus exporter read, and the
-summary printed at the end. Pure bookkeeping: no I/O, times come from the records.
+The run's steps (``StepLog.listen``) and findings (``Journal.listen``) feed ``RunProgress``; it
+answers with the live status line, the snapshot the digest and the Prometheus exporter read, and
+the summary printed at the end. Pure bookkeeping: no I/O, times come from the records.
 
 Throughput figures are medians over the last steps, and only what the script reported: without
 ``tokens`` there is no tokens/s; without FLOPs per token and peak FLOP/s there is no MFU.
@@ -32,6 +32,10 @@ class RunProgress:
         self.last_incident: str | None = None
 
     def observe(self, record: JobStep) -> None:
+        if self._recent and record.step <= self._recent[-1][1]:
+            # A relaunch resumed behind the last step seen (a rollback, a crash): the rate is
+            # this attempt's, never a negative one across the jump back.
+            self._recent.clear()
         self._recent.append((record.time, record.step))
         self.loss = record.loss
         if record.tokens_per_s is not None:

@@ -35,3 +35,14 @@ def test_tokens_and_mfu_are_medians_of_the_last_steps() -> None:
 
 def test_si() -> None:
     assert [si(v) for v in (12.0, 41_234.5, 3.2e6, 7.5e9)] == ["12", "41.2k", "3.2M", "7.5G"]
+
+
+def test_the_rate_after_a_rollback_is_the_new_attempts_never_negative() -> None:
+    p = RunProgress()
+    for s in range(1, 41):
+        p.observe(record(s, None))
+    for s in range(21, 24):  # resumed from step 20, a little later
+        rank = RankStep(rank=0, step=s, time=40.0 + s - 20, loss=2.5, step_time=0.25)
+        p.observe(StepRecord(step=s, time=40.0 + s - 20, ranks=(rank,), world_size=1))
+    assert p.steps_per_s() == 1.0
+    assert "1.0 steps/s" in p.status_line(sm.Machine(state=sm.State.RUNNING, attempt=1, step=23))
