@@ -53,6 +53,9 @@ class CrashVerdict:
     exit_code: int | None = None
     signal: int | None = None
     step: int | None = None
+    said: str = ""
+    """What the crash said, as it said it (the signature masks its numbers and temporary
+    paths so that two crashes compare); empty when it is the signature itself."""
 
     def key(self) -> CrashSignature:
         return CrashSignature(self.signature, self.step)
@@ -72,7 +75,8 @@ class CrashVerdict:
             ranks=ranks,
             message=f"{self.crash_class.value} crash{who}"
             + (f" at step {at}" if at is not None else "")
-            + f": {self.signature}{why}" + (" (same as a previous crash: deterministic)"
+            + f": {self.said or self.signature}{why}"
+            + (" (same as a previous crash: deterministic)"
                                        if self.deterministic else ""),
             evidence=self.to_json(),
         )
@@ -80,7 +84,8 @@ class CrashVerdict:
     def to_json(self) -> dict[str, Any]:
         return {"class": self.crash_class.value, "signature": self.signature,
                 "deterministic": self.deterministic, "reason": self.reason,
-                "exit_code": self.exit_code, "signal": self.signal, "step": self.step}
+                "exit_code": self.exit_code, "signal": self.signal, "step": self.step,
+                "said": self.said}
 
 
 # (class, compiled pattern, reason). Order matters: first match wins.
@@ -113,6 +118,11 @@ _NORMALISE = [
     (re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?"), "N"),
     (re.compile(r"\s+"), " "),
 ]
+
+
+def _as_said(text: str) -> str:
+    """A message as the script printed it, on one line and at most 200 characters."""
+    return " ".join(text.split())[:200]
 
 
 def _normalise(text: str) -> str:
@@ -208,18 +218,21 @@ def classify(
         elif raised.child is not None:
             cls, reason = CrashClass.USER_CODE, "Python exception in a process the script started"
     exc = raised.own if raised.own is not None or signal is not None else raised.child
+    said = ""
     if exc is not None:
-        signature = _normalise(exc)
+        signature, said = _normalise(exc), _as_said(exc)
     elif signal is not None:
         signature = f"signal {_signal_name(signal)}"
     elif cls is not CrashClass.UNKNOWN:
-        signature = _normalise(_first_match_line(log_tail, cls))
+        line = _first_match_line(log_tail, cls)
+        signature, said = _normalise(line), _as_said(line)
     else:
         signature = f"exit code {exit_code}"
     deterministic = step is not None and any(
         p.signature == signature and p.step == step for p in previous
     )
-    return CrashVerdict(cls, signature, deterministic, reason, exit_code, signal, step)
+    return CrashVerdict(cls, signature, deterministic, reason, exit_code, signal, step,
+                        said if said != signature else "")
 
 
 _SIGNAL_HINTS: dict[int, str] = {

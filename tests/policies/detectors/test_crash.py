@@ -59,6 +59,16 @@ def test_signature_strips_what_varies_between_identical_crashes() -> None:
     assert "0x7f" not in a.signature
 
 
+def test_the_finding_shows_the_scripts_own_message_not_the_masked_signature() -> None:
+    v = classify(1, None, TB + "RuntimeError: user fault: deliberate crash at step 1200",
+                 step=1200)
+    assert v.signature == "RuntimeError: user fault: deliberate crash at step N"
+    message = v.to_finding(ranks=(1,)).message
+    assert message.endswith(": RuntimeError: user fault: deliberate crash at step 1200")
+    # Nothing to mask, nothing said twice: the signature is the message.
+    assert classify(1, None, TB + "KeyError: 'input_ids'", step=3).said == ""
+
+
 def test_same_signature_at_same_step_is_deterministic() -> None:
     log = TB + "KeyError: 'input_ids'"
     first = classify(1, None, log, step=1200)
