@@ -39,8 +39,10 @@ def test_metrics_endpoint_and_scheduled_jobs_on_a_live_run(tmp_path: Path) -> No
         while time.monotonic() < deadline and not ("babysit_step " in body and running in body
                                                    and rank1 in body):
             time.sleep(0.5)
-            started = [e for e in read_jsonl(run_dir / "events.jsonl")
-                       if e["event"] == "prometheus_started"] if run_dir.exists() else []
+            # The run directory comes a moment before its journal: wait for the journal.
+            journal = run_dir / "events.jsonl"
+            started = [e for e in read_jsonl(journal)
+                       if e["event"] == "prometheus_started"] if journal.exists() else []
             if started:
                 with urllib.request.urlopen(started[0]["url"], timeout=5) as response:
                     assert response.headers["Content-Type"].startswith("text/plain")
