@@ -6,7 +6,7 @@ States (one run, many attempts)::
        │ │                   │ │
        │ └──Remedied(relaunch|rollback)──> INTERVENING ──WorkersStopped──> RELAUNCHING
        │                     │                                                │
-       └──Exited(crash, policy says relaunch)─────────────────────────────────┤
+       └──Exited(crash, policy says relaunch|rollback)────────────────────────┤
                                                                               │
     STARTING <──────────────────────────BackoffElapsed────────────────────────┘
 
@@ -166,7 +166,9 @@ def _exited(m: Machine, e: Exited) -> Outcome:
     if e.code == 0:
         return _to(m, State.SUCCEEDED, "workers finished"), [Finish(0)]
     remedy = e.remedy
-    if remedy is None or remedy.action is not Action.RELAUNCH:
+    # A crash's rollback (a numerical crash, or one that follows the data) needs no stop: the
+    # workers are gone already, and the relaunch carries the rollback in its directive.
+    if remedy is None or remedy.action not in (Action.RELAUNCH, Action.ROLLBACK):
         reason = remedy.reason if remedy else f"workers exited with code {e.code}"
         return _to(m, State.FAILED, reason, pending=remedy), [
             Notify(Severity.CRITICAL, f"run failed: {reason}", remedy), Finish(1)]

@@ -26,6 +26,9 @@ and only verifies the chosen checkpoint on disk. Pure: no I/O, no clock, no supe
   for the rest of the run (it becomes the new base, from the resume point on).
 - SDC: the hardware's fault, not the data's or the LR's: nothing skipped, the LR orders in force
   kept, and no region left behind for escalation.
+- a hang or a crash that follows the data (``policies/cause.py``: it came back at the same
+  batches): back to the newest checkpoint before it, pending ones too, and past exactly the
+  batches of the step it struck in (``skip_data``); the LR orders in force kept.
 
 Units: steps are optimizer steps; cursors and skip ranges are global batches consumed; LR
 scales multiply the script's own LR.
@@ -37,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from babysit.policies.cause import Fault
 from babysit.policies.types import Action, Finding, Incident, Remedy
 
 if TYPE_CHECKING:
@@ -175,8 +179,9 @@ class Plan:
 def resume_bound(remedy: Remedy) -> tuple[int, bool]:
     """Which checkpoint the attempt after ``remedy`` may resume from: one strictly before the
     returned step, pending ones too when the flag says so. A rollback goes back before the
-    onset to a good one; a relaunch after a hang or a crash may use the newest one."""
-    if remedy.action is Action.ROLLBACK:
+    onset to a good one; a relaunch after a hang or a crash, and the rollback past a fault that
+    follows the data (``skip_data``), may use the newest one: they say nothing of the weights."""
+    if remedy.action is Action.ROLLBACK and not follows_data(remedy.finding):
         return remedy.finding.onset_step, False
     return remedy.finding.step + 1, True
 
@@ -201,6 +206,21 @@ def can_roll_back(finding: Finding, shelf: Shelf) -> bool:
     """Whether a rollback for ``finding`` pays: anything but a spike always does (a NaN cannot
     be trained through); a spike needs a good checkpoint the anomaly will not make suspect."""
     return finding.incident not in SPIKES or offer(finding, shelf) is not None
+
+
+def follows_data(finding: Finding) -> bool:
+    """``finding`` is a hang or a crash that came back at the same batches (``skip_data``)."""
+    return finding.evidence.get("follows") == "data"
+
+
+def skip_data(finding: Finding, fault: Fault) -> Finding:
+    """``finding``, a hang or a crash that follows the data (``policies/cause.py``), marked for
+    its rollback: back to the newest checkpoint before it, pending ones too, and past the
+    batches of the step it struck in (its onset: the step after the fault's, whose cursor would
+    have been ``fault.end``). ``for_remedy`` places exactly that skip and keeps the LR orders
+    in force: the data was bad, not the optimisation."""
+    return replace(finding, onset_step=fault.step + 1, onset_cursor=fault.end,
+                   evidence={**finding.evidence, "follows": "data", "fault": fault.to_json()})
 
 
 def plan(finding: Finding, section: Section, memory: Sequence[Region],
@@ -248,6 +268,8 @@ def for_remedy(remedy: Remedy | None, known: Known = NOTHING_KNOWN,
         return Plan(finding, True, orders=known.orders)
     skip, orders = _place(finding, remedy.skip_before, remedy.skip_after, remedy.lr_scale,
                           remedy.lr_rewarm, known, resume_cursor)
+    if follows_data(finding):
+        orders = known.orders
     return Plan(finding, True, True, None, remedy.skip_before, remedy.skip_after,
                 remedy.lr_scale, remedy.lr_rewarm, None, "", skip, orders)
 
@@ -258,6 +280,8 @@ def _place(finding: Finding, before: int, after: int, factor: float, rewarm: int
     base = known.orders.base
     onset = known.cursor_at.get(finding.onset_step, finding.onset_cursor)
     detected = known.cursor_at.get(finding.step, onset)
+    if onset is not None and detected is not None:
+        detected = max(detected, onset)  # a fault's onset is the step after the last it saw
     skip = None
     if onset is not None and detected is not None:
         skip = Span(max(0, onset - 1 - before), detected + after)

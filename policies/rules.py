@@ -9,7 +9,9 @@
    ladder resets after ``reset_after_steps`` / ``reset_after_s`` of quiet;
    crashes follow the ``crash`` section instead: per-class relaunch limits, exponential backoff
    (from the second crash of a class, unless ``first_relaunch_at_once`` is off),
-   stop on a deterministic repeat, numerical crashes rolled back;
+   stop on a deterministic repeat, numerical crashes rolled back; but first, a hang or a crash
+   that came back is held against the earlier ones (``policies/cause.py``): one that follows
+   the data is rolled back past its batches, one that follows the step count stops the run;
 4. the rollback itself (``policies/rollback.py``'s ``plan``, the one place that decides it):
    the checkpoint, the skip sizes (wider when the same region spikes again), the LR cut and its
    re-warm; SDC rollbacks skip nothing and keep the LR;
@@ -29,7 +31,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from babysit.policies import rollback
+from babysit.policies import cause, rollback
+from babysit.policies.cause import Fault, Follows
 from babysit.policies.rollback import Known, Plan, Region, Shelf
 from babysit.policies.schema import Policy, Response
 from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
@@ -50,6 +53,8 @@ class Rules:
         # Times of disruptive interventions (budget) and of crash relaunches per class.
         self._interventions: list[float] = []
         self._crashes: dict[str, list[float]] = {}
+        # Where the run's hangs and crashes struck (``policies/cause.py``), oldest first.
+        self._faults: list[Fault] = []
 
     def on_finding(self, finding: Finding, now: float, checkpoint: bool = True) -> Remedy:
         """``checkpoint``: a good checkpoint from before the onset exists (the caller knows the
@@ -64,7 +69,10 @@ class Rules:
         (``rollback.plan``) from what the supervisor ``known``s: the checkpoints (a spike with
         no good one before its onset is an alert instead, as ``on_finding`` says), the cursor
         memory and the LR orders in force. ``now``: as for ``on_finding``."""
-        if finding.incident is Incident.CRASH:
+        caused = self._cause(finding, known)
+        if caused is not None:
+            remedy, plan = caused
+        elif finding.incident is Incident.CRASH:
             remedy, plan = self._crash(finding, now, known)
         else:
             remedy, plan = self._incident(finding, now, known)
@@ -115,6 +123,32 @@ class Rules:
 
     def _plan(self, finding: Finding, known: Known) -> Plan:
         return rollback.plan(finding, self.policy.rollback, self._rollbacks, known)
+
+    # -- what a repeated fault follows ---------------------------------------------------------
+
+    def _cause(self, finding: Finding, known: Known) -> tuple[Remedy, Plan | None] | None:
+        """A hang or a crash held against the earlier ones (``policies/cause.py``): the remedy
+        when it follows the data or the code, None when it has not shown what it follows."""
+        fault = cause.place(finding, known.cursor_at)
+        if fault is None or not self.policy.rollback.skip_repeated_faults:
+            return None
+        follows, earlier = cause.follows(fault, self._faults)
+        self._faults = [*self._faults[-(cause.KEEP - 1):], fault]
+        name = fault.incident
+        if follows is Follows.DATA:
+            size = fault.end - fault.start
+            remedy = Remedy(Action.ROLLBACK, rollback.skip_data(finding, fault),
+                            f"same {name} at {fault.where()} twice -> the data's: rolled back "
+                            f"and {fault.batches()} skipped, the LR unchanged",
+                            skip_before=size - 1, skip_after=0)
+            return remedy, rollback.for_remedy(remedy, known)
+        if follows is Follows.CODE:
+            assert earlier is not None
+            return Remedy(Action.STOP, finding, f"same {name} at step {fault.step} on "
+                          f"{fault.batches()} as on {earlier.batches()} before: it follows the "
+                          "step count, not the data -> the code's (an evaluation, a save or a "
+                          "schedule at that step?); a relaunch would meet it again"), None
+        return None
 
     # -- crashes ----------------------------------------------------------------------------
 
@@ -169,6 +203,7 @@ class Rules:
             "rollbacks": [{"lo": r.lo, "hi": r.hi, "gen": r.gen} for r in self._rollbacks],
             "interventions": list(self._interventions),
             "crashes": {k: list(v) for k, v in self._crashes.items()},
+            "faults": [f.to_json() for f in self._faults],
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -177,6 +212,7 @@ class Rules:
                            for r in d["rollbacks"]]
         self._interventions = [float(t) for t in d["interventions"]]
         self._crashes = {k: [float(t) for t in v] for k, v in d["crashes"].items()}
+        self._faults = [Fault.from_json(f) for f in d.get("faults", ())]
 
 
 def _rollback_remedy(plan: Plan, why: str) -> Remedy:

@@ -155,6 +155,14 @@ class Rollback(Section):
     more and stays cut for the rest of the run."""
     escalation_skip_factor: float = Field(default=2.0, ge=1.0)
     """Skip ranges grow by this factor each time the same region spikes again."""
+    skip_repeated_faults: bool = True
+    """A hang or a crash that comes back at the same global batch on the same rank (a crash:
+    with the same error) follows the data, say a corrupt file its loader deadlocks on: roll back
+    to the newest checkpoint before it and skip the batches of that step, with the LR untouched.
+    One that comes back at the same step over other batches follows the step count (an
+    evaluation or a save at that step): the code's, and the run stops. False: repeats climb
+    the hang ladder and the crash limits like any other (a crash repeated at the same step
+    stops the run when crash.stop_on_deterministic)."""
 
 
 class CrashLimits(Section):

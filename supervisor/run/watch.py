@@ -102,6 +102,8 @@ class Watch:
         """Relaunches may change the world size (an elastic multi-node run)."""
         self.crashes: list[CrashSignature] = []
         self._cursor_at: OrderedDict[int, int] = OrderedDict()
+        self._judged_step = 0
+        """The newest step ``observe_record`` saw this attempt."""
         self._alive: set[int] = set()
         self._world = 0
         self.own_load = False
@@ -137,6 +139,7 @@ class Watch:
         """A new attempt launched: only ranks that say hello are watched for hangs, so a script
         without the worker API is judged by liveness and exit code alone."""
         self._alive = set()
+        self._judged_step = 0
         self.hang.start(now)
         if directive.attempt > 0:
             self.pipeline.new_attempt()
@@ -167,6 +170,7 @@ class Watch:
 
     def observe_record(self, record: JobStep) -> list[Finding]:
         self._world = record.world_size
+        self._judged_step = max(self._judged_step, record.step)
         self._cursor_at[record.step] = record.cursor
         while len(self._cursor_at) > _CURSOR_MEMORY:
             self._cursor_at.popitem(last=False)
@@ -218,6 +222,10 @@ class Watch:
         first.
         """
         exits = exits or {}
+        # The newest step judged this attempt: the loop's own count may lag a tick behind the
+        # steps merged in the tick the workers exited, and where a crash struck must not
+        # depend on that (``policies/cause.py`` holds repeats against each other).
+        step = max(step, self._judged_step)
         ranks = sorted(set(tails) | set(exits))
         verdicts = {rank: classify(exits.get(rank, code), None, tails.get(rank, ""),
                                    step or None, self.crashes)

@@ -24,6 +24,12 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
     --spike START:END      global batches START <= i < END are poisoned: a real loss spike
     --spike-rank RANK      ...only on that rank's shard (one node's rank of a multi-node job)
     --nan-at CURSOR        that global batch gives a non-finite loss
+    --stuck-batch RANK:CURSOR  that rank's loader blocks forever on that global batch, in every
+                           attempt: a file it deadlocks on (the data's fault, not the machine's)
+    --bad-batch RANK:CURSOR  that rank's loader segfaults on that global batch, in every
+                           attempt: a native decoder meeting a corrupt sample
+    --drop-batch CURSOR    the data set without that global batch (what a person's fix of a bad
+                           batch trains on), for a reference run
     --slow-data RANK:SEC[:START:END]  that rank waits SEC seconds for every batch (a slow
                            loader), or only for global batches START <= i < END
     --loss-every N         rank 0 prints "step S loss L" every N steps (for runs without
@@ -97,8 +103,12 @@ class Batches:
         self.start = cursor
 
     def __iter__(self):
-        i = self.start
+        position = self.start
         while True:
+            # Item ``position`` is global batch ``i``: the same, unless a batch is dropped.
+            drop = self.args.drop_batch
+            i = position + 1 if drop is not None and position >= drop else position
+            position += 1
             g = torch.Generator().manual_seed(1000 + i)
             # The global batch is 4 rows per rank; for 2 ranks exactly the batches the tests'
             # expected values were computed with.
@@ -112,11 +122,16 @@ class Batches:
                 y = y * 40.0  # poisoned labels: the loss jumps by orders of magnitude
             if self.args.nan_at == i:
                 x = x * float("nan")
+            for fault in (self.args.stuck_batch, self.args.bad_batch):
+                if fault and fault == (self.rank, i):
+                    print(f"rank {self.rank}: the loader meets global batch {i}", flush=True)
+                    if fault is self.args.stuck_batch:
+                        threading.Event().wait()
+                    os.kill(os.getpid(), signal.SIGSEGV)
             slow = self.args.slow_data
             if slow and slow[0] == self.rank and (len(slow) == 2 or slow[2] <= i < slow[3]):
                 time.sleep(slow[1])
             yield x, y
-            i += 1
 
 
 def main() -> None:
@@ -134,6 +149,9 @@ def main() -> None:
     p.add_argument("--spike", type=pair)
     p.add_argument("--spike-rank", type=int)
     p.add_argument("--nan-at", type=int)
+    p.add_argument("--stuck-batch", type=pair)
+    p.add_argument("--bad-batch", type=pair)
+    p.add_argument("--drop-batch", type=int)
     p.add_argument("--slow-data", type=lambda t: [float(x) if "." in x else int(x)
                                                   for x in t.split(":")])
     p.add_argument("--loss-every", type=int, default=0)

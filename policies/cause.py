@@ -1,0 +1,111 @@
+"""Whose fault is a hang or a crash that came back: the data's, the code's, or not known yet.
+
+A fault is where it struck: the incident, the rank(s) named, the step, the global batches of the
+step it struck in (the data cursor: what the ranks were drawing or training on), and for a crash
+its signature. Held against the faults before it in the run:
+
+- the same incident on the same rank(s) at the same batches (a crash: with the same signature)
+  follows the **data**: a corrupt sample, a file the loader deadlocks on. A relaunch from the
+  newest checkpoint walks into it again; rolling back before it and skipping those batches
+  lets the run go on (``rollback.skip_data``).
+- the same incident and signature at the same step over other batches (the data under the step
+  changed, and it struck all the same) follows the **step count**: an evaluation, a save, a
+  schedule at step N. That is the code's, and nothing babysit can skip: the run stops.
+- anything else has not shown what it follows (a first fault, one that moved): the machine's
+  or a transient glitch until it repeats; the ladders answer it.
+
+A fault is placed only when the script reads its data through ``run.batches()`` (the cursor
+moved): without a cursor, every fault would sit at "batch 0" and look like the data's.
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from babysit.policies.types import Finding, Incident
+
+PLACED = (Incident.HANG, Incident.CRASH)
+"""The incidents whose repeats are held against each other."""
+KEEP = 64
+"""Faults remembered (the newest); older ones say nothing about a repeat now."""
+
+
+class Follows(enum.Enum):
+    DATA = "data"
+    CODE = "code"
+    NOTHING_YET = "nothing yet"
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """Where one hang or crash struck."""
+
+    incident: str
+    ranks: tuple[int, ...]
+    step: int
+    """The last step the ranks completed before it struck."""
+    start: int
+    """The first global batch of the step it struck in (the cursor after ``step``)."""
+    end: int
+    """One past its last batch (``start`` plus the batches a step draws)."""
+    signature: str = ""
+    """A crash's normalised error (``detectors.crash``); empty for a hang."""
+
+    def batches(self) -> str:
+        """The batches in words: "batch 150", "batches 150-153"."""
+        return f"batch {self.start}" if self.end - self.start == 1 \
+            else f"batches {self.start}-{self.end - 1}"
+
+    def where(self) -> str:
+        """``"global batch 150 on rank 1"``."""
+        ranks = ", ".join(map(str, self.ranks)) if self.ranks else "every rank"
+        return f"global {self.batches()} on rank {ranks}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"incident": self.incident, "ranks": list(self.ranks), "step": self.step,
+                "start": self.start, "end": self.end, "signature": self.signature}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Fault:
+        return cls(str(d["incident"]), tuple(int(r) for r in d["ranks"]), int(d["step"]),
+                   int(d["start"]), int(d["end"]), str(d.get("signature", "")))
+
+
+def place(finding: Finding, cursor_at: Mapping[int, int]) -> Fault | None:
+    """Where ``finding`` (a hang or a crash) struck, from the step -> cursor memory; None when
+    it cannot be placed (another incident, no cursor: the script does not use
+    ``run.batches()``, or it struck before the attempt's first step)."""
+    if finding.incident not in PLACED:
+        return None
+    start = cursor_at.get(finding.step)
+    if not start:  # 0 or unknown: no data read through run.batches() yet
+        return None
+    before = cursor_at.get(finding.step - 1)
+    per_step = start - before if before is not None and start - before > 0 else 1
+    signature = str(finding.evidence.get("signature", "")) \
+        if finding.incident is Incident.CRASH else ""
+    return Fault(finding.incident.value, finding.ranks, finding.step, start, start + per_step,
+                 signature)
+
+
+def follows(fault: Fault, earlier: Sequence[Fault]) -> tuple[Follows, Fault | None]:
+    """What ``fault`` follows, held against the ``earlier`` faults of the run (oldest first),
+    and the earlier fault that shows it (None: nothing yet)."""
+    for old in reversed(earlier):
+        if old.incident != fault.incident or old.signature != fault.signature:
+            continue
+        if (old.start, old.end) == (fault.start, fault.end) and _same_ranks(old, fault):
+            return Follows.DATA, old
+        if old.step == fault.step and old.start != fault.start:
+            return Follows.CODE, old
+    return Follows.NOTHING_YET, None
+
+
+def _same_ranks(a: Fault, b: Fault) -> bool:
+    """The same rank(s) struck: one named by the stacks may come with its waiting peers the
+    other time, so any rank in common counts (none named: every rank)."""
+    return not a.ranks or not b.ranks or bool(set(a.ranks) & set(b.ranks))

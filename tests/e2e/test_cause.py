@@ -1,0 +1,57 @@
+"""A fault that follows the data, with real torchrun and gloo: one rank's loader meets the same
+global batch in every attempt (a file it deadlocks on, a sample its decoder crashes on). The
+first time is a hang or a crash like any other and is relaunched; the second time, at the same
+batch on the same rank, it is the data's: babysit rolls back, skips that batch, and the run
+finishes where a person's fix (the data set without that batch) finishes: the same final
+evaluation, to the last digits, on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import babysat, journal
+
+pytestmark = pytest.mark.e2e
+
+STEPS = ("--steps", "30", "--eval-every", "10")
+
+
+def last_eval(run_dir: Path) -> float:
+    """The held-out loss rank 0 reported last (at step 30)."""
+    (last,) = [e["data"] for e in journal(run_dir, "worker_scalars")
+               if e["rank"] == 0 and e["data"]["step"] == 30]
+    return float(last["values"]["eval_loss"])
+
+
+@pytest.fixture(scope="module")
+def fixed(tmp_path_factory: pytest.TempPathFactory) -> float:
+    """The final evaluation of a clean run on the data set without global batch 12."""
+    tmp = tmp_path_factory.mktemp("fixed")
+    result, run_dir = babysat(tmp, "fixed", *STEPS, "--drop-batch", "12")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return last_eval(run_dir)
+
+
+@pytest.mark.parametrize("fault, incident", [("--stuck-batch", "hang"), ("--bad-batch", "crash")])
+def test_a_fault_at_the_same_batch_twice_is_the_datas_and_that_batch_is_skipped(
+        tmp_path: Path, fixed: float, fault: str, incident: str) -> None:
+    result, run_dir = babysat(tmp_path, incident, *STEPS, fault, "1:12")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    findings = [e for e in journal(run_dir, "finding") if e["finding"]["incident"] == incident]
+    assert [e["remedy"]["action"] for e in findings] == ["relaunch", "rollback"]
+    data = findings[1]["remedy"]["reason"]
+    assert f"same {incident} at global batch 12 on rank 1" in data
+    assert "the data's: rolled back and batch 12 skipped, the LR unchanged" in data
+    # The third attempt skips exactly batch 12, at the LR the run had.
+    launch = journal(run_dir, "launch")[2]["directive"]
+    assert launch["skip"] == [{"start": 12, "end": 13}] and launch["lr_scale"] == 1.0
+    assert journal(run_dir, "lr_scale") == []
+    skipped = [e["data"] for e in journal(run_dir, "worker_skip")]
+    assert skipped and all((s["start"], s["end"]) == (12, 13) for s in skipped)
+    (finished,) = journal(run_dir, "run_finished")
+    assert finished["state"] == "succeeded" and finished["step"] == 30
+    # Resumed bit-exact from the checkpoint, batch 12 left out: what a person's fix trains.
+    assert last_eval(run_dir) == pytest.approx(fixed, rel=1e-6)

@@ -1,0 +1,113 @@
+"""Whose fault a repeated hang or crash is (``policies/cause.py``) and what the rules make of it:
+the data's is rolled back past its batches, the code's stops the run, the rest climbs the
+ladders."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+from babysit.policies import cause, rollback
+from babysit.policies.cause import Fault, Follows
+from babysit.policies.detectors import classify
+from babysit.policies.loader import load_policy
+from babysit.policies.rollback import Known, Orders, Ramp, Shelf, Span
+from babysit.policies.rules import Rules
+from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
+
+CURSORS = {s: s for s in range(1, 40)}
+"""One global batch per step: step s leaves the cursor at s."""
+
+
+def hang(step: int = 12, ranks: tuple[int, ...] = (1,)) -> Finding:
+    return Finding(incident=Incident.HANG, detector="hang", severity=Severity.CRITICAL,
+                   step=step, onset_step=step, ranks=ranks, message="hang")
+
+
+def crash(step: int = 12, rank: int = 1, again: bool = False) -> Finding:
+    """A native decoder's segfault on a corrupt sample (a Python exception would be user code,
+    which the default policy never relaunches: nothing would repeat). ``again``: the watch has
+    seen the same crash at this step before (``deterministic``)."""
+    previous = [classify(None, signal.SIGSEGV, "", step=step).key()] if again else []
+    return classify(None, signal.SIGSEGV, "", step=step, previous=previous).to_finding(
+        ranks=(rank,))
+
+
+def test_a_fault_is_placed_at_the_batches_of_the_step_it_struck_in() -> None:
+    assert cause.place(hang(12), CURSORS) == Fault("hang", (1,), 12, 12, 13)
+    # Gradient accumulation: four batches a step, the fault is somewhere in the next four.
+    assert cause.place(hang(3), {2: 8, 3: 12}) == Fault("hang", (1,), 3, 12, 16)
+    # No cursor (the script does not read through run.batches()), or before any batch: unplaced.
+    assert cause.place(hang(12), {}) is None
+    assert cause.place(hang(12), {12: 0}) is None
+    spike = Finding(incident=Incident.LOSS_SPIKE, detector="loss_spike",
+                    severity=Severity.CRITICAL, step=12, onset_step=10, message="spike")
+    assert cause.place(spike, CURSORS) is None
+    placed = cause.place(crash(), CURSORS)
+    assert placed is not None and placed.signature == "signal SIGSEGV"
+
+
+def test_what_a_fault_follows() -> None:
+    first = Fault("hang", (1,), 12, 12, 13)
+    assert cause.follows(first, []) == (Follows.NOTHING_YET, None)
+    # The same batches on the same rank (the stacks may name its waiting peer along): data.
+    assert cause.follows(Fault("hang", (0, 1), 12, 12, 13), [first]) == (Follows.DATA, first)
+    # The same step over other batches: the step count, the code's.
+    assert cause.follows(Fault("hang", (1,), 12, 13, 14), [first]) == (Follows.CODE, first)
+    # Elsewhere, on another rank, or another incident or error: nothing shown yet.
+    for other in (Fault("hang", (1,), 20, 20, 21), Fault("hang", (0,), 12, 12, 13),
+                  Fault("crash", (1,), 12, 12, 13, "ValueError: x")):
+        assert cause.follows(other, [first]) == (Follows.NOTHING_YET, None)
+    assert Fault.from_json(json.loads(json.dumps(first.to_json()))) == first
+    assert first.where() == "global batch 12 on rank 1"
+
+
+def test_a_hang_at_the_same_batch_twice_is_rolled_back_past_it_and_nothing_else() -> None:
+    rules = Rules(load_policy("default"))
+    ramp = Orders(0.5, Ramp(cut=5, start=10, end=60, to=1.0))  # an earlier rollback's re-warm
+    known = Known(Shelf(), CURSORS, ramp)
+
+    first, plan = rules.judge(hang(12), 0.0, known)
+    assert first.action is Action.RELAUNCH and plan is None  # nothing shown yet: the ladder
+
+    second, plan = rules.judge(hang(12, ranks=(0, 1)), 10.0, known)
+    assert second.action is Action.ROLLBACK
+    assert second.reason == ("same hang at global batch 12 on rank 0, 1 twice -> the data's: "
+                             "rolled back and batch 12 skipped, the LR unchanged")
+    assert plan is not None and plan.skip == Span(12, 13) and plan.orders == ramp
+    assert plan.region is None  # nothing for a later spike to escalate from
+    # Back to the newest checkpoint before it, pending ones too: a hang says nothing of weights.
+    assert rollback.resume_bound(second) == (13, True)
+    # A supervisor that inherits the remedy from the journal places the same skip.
+    inherited = Remedy.from_json(json.loads(json.dumps(second.to_json())),
+                                 Finding.from_json(second.finding.to_json()))
+    again = rollback.for_remedy(inherited, Known(orders=ramp))
+    assert (again.skip, again.orders) == (Span(12, 13), ramp)
+
+
+def test_a_crash_that_follows_the_data_is_skipped_and_one_that_follows_the_step_stops() -> None:
+    rules = Rules(load_policy("default"))
+    known = Known(Shelf(), CURSORS)
+    assert rules.judge(crash(), 0.0, known)[0].action is Action.RELAUNCH
+    data, plan = rules.judge(crash(again=True), 1.0, known)  # not stopped: skipped
+    assert data.action is Action.ROLLBACK and "the data's" in data.reason
+    assert plan is not None and plan.skip == Span(12, 13)
+    # After the skip, step 13 reads batch 13 and the same error strikes at the same step.
+    moved = {**CURSORS, 12: 13}
+    code, _ = rules.judge(crash(), 2.0, Known(Shelf(), moved))
+    assert code.action is Action.STOP
+    assert "follows the step count, not the data -> the code's" in code.reason
+
+
+def test_off_repeats_follow_the_ladders_and_the_memory_survives_a_takeover() -> None:
+    off = Rules(load_policy("default", {"rollback.skip_repeated_faults": False}))
+    known = Known(Shelf(), CURSORS)
+    off.judge(crash(), 0.0, known)
+    deterministic = off.judge(crash(again=True), 1.0, known)[0]
+    assert deterministic.action is Action.STOP and "deterministic" in deterministic.reason
+
+    rules = Rules(load_policy("default"))
+    rules.judge(hang(12), 0.0, known)
+    heir = Rules(load_policy("default"))
+    heir.load_state_dict(json.loads(json.dumps(rules.state_dict())))
+    assert heir.judge(hang(12), 5.0, known)[0].action is Action.ROLLBACK
