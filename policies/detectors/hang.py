@@ -5,6 +5,10 @@ declared itself in (checkpoint, eval, ...). ``check(now)`` compares each rank's 
 allowance:
 
 - before the rank's first step of the attempt: ``startup_s`` (imports, rendezvous, loading);
+  once it said hello (attached, its checkpoint restored), ``first_step_k`` x the slowest first
+  step this run has measured (hello to first step, in earlier attempts), at least
+  ``first_step_floor_s``: a relaunch that resumes right before a batch its loader deadlocks on
+  is named in seconds, not after ``startup_s`` (a fallback for a run with no history);
 - inside a declared phase: ``phase_s`` (or the per-phase value in ``phase_allowance_s``);
 - otherwise: ``max(floor_s, k x p99)`` of the recent step intervals of all ranks (2 s and 5 by
   default). Adaptive, so a model whose steps take 40 s is not called hung at 60 s, and a
@@ -56,7 +60,14 @@ class HangConfig(DetectorConfig):
     """A rank still busy outside any collective after this many seconds without a step is
     called hung anyway (an endless loop looks busy forever)."""
     startup_s: float = Field(default=900.0, gt=0.0)
-    """Allowance before a rank's first step of an attempt (launch, imports, checkpoint load)."""
+    """Allowance before a rank's first step of an attempt (launch, imports, checkpoint load),
+    and after its hello as long as this run has measured no first step."""
+    first_step_k: float = Field(default=5.0, gt=1.0)
+    """After a rank's hello (attached and restored), its first step is allowed this many times
+    the slowest first step this run measured (hello to first step: compilation, warm-up)..."""
+    first_step_floor_s: float = Field(default=30.0, gt=0.0)
+    """...and at least this many seconds. A stall there is confirmed from the processes like
+    any step's: a rank still compiling is busy, and is given more time."""
     phase_s: float = Field(default=1800.0, gt=0.0)
     """Allowance inside a declared phase (checkpoint, eval) unless phase_allowance_s names it."""
     phase_allowance_s: dict[str, float] = Field(default_factory=dict)
@@ -76,23 +87,44 @@ class HangDetector:
         self._expected: list[int] = []
         self._ranks: dict[str, dict[str, Any]] = {}
         self._intervals: deque[float] = deque(maxlen=self.config.history)
+        self._first_steps: deque[float] = deque(maxlen=self.config.history)
+        """Seconds from a rank's hello to its first step, over the run's attempts."""
         self._fired = False
         self._quiet_until: float | None = None
 
     def start(self, now: float, ranks: Collection[int] = ()) -> None:
         """A new attempt launched at ``now`` with these ranks: forget the previous attempt's
-        progress (step intervals are kept: the model did not get faster by relaunching)."""
+        progress (step intervals and first-step times are kept: the model did not get faster
+        by relaunching)."""
         self._started = now
         self._expected = sorted(ranks)
         self._ranks = {}
         self._fired = False
         self._quiet_until = None
 
+    def hello(self, rank: int, step: int, now: float) -> None:
+        """Rank ``rank`` attached at ``now``, its checkpoint (of ``step``) restored: from here
+        its first step is timed, and allowed what earlier first steps took."""
+        st = self._ranks.setdefault(
+            str(rank), {"step": None, "since": now, "phase": None, "phase_since": None})
+        st["hello"], st["resumed"] = now, step
+        if st["step"] is None:
+            st["since"] = now
+
+    def first_step_allowance(self) -> float:
+        """A rank's allowance from its hello to its first step (module docstring)."""
+        if not self._first_steps:
+            return self.config.startup_s
+        return min(self.config.startup_s, max(self.config.first_step_floor_s,
+                                              self.config.first_step_k * max(self._first_steps)))
+
     def observe(self, rank_step: RankStep, now: float | None = None) -> None:
         t = rank_step.time if now is None else now
         st = self._ranks.setdefault(
             str(rank_step.rank), {"step": None, "since": t, "phase": None, "phase_since": None}
         )
+        if st["step"] is None and st.get("hello") is not None:
+            self._first_steps.append(max(0.0, t - st["hello"]))
         if st["step"] is None or rank_step.step != st["step"]:
             if st["step"] is not None and rank_step.step > st["step"]:
                 # Per step, not per report: a rank that reports every 5 steps is not 5x slower.
@@ -174,6 +206,8 @@ class HangDetector:
             if st is not None and st["phase"] is not None:
                 allow, why = self._phase_allowance(st["phase"]), f"phase {st['phase']}"
                 since = st["phase_since"]
+            elif st is not None and st["step"] is None and st.get("hello") is not None:
+                allow, why, since = self.first_step_allowance(), "first step", st["hello"]
             elif st is None or st["step"] is None:
                 starts = [t for t in (self._started, None if st is None else st["since"])
                           if t is not None]
@@ -204,7 +238,10 @@ class HangDetector:
         else:
             oldest = min(known)
             culprits = [k for k, s in steps.items() if s == oldest]
-        all_steps = [st["step"] for st in self._ranks.values() if st["step"] is not None]
+        # A rank that resumed and never stepped is at its checkpoint's step.
+        all_steps: list[int] = [
+            int(at) for at in (st["step"] if st["step"] is not None else st.get("resumed")
+                               for st in self._ranks.values()) if at is not None]
         newest = max(all_steps) if all_steps else None
         ranks = tuple(sorted(int(k) for k in culprits))
         p99 = self.p99()
@@ -212,7 +249,7 @@ class HangDetector:
             p99 = r4(p99)
         # A step stall is a suspicion the supervisor confirms (module docstring), unless it
         # has lasted busy_s or a startup/phase allowance ran out (those are long already).
-        confirm = all(v["waiting_in"] == "step" for v in stalled.values()) and \
+        confirm = all(v["waiting_in"] in ("step", "first step") for v in stalled.values()) and \
             max(v["stalled_s"] for v in stalled.values()) < self.config.busy_s
         differs = len(culprits) < max(len(self._ranks), len(self._expected), len(stalled))
         where = min(known) if known else None
@@ -239,7 +276,8 @@ class HangDetector:
     def state_dict(self) -> dict[str, Any]:
         return {"started": self._started, "expected": list(self._expected),
                 "ranks": {k: dict(v) for k, v in self._ranks.items()},
-                "intervals": list(self._intervals), "fired": self._fired,
+                "intervals": list(self._intervals), "first_steps": list(self._first_steps),
+                "fired": self._fired,
                 "quiet_until": self._quiet_until}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -247,6 +285,8 @@ class HangDetector:
         self._expected = [int(r) for r in d["expected"]]
         self._ranks = {str(k): dict(v) for k, v in d["ranks"].items()}
         self._intervals = deque((float(v) for v in d["intervals"]), maxlen=self.config.history)
+        self._first_steps = deque((float(v) for v in d.get("first_steps", ())),
+                                  maxlen=self.config.history)
         self._fired = bool(d["fired"])
         quiet = d.get("quiet_until")
         self._quiet_until = float(quiet) if quiet is not None else None

@@ -151,6 +151,8 @@ class Watch:
     def observe_event(self, event: WorkerEvent, now: float) -> None:
         if event.type == "hello":
             self._alive.add(event.rank)
+            step = event.data.get("step")
+            self.hang.hello(event.rank, step if isinstance(step, int) else 0, now)
         elif event.type == "close":
             self._alive.discard(event.rank)
         elif event.type == "phase":

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import babysat, journal
+from tests.conftest import FAST_POLICY, babysat, journal
 
 pytestmark = pytest.mark.e2e
 
@@ -55,3 +55,27 @@ def test_a_fault_at_the_same_batch_twice_is_the_datas_and_that_batch_is_skipped(
     assert finished["state"] == "succeeded" and finished["step"] == 30
     # Resumed bit-exact from the checkpoint, batch 12 left out: what a person's fix trains.
     assert last_eval(run_dir) == pytest.approx(fixed, rel=1e-6)
+
+
+def test_a_relaunch_stuck_before_its_first_step_is_named_from_this_runs_first_steps(
+        tmp_path: Path) -> None:
+    # Checkpoints every 5 steps: the one at step 10 is saved right before batch 10 is drawn, so
+    # the relaunch resumes there and blocks before its first step. It is allowed what this
+    # run's first steps took (at least first_step_floor_s), not the fast policy's startup_s.
+    policy = (f"{{name: {FAST_POLICY}, overrides: "
+              "{detectors: {hang: {first_step_floor_s: 8.0}}}}")
+    result, run_dir = babysat(tmp_path, "resume", *STEPS, "--stuck-batch", "1:10",
+                              policy=policy)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    first, second = (e for e in journal(run_dir, "finding")
+                     if e["finding"]["incident"] == "hang")
+    assert first["remedy"]["action"] == "relaunch"
+    stalled = second["finding"]["evidence"]["stalled"]
+    assert {v["waiting_in"] for v in stalled.values()} == {"first step"}
+    assert all(v["allowance_s"] < 60.0 for v in stalled.values())  # startup_s is 60 here
+    assert second["remedy"]["action"] == "rollback"
+    assert "global batch 10 on rank" in second["remedy"]["reason"]
+    assert journal(run_dir, "launch")[2]["directive"]["skip"] == [{"start": 10, "end": 11}]
+    (finished,) = journal(run_dir, "run_finished")
+    assert finished["state"] == "succeeded" and finished["step"] == 30

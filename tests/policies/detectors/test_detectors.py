@@ -267,6 +267,34 @@ def test_hang_startup_and_phase_allowances() -> None:
     assert det.check(208.0) is None
 
 
+def test_a_resumed_rank_gets_what_this_runs_first_steps_took_not_startup_s() -> None:
+    det = HangDetector(HangConfig(floor_s=2.0, startup_s=900.0, first_step_k=5.0,
+                                  first_step_floor_s=30.0))
+    det.start(0.0, [0, 1])
+    for rank in (0, 1):
+        det.hello(rank, 0, 20.0)  # imports, rendezvous: no history yet, startup_s holds
+    assert det.first_step_allowance() == 900.0
+    assert det.check(600.0) is None
+    for step in (1, 2, 3):
+        for rank in (0, 1):
+            report(det, rank, step, 20.0 + 8.0 * step)  # the first step took 8 s (warm-up)
+    assert det.first_step_allowance() == 40.0  # 5 x 8 s, above the 30 s floor
+
+    # The relaunch resumes at step 3 and never steps: its loader blocks on the next batch.
+    det.start(1000.0, [0, 1])
+    for rank in (0, 1):
+        det.hello(rank, 3, 1010.0)
+    assert det.check(1049.0) is None
+    f = det.check(1051.0)
+    assert f is not None and f.ranks == (0, 1)
+    assert f.evidence["stalled"]["0"]["waiting_in"] == "first step"
+    assert f.evidence["confirm"] is True  # a rank still compiling is busy: the processes say
+    assert f.step == 3  # at its checkpoint's step, so the fault can be placed
+    heir = HangDetector(det.config)
+    heir.load_state_dict(det.state_dict())
+    assert heir.first_step_allowance() == 40.0
+
+
 def test_hang_ignores_dead_ranks_when_told() -> None:
     det = HangDetector(HangConfig(floor_s=5.0))
     det.start(0.0, [0, 1])

@@ -46,10 +46,12 @@ def test_a_setting_the_user_made_under_any_of_its_names_is_left_alone(tmp_path: 
     assert set(added) == {"TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT"}
 
 
-def fake_rank(pipe: Path, dump: Path, stop: threading.Event) -> None:
-    """torch's side of the dump pipe: open it for reading, and on any byte write the dump."""
+def fake_rank(pipe: Path, dump: Path, stop: threading.Event, ready: threading.Event) -> None:
+    """torch's side of the dump pipe: open it for reading, and on any byte write the dump.
+    ``ready`` once it reads: a writer before that finds no reader (ENXIO), as with torch."""
     os.mkfifo(pipe)
     fd = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)
+    ready.set()
     try:
         while not stop.is_set():
             try:
@@ -69,14 +71,15 @@ def test_a_hang_incident_asks_the_ranks_to_dump_and_keeps_the_dumps(tmp_path: Pa
     flight_recorder.prepare(attempt_dir)
     folder = attempt_dir / "flight_recorder"
     stop = threading.Event()
+    ready = [threading.Event(), threading.Event()]
     ranks = [threading.Thread(target=fake_rank, args=(folder / f"rank_{r}.pipe",
-                                                       folder / f"rank_{r}", stop))
+                                                       folder / f"rank_{r}", stop, ready[r]))
              for r in (0, 1)]
     for thread in ranks:
         thread.start()
     try:
-        while len(list(folder.glob("*.pipe"))) < 2:
-            time.sleep(0.01)
+        # Both ranks read their pipes (a pipe that exists may not be open yet: that was a race).
+        assert all(r.wait(10) for r in ready)
         finding = Finding(incident=Incident.HANG, detector="hang", severity=Severity.CRITICAL,
                           step=7, onset_step=7, ranks=(1,), message="hang at step 7")
         incident = write_incident(run_dir, 0, finding, "relaunch", None, {})
