@@ -48,6 +48,11 @@ if TYPE_CHECKING:
 
 SPIKES = (Incident.LOSS_SPIKE, Incident.GRAD_SPIKE)
 """Anomalies a run survives unaided: only a checkpoint from before them makes a rollback pay."""
+NEEDS_OLDER = (*SPIKES, Incident.RESUME)
+"""Rollbacks that pay only with a good checkpoint before the onset: a spike's (else the run
+restarts from scratch for a bump), a failed resume's (the next older one is the point)."""
+KEEPS_DATA = (Incident.SDC, Incident.RESUME)
+"""Rollbacks that are no fault of the data or the LR: nothing skipped, the LR orders kept."""
 WEIGHT_ANOMALIES = (Incident.LOSS_SPIKE, Incident.NONFINITE, Incident.GRAD_SPIKE)
 """Anomalies that say something about the weights around them (a hang or a crash does not)."""
 
@@ -203,9 +208,10 @@ def offer(finding: Finding, shelf: Shelf) -> Saved | None:
 
 
 def can_roll_back(finding: Finding, shelf: Shelf) -> bool:
-    """Whether a rollback for ``finding`` pays: anything but a spike always does (a NaN cannot
-    be trained through); a spike needs a good checkpoint the anomaly will not make suspect."""
-    return finding.incident not in SPIKES or offer(finding, shelf) is not None
+    """Whether a rollback for ``finding`` pays: a spike needs a good checkpoint the anomaly will
+    not make suspect, a resume that did not take an older good one; anything else always pays
+    (a NaN cannot be trained through)."""
+    return finding.incident not in NEEDS_OLDER or offer(finding, shelf) is not None
 
 
 def follows_data(finding: Finding) -> bool:
@@ -230,12 +236,14 @@ def plan(finding: Finding, section: Section, memory: Sequence[Region],
     shelf = known.shelf
     possible = shelf is None or can_roll_back(finding, shelf)
     checkpoint = offer(finding, shelf) if shelf is not None else None
-    if finding.incident is Incident.SDC:
+    if finding.incident in KEEPS_DATA:
         # Not a bad region of data: skipping batches or lowering the LR would change the run
-        # for nothing. Roll back to before the corruption and replay the same steps.
+        # for nothing. Roll back to before the corruption (or to the checkpoint before the one
+        # whose restore did not take) and replay the same steps.
+        whose = "silent data corruption is the hardware's fault" \
+            if finding.incident is Incident.SDC else "a restore that did not take is the resume's"
         return Plan(finding, True, possible, checkpoint, orders=known.orders,
-                    note="; silent data corruption is the hardware's fault, not the data's or "
-                         "the LR's: no batches skipped, LR kept")
+                    note=f"; {whose}, not the data's or the LR's: no batches skipped, LR kept")
     onset = finding.onset_cursor if finding.onset_cursor is not None else finding.onset_step
     window = section.escalation_window
     same = [r for r in memory if r.lo - window <= onset < r.hi + window]
@@ -264,7 +272,7 @@ def for_remedy(remedy: Remedy | None, known: Known = NOTHING_KNOWN,
     if remedy is None or remedy.action is not Action.ROLLBACK:
         return Plan(remedy.finding if remedy is not None else None, False, orders=known.orders)
     finding = remedy.finding
-    if finding.incident is Incident.SDC:
+    if finding.incident in KEEPS_DATA:
         return Plan(finding, True, orders=known.orders)
     skip, orders = _place(finding, remedy.skip_before, remedy.skip_after, remedy.lr_scale,
                           remedy.lr_rewarm, known, resume_cursor)

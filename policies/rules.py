@@ -106,6 +106,10 @@ class Rules:
         rung = min(st["rung"], len(resp.ladder) - 1)
         action = resp.ladder[rung]
         plan = self._plan(finding, known) if action is Action.ROLLBACK else None
+        if plan is not None and not plan.possible and finding.incident is Incident.RESUME:
+            return Remedy(Action.STOP, finding, f"{name}: no good checkpoint older than step "
+                          f"{finding.onset_step} to try instead: stopped rather than train on "
+                          "what the resume left"), None
         if plan is not None and not plan.possible:
             return Remedy(Action.ALERT, finding, f"{name}: not rolled back: no good checkpoint "
                           f"from before step {finding.onset_step} to go back to, and restarting "

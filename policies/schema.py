@@ -121,11 +121,16 @@ class Incidents(Section):
     """A node's babysitter vanished (multi-node runs): relaunch from the newest good checkpoint
     on the nodes left when ``launch.nnodes`` (MIN:MAX) allows that few, else wait for the lost
     node to rejoin (``nodes.rejoin_timeout_s``), paging a human; stop to never relaunch."""
+    resume: Response = _ladder(A.ROLLBACK, A.STOP)
+    """A resume that did not take (a rank's parameters at its first step are not the ones it
+    restored): roll back once to the next older good checkpoint (nothing skipped, LR kept);
+    again, or with no older one -> stop, naming the likely causes. Never loop rollbacks over a
+    broken restore."""
 
     @model_validator(mode="after")
     def _skip_only_for_grad(self) -> Incidents:
         for name in ("loss_spike", "nonfinite", "hang", "straggler", "throughput",
-                     "rank_departure", "sdc", "node_lost"):
+                     "rank_departure", "sdc", "node_lost", "resume"):
             if Action.SKIP_STEP in getattr(self, name).ladder:
                 raise ValueError(
                     f"incidents.{name}.ladder: skip_step only makes sense for grad_spike (the "

@@ -195,6 +195,9 @@ class Incident(str, enum.Enum):
     fixed probe) disagree."""
     NODE_LOST = "node_lost"
     """A node of a multi-node run vanished: its babysitter's connection closed or fell silent."""
+    RESUME = "resume"
+    """A resume that did not take: a rank's parameters at its first step are not the ones its
+    checkpoint restored (weights loaded over them after ``attach()``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,6 +106,11 @@ class Run:
         self._guard = _grad_guard(directive.grad_guard)
         self._fingerprint = _fingerprinter(directive.sdc_every, model, rank)
         self._fingerprinted = -1
+        self._model = model
+        self._restored: str | None = None
+        """The digest of the parameters ``attach()`` restored, until the first forward checks
+        that they are still the ones training (``_check_restore``)."""
+        self._restore_hook: Any = None
         if optimizer is not None and (directive.lr_scale != 1.0 or directive.lr_ramp):
             self._install_lr_scale(optimizer)
 
@@ -151,6 +156,36 @@ class Run:
             self._data_wait += _perf() - t0
             self.cursor += 1
             yield batch
+
+    def _watch_restore(self) -> None:
+        """After a resume, check once, at the model's first forward (before any optimizer step,
+        whenever the script reports its steps), that the parameters it computes with are the
+        ones the checkpoint restored. Ahead of every other hook: an FSDP2 module gathers its
+        shards in its own, and the restore left shards."""
+        from babysit.supervisor.rank.fingerprint import local_digest
+
+        register = getattr(self._model, "register_forward_pre_hook", None)
+        if register is None:
+            return
+        self._restored = local_digest(self._model)
+        if self._restored is not None:
+            self._restore_hook = register(lambda module, args: self._check_restore(),
+                                          prepend=True)
+
+    def _check_restore(self) -> None:
+        """Are the parameters of the first forward after a resume the ones the checkpoint
+        restored? A script that loads weights over them after ``attach()`` (a "load
+        pretrained" line placed after it) resumes from something else entirely, and says
+        nothing; the supervisor judges the answer (``resume_check``)."""
+        from babysit.supervisor.rank.fingerprint import local_digest
+
+        if self._restore_hook is not None:
+            self._restore_hook.remove()
+            self._restore_hook = None
+        restored, self._restored = self._restored, None
+        seen = local_digest(self._model)
+        self._event("resume_check", step=self.step_count, took=seen == restored,
+                    restored=restored, seen=seen)
 
     def _check_integrity(self) -> None:
         """The silent-data-corruption check, between steps: every rank's parameters are the
@@ -449,6 +484,8 @@ def attach(
     restore_s = round(_perf() - loading, 6) if restored is not None else 0.0
     if restored is not None:
         run.step_count, run.cursor = restored
+        if model is not None:  # checked at the first forward: did the restore take?
+            run._watch_restore()
     run._event("hello", pid=os.getpid(), host=socket.gethostname(), world_size=world_size,
                local_rank=int(os.environ.get("LOCAL_RANK", "0")), step=run.step_count,
                cursor=run.cursor, flops_per_token=flops_per_token, peak_flops=peak_flops,

@@ -79,6 +79,14 @@ def param_digest(model: Any) -> str | None:
     return None if total is None else _format(int(total.item()), _structure(model))
 
 
+def local_digest(model: Any) -> str | None:
+    """This rank's own parameters, its shards where they are sharded, bit-exact: for comparing
+    one rank with itself over time (did the restore take?), never with another rank. None for
+    a model with no parameters, or with ``meta`` ones."""
+    total = _param_checksum(model, shards=True)
+    return None if total is None else _format(int(total.item()), _structure(model))
+
+
 def probe_digest(device: Any = None) -> str:
     """The digest of a fixed seeded computation on ``device`` (CPU when None)."""
     return _hex(int(_probe_checksum(device).item()))
@@ -184,9 +192,10 @@ def _as_ints(flat: torch.Tensor) -> torch.Tensor:
     return flat.view(dtype)
 
 
-def _param_checksum(model: Any) -> torch.Tensor | None:
-    """The parameters' checksum as an int64 scalar on the first parameter's device, or None."""
-    if _sharded(model):
+def _param_checksum(model: Any, shards: bool = False) -> torch.Tensor | None:
+    """The parameters' checksum as an int64 scalar on the first parameter's device, or None
+    (sharded parameters give None unless ``shards``: then the local shards are summed)."""
+    if not shards and _sharded(model):
         return None
     total: torch.Tensor | None = None
     offset = 0
@@ -252,7 +261,8 @@ def _dtensor_type() -> Any:
 
 
 def _local_replica(param: Any) -> Any:
-    """A replicated DTensor's local tensor (the full value); any other tensor as it is."""
+    """A DTensor's local tensor (for a replicated one the full value); any other tensor as it
+    is."""
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(param, dtensor):
         return param.to_local()

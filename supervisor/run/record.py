@@ -3,9 +3,10 @@
 Each tick the loop hands ``Record.take`` what its members gathered (``run.members.Gathered``).
 In order, it journals the members' own entries, writes each of the job's steps to
 ``metrics.jsonl`` (the watch judges it), journals each rank's event (an SDC digest is compared
-first), and hands back what the loop decides on: the watch's findings, the progress, the
-node findings. Who needs to know what happened listens: to the journal (``Journal.listen``)
-and to the steps (``StepLog.listen``), never called from here one by one.
+first; a resume that did not take is a finding), and hands back what the loop decides on:
+the watch's findings, the progress, the node findings. Who needs to know what happened
+listens: to the journal (``Journal.listen``) and to the steps (``StepLog.listen``), never
+called from here one by one.
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ class Record:
             self.write("checkpoint_failed", step=step, error=error)
             self._warn(f"checkpoint at step {step} failed to save; training goes on from the "
                        f"last good one: {error}")
+        elif kind == "resume_check":
+            self.write("resume_check", rank=event.rank, data=data)
+            failed = self.watch.observe_resume(event)
+            return [failed] if failed is not None else []
         elif kind == "fingerprint":
             check = self.watch.observe_fingerprint(event, self.world)
             if check is not None:

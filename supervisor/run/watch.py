@@ -23,7 +23,7 @@ from babysit.policies.loader import load_policy
 from babysit.policies.pipeline import Pipeline
 from babysit.policies.rollback import Known, Orders, Plan, Shelf
 from babysit.policies.schema import Policy
-from babysit.policies.types import Action, Finding, JobStep, RankStep, Remedy
+from babysit.policies.types import Action, Finding, Incident, JobStep, RankStep, Remedy, Severity
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import (
     Directive,
@@ -104,6 +104,8 @@ class Watch:
         self._cursor_at: OrderedDict[int, int] = OrderedDict()
         self._judged_step = 0
         """The newest step ``observe_record`` saw this attempt."""
+        self._resume_failed = False
+        """A rank said this attempt's resume did not take (one finding per attempt)."""
         self._alive: set[int] = set()
         self._world = 0
         self.own_load = False
@@ -140,6 +142,7 @@ class Watch:
         without the worker API is judged by liveness and exit code alone."""
         self._alive = set()
         self._judged_step = 0
+        self._resume_failed = False
         self.hang.start(now)
         if directive.attempt > 0:
             self.pipeline.new_attempt()
@@ -158,6 +161,25 @@ class Watch:
         elif event.type == "phase":
             self.hang.phase(event.rank, str(event.data.get("name", "?")),
                             bool(event.data.get("begin")), now)
+
+    def observe_resume(self, event: WorkerEvent) -> Finding | None:
+        """A rank's check at its first forward after a resume (``Run._check_restore``): a
+        finding when it computes with other parameters than its checkpoint restored (one per
+        attempt: every rank of a script that overwrites them says so)."""
+        data = event.data
+        if data.get("took", True) or self._resume_failed:
+            return None
+        self._resume_failed = True
+        step = int(data.get("step", 0))
+        return Finding(
+            incident=Incident.RESUME, detector="resume", severity=Severity.CRITICAL, step=step,
+            onset_step=step, ranks=(event.rank,),
+            message=f"resume from step {step}: rank {event.rank} computes with other parameters "
+                    "than its checkpoint restored -> the restore did not take (weights loaded "
+                    "over the restored ones after attach(), say a 'load pretrained' line placed "
+                    "after it? a model changed after attach()?)",
+            evidence={"checkpoint_step": step, "restored": data.get("restored"),
+                      "seen": data.get("seen")})
 
     def observe_fingerprint(self, event: WorkerEvent, world_size: int) -> SdcCheck | None:
         """One rank's silent-data-corruption digests; the verdict once every rank's are in."""

@@ -49,6 +49,9 @@ def test_a_fault_at_the_same_batch_twice_is_the_datas_and_that_batch_is_skipped(
     launch = journal(run_dir, "launch")[2]["directive"]
     assert launch["skip"] == [{"start": 12, "end": 13}] and launch["lr_scale"] == 1.0
     assert journal(run_dir, "lr_scale") == []
+    # Every resume was checked at its first forward, and took.
+    checks = journal(run_dir, "resume_check")
+    assert checks and all(e["data"]["took"] for e in checks)
     skipped = [e["data"] for e in journal(run_dir, "worker_skip")]
     assert skipped and all((s["start"], s["end"]) == (12, 13) for s in skipped)
     (finished,) = journal(run_dir, "run_finished")
@@ -79,3 +82,24 @@ def test_a_relaunch_stuck_before_its_first_step_is_named_from_this_runs_first_st
     assert journal(run_dir, "launch")[2]["directive"]["skip"] == [{"start": 10, "end": 11}]
     (finished,) = journal(run_dir, "run_finished")
     assert finished["state"] == "succeeded" and finished["step"] == 30
+
+
+def test_a_resume_that_did_not_take_is_tried_once_older_then_stopped(tmp_path: Path) -> None:
+    # Rank 1 is killed at step 22; every resume re-initialises the model after attach().
+    result, run_dir = babysat(tmp_path, "overwrite", *STEPS, "--at", "0:1:22:SIGKILL",
+                              "--reinit-after-attach")
+    assert result.returncode == 1, result.stdout + result.stderr
+
+    findings = [e for e in journal(run_dir, "finding") if e["finding"]["incident"] == "resume"]
+    assert [e["remedy"]["action"] for e in findings] == ["rollback", "stop"]
+    assert "the restore did not take" in findings[0]["finding"]["message"]
+    assert "no batches skipped, LR kept" in findings[0]["remedy"]["reason"]
+    # From the newest checkpoint (20, still pending), then once from the next older good one.
+    resumed = [e["checkpoint_step"] for e in journal(run_dir, "resume") if e.get("from")]
+    assert resumed[0] == 20 and resumed[1] < 20 and len(resumed) == 2
+    assert [f["finding"]["step"] for f in findings] == resumed
+    failed = [e for e in journal(run_dir, "resume_check") if not e["data"]["took"]]
+    assert failed and failed[0]["data"]["restored"] != failed[0]["data"]["seen"]
+    (finished,) = journal(run_dir, "run_finished")
+    assert finished["state"] == "failed"
+    assert "the restore did not take" in result.stdout

@@ -11,7 +11,7 @@ from babysit.policies import cause, rollback
 from babysit.policies.cause import Fault, Follows
 from babysit.policies.detectors import classify
 from babysit.policies.loader import load_policy
-from babysit.policies.rollback import Known, Orders, Ramp, Shelf, Span
+from babysit.policies.rollback import Known, Orders, Ramp, Saved, Shelf, Span
 from babysit.policies.rules import Rules
 from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
 
@@ -111,3 +111,25 @@ def test_off_repeats_follow_the_ladders_and_the_memory_survives_a_takeover() -> 
     heir = Rules(load_policy("default"))
     heir.load_state_dict(json.loads(json.dumps(rules.state_dict())))
     assert heir.judge(hang(12), 5.0, known)[0].action is Action.ROLLBACK
+
+
+def resume_failed(step: int) -> Finding:
+    return Finding(incident=Incident.RESUME, detector="resume", severity=Severity.CRITICAL,
+                   step=step, onset_step=step, ranks=(0,), message="the restore did not take")
+
+
+def test_a_resume_that_did_not_take_tries_the_next_older_good_checkpoint_once() -> None:
+    rules = Rules(load_policy("default"))
+    ramp = Orders(0.5, Ramp(cut=5, start=10, end=60, to=1.0))
+    shelf = Shelf((Saved(10, 10, True), Saved(15, 15, True), Saved(20, 20, False)), 5)
+    first, plan = rules.judge(resume_failed(20), 0.0, Known(shelf, CURSORS, ramp))
+    assert first.action is Action.ROLLBACK
+    # The next older good checkpoint, and nothing else changes: the data and the LR are fine.
+    assert plan is not None and plan.checkpoint == Saved(15, 15, True)
+    assert plan.skip is None and plan.orders == ramp and plan.region is None
+    assert rollback.resume_bound(first) == (20, False)
+    second, _ = rules.judge(resume_failed(15), 5.0, Known(shelf, CURSORS, ramp))
+    assert second.action is Action.STOP  # never loop rollbacks over a broken restore
+    # No older good checkpoint at all: stop at once rather than train on what the resume left.
+    alone = Rules(load_policy("default")).judge(resume_failed(10), 0.0, Known(shelf))[0]
+    assert alone.action is Action.STOP and "no good checkpoint older than step 10" in alone.reason

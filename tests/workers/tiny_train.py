@@ -30,6 +30,8 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
                            attempt: a native decoder meeting a corrupt sample
     --drop-batch CURSOR    the data set without that global batch (what a person's fix of a bad
                            batch trains on), for a reference run
+    --reinit-after-attach  on a resume, re-initialise the model right after attach() restored
+                           it: a "load pretrained" line placed after attach()
     --slow-data RANK:SEC[:START:END]  that rank waits SEC seconds for every batch (a slow
                            loader), or only for global batches START <= i < END
     --loss-every N         rank 0 prints "step S loss L" every N steps (for runs without
@@ -152,6 +154,7 @@ def main() -> None:
     p.add_argument("--stuck-batch", type=pair)
     p.add_argument("--bad-batch", type=pair)
     p.add_argument("--drop-batch", type=int)
+    p.add_argument("--reinit-after-attach", action="store_true")
     p.add_argument("--slow-data", type=lambda t: [float(x) if "." in x else int(x)
                                                   for x in t.split(":")])
     p.add_argument("--loss-every", type=int, default=0)
@@ -186,6 +189,12 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     run = attach(model=model, optimizer=opt, scheduler=sched,
                  flops_per_token=args.flops_per_token, peak_flops=args.peak_flops)
+    if args.reinit_after_attach and run.step_count > 0:
+        torch.manual_seed(1234)  # the script's own "load pretrained", over what was restored
+        with torch.no_grad():
+            for layer in model.modules():
+                if isinstance(layer, torch.nn.Linear):
+                    layer.reset_parameters()
     # Under another launcher's in-place restarts (ft_launcher) the attempt is its restart count.
     attempt = max(run.directive.attempt, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     faults_on = args.every_attempt or attempt == 0

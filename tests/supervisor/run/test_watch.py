@@ -7,6 +7,9 @@ from __future__ import annotations
 import signal
 
 from babysit.policies.loader import load_policy
+from babysit.policies.types import Incident
+from babysit.supervisor.contract.directive import Directive
+from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node import launcher
 from babysit.supervisor.run.watch import Watch
 
@@ -73,3 +76,21 @@ def test_an_exception_still_beats_a_signal() -> None:
 def test_without_exits_the_logs_still_decide() -> None:
     bug = "Traceback (most recent call last):\nValueError: bad shape\n"
     assert watch().classify_crash(1, {0: RESET, 1: bug}, 3).ranks == (1,)
+
+
+def test_a_resume_check_that_failed_is_one_finding_per_attempt() -> None:
+    watch = Watch(load_policy("default"))
+    watch.new_attempt(0.0, Directive(attempt=1))
+
+    def check(rank: int, took: bool) -> WorkerEvent:
+        return WorkerEvent(rank=rank, type="resume_check", time=0.0,
+                           data={"step": 20, "took": took, "restored": "a", "seen": "b"})
+
+    assert watch.observe_resume(check(0, True)) is None
+    finding = watch.observe_resume(check(1, False))
+    assert finding is not None and finding.incident is Incident.RESUME
+    assert (finding.step, finding.onset_step, finding.ranks) == (20, 20, (1,))
+    assert "the restore did not take" in finding.message
+    assert watch.observe_resume(check(0, False)) is None  # every rank says so: one finding
+    watch.new_attempt(1.0, Directive(attempt=2))
+    assert watch.observe_resume(check(0, False)) is not None
