@@ -24,9 +24,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from babysit.policies.types import Finding, Incident
+
+if TYPE_CHECKING:
+    from babysit.policies.rollback import Span
 
 PLACED = (Incident.HANG, Incident.CRASH)
 """The incidents whose repeats are held against each other."""
@@ -75,20 +78,28 @@ class Fault:
                    int(d["start"]), int(d["end"]), str(d.get("signature", "")))
 
 
-def place(finding: Finding, cursor_at: Mapping[int, int]) -> Fault | None:
-    """Where ``finding`` (a hang or a crash) struck, from the step -> cursor memory; None when
-    it cannot be placed (another incident, no cursor: the script does not use
-    ``run.batches()``, or it struck before the attempt's first step)."""
+def place(finding: Finding, cursor_at: Mapping[int, int],
+          skips: Sequence[Span] = ()) -> Fault | None:
+    """Where ``finding`` (a hang or a crash) struck, from the step -> cursor memory and the
+    batches the attempt skips (the next step draws the first batch past them); None when it
+    cannot be placed (another incident, no cursor: the script does not use ``run.batches()``,
+    or it struck before the attempt's first step)."""
     if finding.incident not in PLACED:
         return None
     start = cursor_at.get(finding.step)
     if not start:  # 0 or unknown: no data read through run.batches() yet
         return None
+    after = start
+    while True:  # the skip ranges the next draw passes over (``Run.batches``)
+        skip = next((s for s in skips if s.start <= after < s.end), None)
+        if skip is None:
+            break
+        after = skip.end
     before = cursor_at.get(finding.step - 1)
     per_step = start - before if before is not None and start - before > 0 else 1
     signature = str(finding.evidence.get("signature", "")) \
         if finding.incident is Incident.CRASH else ""
-    return Fault(finding.incident.value, finding.ranks, finding.step, start, start + per_step,
+    return Fault(finding.incident.value, finding.ranks, finding.step, after, after + per_step,
                  signature)
 
 

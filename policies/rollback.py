@@ -132,6 +132,8 @@ class Known:
     """Recent steps -> their data cursor (empty after a takeover)."""
     orders: Orders = Orders()
     """The LR orders of the attempt running now."""
+    skips: Sequence[Span] = ()
+    """The batches the attempt running now skips (the run's skip ranges so far)."""
 
 
 NOTHING_KNOWN = Known()

@@ -205,7 +205,9 @@ class CrashPolicy(Section):
     """Upper bound of the backoff."""
     stop_on_deterministic: bool = True
     """Stop when a crash repeats with the same signature at the same step: retrying from the
-    same checkpoint would reproduce it."""
+    same checkpoint would reproduce it. With rollback.skip_repeated_faults (and a data cursor)
+    a repeat on the same batch is first taken for the data's and that batch skipped; back at
+    the step over the next batch, it stops the run as the code's."""
     rollback_numerical: bool = True
     """Numerical crashes roll back (skipping the batches, lowering the LR) instead of
     relaunching from the newest checkpoint, which would replay the same numbers."""

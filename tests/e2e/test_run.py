@@ -124,7 +124,8 @@ def test_user_code_crash_is_classified_and_not_retried_by_default(tmp_path: Path
     assert journal[-1]["state"] == "failed"
 
 
-def test_crash_relaunches_then_stops_on_a_deterministic_repeat(tmp_path: Path) -> None:
+def test_a_crash_at_the_same_step_whatever_the_data_is_the_codes_and_stops(
+        tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_babysit("run", "--nproc-per-node", "2", "--max-restarts", "3", "--run-dir",
                          str(run_dir), "--policy", str(ROOT / "tests" / "fast_policy.yaml"),
@@ -133,9 +134,15 @@ def test_crash_relaunches_then_stops_on_a_deterministic_repeat(tmp_path: Path) -
     assert result.returncode == 1, result.stdout + result.stderr
     journal = read_jsonl(run_dir / "events.jsonl")
     launches = [e for e in journal if e["event"] == "launch"]
-    assert len(launches) == 2  # the same crash at the same step twice: deterministic, stop
-    findings = [e["finding"] for e in journal if e["event"] == "finding"]
-    assert [f["evidence"]["deterministic"] for f in findings] == [False, True]
+    findings = [e for e in journal if e["event"] == "finding"]
+    # Relaunched; back at the same batch: maybe the data's, so that batch is skipped; back at
+    # the same step over the next batch: it follows the step count, the code's: stop.
+    assert [e["remedy"]["action"] for e in findings] == ["relaunch", "rollback", "stop"]
+    assert len(launches) == 3
+    assert launches[2]["directive"]["skip"] == [{"start": 3, "end": 4}]
+    assert "follows the step count, not the data -> the code's" in \
+        findings[2]["remedy"]["reason"]
+    assert [e["finding"]["evidence"]["deterministic"] for e in findings] == [False, True, True]
     assert journal[-1]["state"] == "failed"
     # Each attempt keeps its own logs.
     assert (run_dir / "attempts" / "1" / "launcher.log").exists()

@@ -37,6 +37,8 @@ def test_a_fault_is_placed_at_the_batches_of_the_step_it_struck_in() -> None:
     assert cause.place(hang(12), CURSORS) == Fault("hang", (1,), 12, 12, 13)
     # Gradient accumulation: four batches a step, the fault is somewhere in the next four.
     assert cause.place(hang(3), {2: 8, 3: 12}) == Fault("hang", (1,), 3, 12, 16)
+    # After a skip of batch 12 the next step draws batch 13: that is where a fault then strikes.
+    assert cause.place(hang(12), CURSORS, [Span(12, 13)]) == Fault("hang", (1,), 12, 13, 14)
     # No cursor (the script does not read through run.batches()), or before any batch: unplaced.
     assert cause.place(hang(12), {}) is None
     assert cause.place(hang(12), {12: 0}) is None
@@ -93,8 +95,7 @@ def test_a_crash_that_follows_the_data_is_skipped_and_one_that_follows_the_step_
     assert data.action is Action.ROLLBACK and "the data's" in data.reason
     assert plan is not None and plan.skip == Span(12, 13)
     # After the skip, step 13 reads batch 13 and the same error strikes at the same step.
-    moved = {**CURSORS, 12: 13}
-    code, _ = rules.judge(crash(), 2.0, Known(Shelf(), moved))
+    code, _ = rules.judge(crash(), 2.0, Known(Shelf(), CURSORS, skips=[Span(12, 13)]))
     assert code.action is Action.STOP
     assert "follows the step count, not the data -> the code's" in code.reason
 
