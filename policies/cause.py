@@ -24,12 +24,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from babysit.policies.types import Finding, Incident
-
-if TYPE_CHECKING:
-    from babysit.policies.rollback import Span
 
 PLACED = (Incident.HANG, Incident.CRASH)
 """The incidents whose repeats are held against each other."""
@@ -79,9 +76,10 @@ class Fault:
 
 
 def place(finding: Finding, cursor_at: Mapping[int, int],
-          skips: Sequence[Span] = ()) -> Fault | None:
+          skips: Sequence[tuple[int, int]] = ()) -> Fault | None:
     """Where ``finding`` (a hang or a crash) struck, from the step -> cursor memory and the
-    batches the attempt skips (the next step draws the first batch past them); None when it
+    batches the attempt skips (``(start, end)`` ranges: the next step draws the first batch past
+    them); None when it
     cannot be placed (another incident, no cursor: the script does not use ``run.batches()``,
     or it struck before the attempt's first step)."""
     if finding.incident not in PLACED:
@@ -91,10 +89,10 @@ def place(finding: Finding, cursor_at: Mapping[int, int],
         return None
     after = start
     while True:  # the skip ranges the next draw passes over (``Run.batches``)
-        skip = next((s for s in skips if s.start <= after < s.end), None)
+        skip = next((end for start, end in skips if start <= after < end), None)
         if skip is None:
             break
-        after = skip.end
+        after = skip
     before = cursor_at.get(finding.step - 1)
     per_step = start - before if before is not None and start - before > 0 else 1
     signature = str(finding.evidence.get("signature", "")) \
