@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from babysit.policies.types import Finding, Incident
 
@@ -32,6 +32,16 @@ PLACED = (Incident.HANG, Incident.CRASH)
 """The incidents whose repeats are held against each other."""
 KEEP = 64
 """Faults remembered (the newest); older ones say nothing about a repeat now."""
+
+
+class Batches(Protocol):
+    """Global batches ``start <= cursor < end`` (``rollback.Span``, the directive's
+    ``SkipRange``: this module may not import them)."""
+
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
 
 
 class Follows(enum.Enum):
@@ -76,10 +86,9 @@ class Fault:
 
 
 def place(finding: Finding, cursor_at: Mapping[int, int],
-          skips: Sequence[tuple[int, int]] = ()) -> Fault | None:
+          skips: Sequence[Batches] = ()) -> Fault | None:
     """Where ``finding`` (a hang or a crash) struck, from the step -> cursor memory and the
-    batches the attempt skips (``(start, end)`` ranges: the next step draws the first batch past
-    them); None when it
+    batches the attempt skips (the next step draws the first batch past them); None when it
     cannot be placed (another incident, no cursor: the script does not use ``run.batches()``,
     or it struck before the attempt's first step)."""
     if finding.incident not in PLACED:
@@ -89,10 +98,10 @@ def place(finding: Finding, cursor_at: Mapping[int, int],
         return None
     after = start
     while True:  # the skip ranges the next draw passes over (``Run.batches``)
-        skip = next((end for start, end in skips if start <= after < end), None)
+        skip = next((s for s in skips if s.start <= after < s.end), None)
         if skip is None:
             break
-        after = skip
+        after = skip.end
     before = cursor_at.get(finding.step - 1)
     per_step = start - before if before is not None and start - before > 0 else 1
     signature = str(finding.evidence.get("signature", "")) \

@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from babysit.policies.cause import Fault
+from babysit.policies.cause import Batches, Fault
 from babysit.policies.types import Action, Finding, Incident, Remedy
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class Known:
     """Recent steps -> their data cursor (empty after a takeover)."""
     orders: Orders = Orders()
     """The LR orders of the attempt running now."""
-    skips: Sequence[Span] = ()
+    skips: Sequence[Batches] = ()
     """The batches the attempt running now skips (the run's skip ranges so far)."""
 
 

@@ -133,7 +133,7 @@ class Rules:
     def _cause(self, finding: Finding, known: Known) -> tuple[Remedy, Plan | None] | None:
         """A hang or a crash held against the earlier ones (``policies/cause.py``): the remedy
         when it follows the data or the code, None when it has not shown what it follows."""
-        fault = cause.place(finding, known.cursor_at, [(s.start, s.end) for s in known.skips])
+        fault = cause.place(finding, known.cursor_at, known.skips)
         if fault is None or not self.policy.rollback.skip_repeated_faults:
             return None
         follows, earlier = cause.follows(fault, self._faults)

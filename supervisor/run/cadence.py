@@ -324,10 +324,9 @@ def replay_journal(advisor: CadenceAdvisor, entries: Iterable[dict[str, Any]]) -
             if entry.get("new") == "running" and running_since is None:
                 running_since = t
         elif event == "finding":
-            remedy, finding = entry.get("remedy"), entry.get("finding")
-            if isinstance(remedy, dict) and remedy.get("action") in INTERRUPTING_ACTIONS:
-                kind = finding.get("incident") if isinstance(finding, dict) else None
-                advisor.on_interruption(str(kind or "finding"), t)
+            kind = interruption(entry)
+            if kind is not None:
+                advisor.on_interruption(kind, t)
         elif event == "final_checkpoint_requested":
             final_requested = t
         elif event == "final_checkpoint":
@@ -344,6 +343,17 @@ def replay_journal(advisor: CadenceAdvisor, entries: Iterable[dict[str, Any]]) -
         last_time = t
     if running_since is not None and last_time is not None:
         advisor.on_run_time(last_time - running_since)  # still running, as far as we know
+
+
+def interruption(entry: dict[str, Any]) -> str | None:
+    """The kind of interruption a ``finding`` journal entry records (its incident), or None when
+    its remedy kept the workers (``INTERRUPTING_ACTIONS``). Live (``cadence_live``) and replayed
+    alike; a malformed entry counts as a "finding"."""
+    remedy, finding = entry.get("remedy"), entry.get("finding")
+    if not (isinstance(remedy, dict) and remedy.get("action") in INTERRUPTING_ACTIONS):
+        return None
+    kind = finding.get("incident") if isinstance(finding, dict) else None
+    return str(kind or "finding")
 
 
 def _checkpoint_saved(advisor: CadenceAdvisor, entry: dict[str, Any], t: float,

@@ -22,9 +22,9 @@ from babysit.policies.types import JobStep
 from babysit.supervisor.config.schema import CheckpointConfig
 from babysit.supervisor.contract.protocol import finite
 from babysit.supervisor.run.cadence import (
-    INTERRUPTING_ACTIONS,
     CadenceAdvisor,
     CadenceKeeper,
+    interruption,
     replay_journal,
 )
 
@@ -94,8 +94,9 @@ class LiveCadence:
             if entry.get("new") == "running":
                 self._running_since = t
         elif event == "finding":
-            if entry.get("remedy", {}).get("action") in INTERRUPTING_ACTIONS:
-                self.advisor.on_interruption(entry["finding"]["incident"], t)
+            kind = interruption(entry)
+            if kind is not None:
+                self.advisor.on_interruption(kind, t)
         elif event == "supervisor_takeover":
             if not entry.get("inherited_remedy"):  # one it inherited counted the loss already
                 self.advisor.on_interruption("supervisor_lost", t)

@@ -21,7 +21,7 @@ from babysit.policies.detectors.crash import (
 from babysit.policies.detectors.sdc import SdcDetector
 from babysit.policies.loader import load_policy
 from babysit.policies.pipeline import Pipeline
-from babysit.policies.rollback import Known, Orders, Plan, Shelf, Span
+from babysit.policies.rollback import Known, Orders, Plan, Shelf
 from babysit.policies.schema import Policy
 from babysit.policies.types import Action, Finding, Incident, JobStep, RankStep, Remedy, Severity
 from babysit.supervisor.config.plan import RunPlan
@@ -207,8 +207,7 @@ class Watch:
         None when the caller vouches that one exists. A rollback's plan (``rules.judge``, from
         the shelf, this watch's cursor memory and the LR orders in force) is kept for
         ``launch``."""
-        known = Known(shelf, self._cursor_at, self.orders,
-                      tuple(Span(r.start, r.end) for r in self.skips))
+        known = Known(shelf, self._cursor_at, self.orders, tuple(self.skips))
         remedy, plan = self.rules.judge(finding, now, known)
         if plan is not None:
             self._planned = plan

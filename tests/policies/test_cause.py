@@ -38,7 +38,7 @@ def test_a_fault_is_placed_at_the_batches_of_the_step_it_struck_in() -> None:
     # Gradient accumulation: four batches a step, the fault is somewhere in the next four.
     assert cause.place(hang(3), {2: 8, 3: 12}) == Fault("hang", (1,), 3, 12, 16)
     # After a skip of batch 12 the next step draws batch 13: that is where a fault then strikes.
-    assert cause.place(hang(12), CURSORS, [(12, 13)]) == Fault("hang", (1,), 12, 13, 14)
+    assert cause.place(hang(12), CURSORS, [Span(12, 13)]) == Fault("hang", (1,), 12, 13, 14)
     # No cursor (the script does not read through run.batches()), or before any batch: unplaced.
     assert cause.place(hang(12), {}) is None
     assert cause.place(hang(12), {12: 0}) is None
