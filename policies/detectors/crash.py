@@ -150,6 +150,10 @@ class _Raised:
     """The process printed a traceback of its own."""
     child: str | None
     """The last exception of a child's traceback (``_CHILD_HEADER``)."""
+    own_text: str
+    """The tail without its children's tracebacks: what the patterns read first."""
+    child_text: str
+    """The children's tracebacks alone."""
 
 
 def _raised(log_tail: str) -> _Raised:
@@ -157,16 +161,21 @@ def _raised(log_tail: str) -> _Raised:
     prints EOFError when its parent dies, after the parent's own error or its SIGKILL."""
     own = child = None
     own_traceback = in_child = pending_child = last_was_child = False
+    own_lines: list[str] = []
+    child_lines: list[str] = []
     for line in log_tail.splitlines():
         text = line.strip()
         if not text:
             continue
         if _CHILD_HEADER.match(text) or (_CHAINED.match(text) and last_was_child):
             pending_child = True  # a chained exception stays in the process that raised it
+            child_lines.append(line)
             continue
         if _TRACEBACK.search(text):
             in_child, pending_child = pending_child, False
             own_traceback = own_traceback or not in_child
+        (child_lines if in_child else own_lines).append(line)
+        if _TRACEBACK.search(text):
             continue
         pending_child = False
         m = _EXC_LINE.match(text)
@@ -178,7 +187,7 @@ def _raised(log_tail: str) -> _Raised:
             else:
                 own = exc
             last_was_child, in_child = in_child, False
-    return _Raised(own, own_traceback, child)
+    return _Raised(own, own_traceback, child, "\n".join(own_lines), "\n".join(child_lines))
 
 
 def classify(
@@ -201,22 +210,24 @@ def classify(
         signal = exit_code - 128
     raised = _raised(log_tail)
     cls, reason = CrashClass.UNKNOWN, "no recognisable error in the log"
-    for candidate, pattern, why in _PATTERNS:
-        if pattern.search(log_tail):
-            cls, reason = candidate, why
-            break
-    else:
-        if raised.own is not None or raised.own_traceback:
-            cls, reason = CrashClass.USER_CODE, "Python exception in the training script"
-        elif signal is not None:
-            # Only a child's traceback (say the EOFError of DCP's async checkpoint process
-            # whose parent was SIGKILLed): the signal is what ended this process. An OOM kill
-            # must not read as user code, which the default policy never relaunches.
-            name = _signal_name(signal)
-            hint = _SIGNAL_HINTS.get(signal, "")
-            cls, reason = CrashClass.KILLED, f"killed by {name}{hint}"
-        elif raised.child is not None:
-            cls, reason = CrashClass.USER_CODE, "Python exception in a process the script started"
+    said_in = raised.own_text  # where the line that names the class is
+    matched = _matching(raised.own_text)
+    if matched is not None:
+        cls, reason = matched
+    elif raised.own is not None or raised.own_traceback:
+        cls, reason = CrashClass.USER_CODE, "Python exception in the training script"
+    elif signal is not None:
+        # Only a child's traceback (say the EOFError or ConnectionResetError of DCP's async
+        # checkpoint process whose parent was SIGKILLed): the signal is what ended this
+        # process, and what the orphan said about its pipe is no network fault. An OOM kill
+        # must not read as user code, which the default policy never relaunches.
+        name = _signal_name(signal)
+        hint = _SIGNAL_HINTS.get(signal, "")
+        cls, reason = CrashClass.KILLED, f"killed by {name}{hint}"
+    elif (matched := _matching(raised.child_text)) is not None:
+        (cls, reason), said_in = matched, raised.child_text
+    elif raised.child is not None:
+        cls, reason = CrashClass.USER_CODE, "Python exception in a process the script started"
     exc = raised.own if raised.own is not None or signal is not None else raised.child
     said = ""
     if exc is not None:
@@ -224,7 +235,7 @@ def classify(
     elif signal is not None:
         signature = f"signal {_signal_name(signal)}"
     elif cls is not CrashClass.UNKNOWN:
-        line = _first_match_line(log_tail, cls)
+        line = _first_match_line(said_in, cls)
         signature, said = _normalise(line), _as_said(line)
     else:
         signature = f"exit code {exit_code}"
@@ -248,9 +259,17 @@ STOP_SIGNALS: frozenset[int] = frozenset({_signal.SIGTERM, _signal.SIGINT, _sign
 it did not fail (torchrun sends SIGTERM to the survivors of a failure)."""
 
 
-def _first_match_line(log_tail: str, cls: CrashClass) -> str:
+def _matching(text: str) -> tuple[CrashClass, str] | None:
+    """The first pattern (most specific first) that ``text`` holds, with its reason."""
+    for candidate, pattern, why in _PATTERNS:
+        if pattern.search(text):
+            return candidate, why
+    return None
+
+
+def _first_match_line(text: str, cls: CrashClass) -> str:
     pattern = next(p for c, p, _ in _PATTERNS if c is cls)
-    for line in reversed(log_tail.splitlines()):
+    for line in reversed(text.splitlines()):
         if pattern.search(line):
             return line
     return cls.value

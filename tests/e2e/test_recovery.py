@@ -214,7 +214,7 @@ def test_straggler_is_named_and_alerted(tmp_path: Path) -> None:
     result, run_dir = babysat(tmp_path, "slow", "--steps", "40", "--slow-data", "1:0.08",
                               launch_extra="  warm_standby: false\n")
     assert result.returncode == 0, result.stdout + result.stderr
-    (launch,) = journal(run_dir, "launch")  # the journal says why relaunches would be cold
+    launch = journal(run_dir, "launch")[0]  # the journal says why relaunches would be cold
     assert launch["standby"] is False and launch["standby_off"] == "launch.warm_standby is false"
     assert "relaunches will start cold" not in result.stdout  # the user's own choice
     finding = next(e for e in journal(run_dir, "finding")

@@ -36,6 +36,10 @@ CASES = [
     # the child's traceback is not the cause (seen with checkpoints.async_save).
     (-9, None, "step 4499\nProcess SpawnProcess-1:\n"
      + TB.replace("train.py", "multiprocessing/connection.py") + "EOFError", CrashClass.KILLED),
+    # ...or, as often, a reset pipe: no network fault either (a child's words name no class).
+    (-9, None, "step 4499\nProcess SpawnProcess-1:\n"
+     + TB.replace("train.py", "multiprocessing/connection.py")
+     + "ConnectionResetError: [Errno 104] Connection reset by peer", CrashClass.KILLED),
     # The script's own exception, then torchrun's SIGTERM while it was exiting: still its bug.
     (-15, None, TB + "RuntimeError: uploading the final model failed", CrashClass.USER_CODE),
     (-9, None, TB + "MemoryError", CrashClass.OOM),  # what the log says still counts
@@ -135,3 +139,15 @@ def test_a_child_process_traceback_after_the_scripts_own_does_not_name_the_crash
     # ...but not one the signal explains.
     killed = classify(-9, None, log[log.index("Process SpawnProcess"):], step=10)
     assert killed.crash_class is CrashClass.KILLED and killed.signature == "signal SIGKILL"
+
+
+def test_a_child_process_names_the_class_only_when_the_process_says_nothing() -> None:
+    """The patterns read the process's own lines first: a child's network words lose to the
+    script's own exception, and name the class only when nothing else does."""
+    child = ("Process SpawnProcess-1:\n" + TB
+             + "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer\n")
+    own_then_child = TB + "KeyError: 'input_ids'\n" + child
+    assert classify(1, None, own_then_child, step=10).crash_class is CrashClass.USER_CODE
+    alone = classify(1, None, child, step=10)
+    assert alone.crash_class is CrashClass.NETWORK
+    assert alone.signature.startswith("RuntimeError: [gloo/transport/tcp/pair.cc:N]")
