@@ -29,6 +29,9 @@ and only verifies the chosen checkpoint on disk. Pure: no I/O, no clock, no supe
 - a hang or a crash that follows the data (``policies/cause.py``: it came back at the same
   batches): back to the newest checkpoint before it, pending ones too, and past exactly the
   batches of the step it struck in (``skip_data``); the LR orders in force kept.
+- a spike or a NaN whose cause is not known yet (``policies/rerun.py``: ``rerun.asked``): back
+  to the same checkpoint as its rollback, nothing skipped and the LR orders kept, to rerun the
+  same steps; the skip and the cut come only if it comes back there (``rerun.reproduced``).
 
 Units: steps are optimizer steps; cursors and skip ranges are global batches consumed; LR
 scales multiply the script's own LR.
@@ -40,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from babysit.policies import rerun
 from babysit.policies.cause import Batches, Fault
 from babysit.policies.types import Action, Finding, Incident, Remedy
 
@@ -134,6 +138,8 @@ class Known:
     """The LR orders of the attempt running now."""
     skips: Sequence[Batches] = ()
     """The batches the attempt running now skips (the run's skip ranges so far)."""
+    step_s: float | None = None
+    """The run's median step time in seconds (None: not measured yet)."""
 
 
 NOTHING_KNOWN = Known()
@@ -238,14 +244,12 @@ def plan(finding: Finding, section: Section, memory: Sequence[Region],
     shelf = known.shelf
     possible = shelf is None or can_roll_back(finding, shelf)
     checkpoint = offer(finding, shelf) if shelf is not None else None
-    if finding.incident in KEEPS_DATA:
-        # Not a bad region of data: skipping batches or lowering the LR would change the run
-        # for nothing. Roll back to before the corruption (or to the checkpoint before the one
-        # whose restore did not take) and replay the same steps.
-        whose = "silent data corruption is the hardware's fault" \
-            if finding.incident is Incident.SDC else "a restore that did not take is the resume's"
+    if finding.incident in KEEPS_DATA or rerun.asked(finding):
+        # Not a bad region of data (or not known to be one yet): skipping batches or lowering
+        # the LR would change the run for nothing. Roll back to before the corruption (or to the
+        # checkpoint before the one whose restore did not take) and replay the same steps.
         return Plan(finding, True, possible, checkpoint, orders=known.orders,
-                    note=f"; {whose}, not the data's or the LR's: no batches skipped, LR kept")
+                    note=_kept_why(finding, checkpoint))
     onset = finding.onset_cursor if finding.onset_cursor is not None else finding.onset_step
     window = section.escalation_window
     same = [r for r in memory if r.lo - window <= onset < r.hi + window]
@@ -264,6 +268,43 @@ def plan(finding: Finding, section: Section, memory: Sequence[Region],
                 Region(onset - before, onset + after, gen), note, skip, orders)
 
 
+def _kept_why(finding: Finding, checkpoint: Saved | None) -> str:
+    """Why a rollback skips nothing and keeps the LR, in words."""
+    if rerun.asked(finding):
+        start = f"from step {checkpoint.step + 1} " if checkpoint is not None else ""
+        return (f"; rerun steps {start}to {finding.step} first, nothing skipped and the LR "
+                "kept: back at the same batches -> the data's (skipped then), not back -> a "
+                "transient fault of the machine")
+    whose = "silent data corruption is the hardware's fault" \
+        if finding.incident is Incident.SDC else "a restore that did not take is the resume's"
+    return f"; {whose}, not the data's or the LR's: no batches skipped, LR kept"
+
+
+def rerun_pays(finding: Finding, section: Section, memory: Sequence[Region],
+               known: Known = NOTHING_KNOWN) -> bool:
+    """Whether the rollback for ``finding`` (a spike or a NaN) first reruns its steps
+    (``policies/rerun.py``): within the policy's bounds (``rerun_max_steps``, and
+    ``rerun_max_s`` at the measured step time) from the checkpoint it would use, and not in a
+    region an earlier rollback skipped (the same region again is the data's without asking)."""
+    if finding.incident not in rerun.RERUNNABLE or section.rerun_max_steps <= 0 \
+            or finding.evidence.get("rerun") is not None:
+        return False
+    onset = finding.onset_cursor if finding.onset_cursor is not None else finding.onset_step
+    window = section.escalation_window
+    if any(r.lo - window <= onset < r.hi + window for r in memory):
+        return False
+    if known.shelf is None:  # one is vouched for: the rerun is at least the anomaly's steps
+        since = finding.onset_step
+    else:
+        checkpoint = offer(finding, known.shelf)
+        since = checkpoint.step if checkpoint is not None else 0
+    steps = finding.step - since
+    if steps > section.rerun_max_steps:
+        return False
+    return section.rerun_max_s is None or known.step_s is None \
+        or steps * known.step_s <= section.rerun_max_s
+
+
 def for_remedy(remedy: Remedy | None, known: Known = NOTHING_KNOWN,
                resume_cursor: int | None = None) -> Plan:
     """The plan behind a remedy whose ``plan`` this process did not keep (one inherited from
@@ -274,7 +315,7 @@ def for_remedy(remedy: Remedy | None, known: Known = NOTHING_KNOWN,
     if remedy is None or remedy.action is not Action.ROLLBACK:
         return Plan(remedy.finding if remedy is not None else None, False, orders=known.orders)
     finding = remedy.finding
-    if finding.incident in KEEPS_DATA:
+    if finding.incident in KEEPS_DATA or rerun.asked(finding):
         return Plan(finding, True, orders=known.orders)
     skip, orders = _place(finding, remedy.skip_before, remedy.skip_after, remedy.lr_scale,
                           remedy.lr_rewarm, known, resume_cursor)

@@ -14,7 +14,10 @@
    the data is rolled back past its batches, one that follows the step count stops the run;
 4. the rollback itself (``policies/rollback.py``'s ``plan``, the one place that decides it):
    the checkpoint, the skip sizes (wider when the same region spikes again), the LR cut and its
-   re-warm; SDC rollbacks skip nothing and keep the LR;
+   re-warm; SDC rollbacks skip nothing and keep the LR; a spike's or a NaN's rollback first
+   reruns the same steps, skipping nothing (``policies/rerun.py``, within the policy's bounds):
+   the anomaly back on the rerun is the data's and gets the skip and the cut without climbing
+   the ladder again (nor being charged to the budget: it ends the same intervention);
 5. budget: a disruptive remedy (rollback, relaunch) that would exceed ``max_interventions`` in
    ``window_s`` becomes STOP.
 
@@ -31,7 +34,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from babysit.policies import cause, rollback
+from babysit.policies import cause, rerun, rollback
 from babysit.policies.cause import Fault, Follows
 from babysit.policies.rollback import Known, Plan, Region, Shelf
 from babysit.policies.schema import Policy, Response
@@ -70,7 +73,9 @@ class Rules:
         no good one before its onset is an alert instead, as ``on_finding`` says), the cursor
         memory and the LR orders in force. ``now``: as for ``on_finding``."""
         caused = self._cause(finding, known)
-        if caused is not None:
+        if rerun.reproduced(finding):
+            remedy, plan = self._reproduced(finding, known)
+        elif caused is not None:
             remedy, plan = caused
         elif finding.incident is Incident.CRASH:
             remedy, plan = self._crash(finding, now, known)
@@ -79,7 +84,8 @@ class Rules:
         if plan is not None and plan.region is not None:
             # Remembered even when the budget stops the run instead: the region did spike.
             self._rollbacks.append(plan.region)
-        remedy = self._charge(remedy, now)
+        if not rerun.reproduced(finding):
+            remedy = self._charge(remedy, now)
         return remedy, plan if remedy.action is Action.ROLLBACK else None
 
     # -- ladders ----------------------------------------------------------------------------
@@ -105,6 +111,9 @@ class Rules:
                 st["rung"] = 0
         rung = min(st["rung"], len(resp.ladder) - 1)
         action = resp.ladder[rung]
+        if action is Action.ROLLBACK and rollback.rerun_pays(finding, self.policy.rollback,
+                                                             self._rollbacks, known):
+            finding = rerun.ask(finding)
         plan = self._plan(finding, known) if action is Action.ROLLBACK else None
         if plan is not None and not plan.possible and finding.incident is Incident.RESUME:
             return Remedy(Action.STOP, finding, f"{name}: no good checkpoint older than step "
@@ -127,6 +136,17 @@ class Rules:
 
     def _plan(self, finding: Finding, known: Known) -> Plan:
         return rollback.plan(finding, self.policy.rollback, self._rollbacks, known)
+
+    def _reproduced(self, finding: Finding, known: Known) -> tuple[Remedy, Plan | None]:
+        """A spike or a NaN that came back on its rerun (``policies/rerun.py``): the data's.
+        The rollback its rung chose, now with the skip and the cut: no new rung, no cooldown."""
+        plan = self._plan(finding, known)
+        verdict = finding.evidence.get("rerun_verdict", {})
+        why = str(verdict.get("summary", f"{finding.incident.value} reproduced on the rerun"))
+        if not plan.possible:
+            return Remedy(Action.ALERT, finding, f"{why}, but no good checkpoint from before "
+                          f"step {finding.onset_step} is left to roll back to"), None
+        return _rollback_remedy(plan, why + ": rolled back"), plan
 
     # -- what a repeated fault follows ---------------------------------------------------------
 

@@ -160,6 +160,16 @@ class Rollback(Section):
     more and stays cut for the rest of the run."""
     escalation_skip_factor: float = Field(default=2.0, ge=1.0)
     """Skip ranges grow by this factor each time the same region spikes again."""
+    rerun_max_steps: int = Field(default=500, ge=0)
+    """Before skipping batches for a loss spike, a grad-norm spike or a NaN, rerun the same
+    steps once to see whose fault it is: roll back to the same checkpoint, skip nothing, keep
+    the LR, replay the same batches. Back at the same batches -> the data's: roll back again,
+    skip them, cut the LR. Not back -> a transient fault of the machine: nothing skipped, the
+    LR unchanged, the run goes on from the rerun. Only when the rerun (from the checkpoint to
+    the detection) is at most this many steps; 0: never rerun, skip at once."""
+    rerun_max_s: float | None = Field(default=1800.0, gt=0.0)
+    """...and at most this many seconds at the run's measured median step time (None: no
+    limit in time)."""
     skip_repeated_faults: bool = True
     """A hang or a crash that comes back at the same global batch on the same rank (a crash:
     with the same error) follows the data, say a corrupt file its loader deadlocks on: roll back

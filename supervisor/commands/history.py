@@ -36,6 +36,10 @@ as in the journal)::
     nodes                       multi-node runs (the leader's journal), else null: {attempt,
                                 nodes: {node rank: host} of the newest launch, lost: the newest
                                 5 {time, node, host, why}}
+    reruns                      whose fault each rerun spike or NaN was (``rerun`` entries):
+                                the newest 5 {time, step, verdict: "reproduced" (the data's,
+                                skipped) or "transient" (the machine's, nothing skipped),
+                                moved_first: ranks, summary}, oldest first
     incident_count              findings acted on (action != "ignore")
     ignored_findings            findings not acted on: ignored by the policy (cooldowns, below
                                 threshold) or set aside while the workers were being replaced
@@ -318,6 +322,13 @@ def sdc_checks(h: History) -> dict[str, Any] | None:
             "disagreements": bad[-5:]}
 
 
+def reruns(h: History) -> list[dict[str, Any]]:
+    """The newest verdicts of reruns (``policies/rerun.py``): whose fault each spike was."""
+    return [{"time": e.get("time"), "step": e.get("step"), "verdict": e.get("verdict"),
+             "moved_first": e.get("moved_first") or [], "summary": e.get("summary", "")}
+            for e in h.events if e.get("event") == "rerun"][-5:]
+
+
 def cadence(h: History) -> dict[str, Any] | None:
     """The newest cadence advice and the newest interval auto-adoption set."""
     advice = next((e for e in reversed(h.events) if e.get("event") == "cadence_advice"), None)
@@ -406,7 +417,7 @@ def snapshot(run_dir: str | Path, now: float | None = None) -> dict[str, Any]:
         "step": step, "loss": last.get("loss") if last else None,
         "steps_per_s": steps_per_s, "tokens_per_s": tokens_per_s, "mfu": median_mfu(tail),
         "loss_spread": row_loss_spread(last),
-        "sdc": sdc_checks(h), "cadence": cadence(h), "nodes": nodes(h),
+        "sdc": sdc_checks(h), "cadence": cadence(h), "nodes": nodes(h), "reruns": reruns(h),
         "incident_count": len(h.incidents), "ignored_findings": len(h.ignored),
         "incidents": [i.to_json() for i in h.incidents[-RECENT_INCIDENTS:]],
         "attempt_history": [a.to_json() for a in h.attempts],

@@ -115,6 +115,8 @@ def render(s: dict[str, Any], now: float | None = None) -> str:
     row("goodput", goodput_line(s["goodput"]) if s.get("goodput") else
         "- (metrics.jsonl over 16 MiB and no ledger journaled yet: see the run's Prometheus "
         "gauges, or its end)")
+    for r in s.get("reruns", ()):
+        row("rerun", f"{_clock(r['time'])}  {r['summary']}")
     row("incidents", f"{s['incident_count']} acted on, {s['ignored_findings']} ignored"
                      + (" (newest last):" if s["incidents"] else ""))
     for i in s["incidents"]:

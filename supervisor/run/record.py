@@ -2,8 +2,9 @@
 
 Each tick the loop hands ``Record.take`` what its members gathered (``run.members.Gathered``).
 In order, it journals the members' own entries, writes each of the job's steps to
-``metrics.jsonl`` (the watch judges it), journals each rank's event (an SDC digest is compared
-first; a resume that did not take is a finding), and hands back what the loop decides on:
+``metrics.jsonl`` (the watch judges it; a rerun's verdict is journaled as ``rerun``), journals
+each rank's event (an SDC digest is compared first; a resume that did not take is a finding),
+and hands back what the loop decides on:
 the watch's findings, the progress, the node findings. Who needs to know what happened
 listens: to the journal (``Journal.listen``) and to the steps (``StepLog.listen``), never
 called from here one by one.
@@ -92,6 +93,12 @@ class Record:
 
     def _judge_step(self, record: JobStep) -> list[Finding]:
         findings = self.watch.observe_record(record)
+        for verdict in self.watch.take_verdicts():
+            # Whose fault the spike was: the data's comes back as a finding (its rollback's
+            # alert says so); a transient one is remedied by the rerun itself, said here.
+            self.write("rerun", step=record.step, **verdict.to_json())
+            if not verdict.reproduced:
+                self._warn(verdict.summary())
         if record.step % WATCH_STATE_EVERY == 0:
             # So a supervisor taking over inherits the baselines, not only the last finding's.
             self.write("watch_state", state=self.watch.state_dict())

@@ -7,7 +7,8 @@ testable. It is the one place that knows which detector observes which stream.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import statistics
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,9 +22,19 @@ from babysit.policies.detectors.crash import (
 from babysit.policies.detectors.sdc import SdcDetector
 from babysit.policies.loader import load_policy
 from babysit.policies.pipeline import Pipeline
+from babysit.policies.rerun import Rerun, Seen, Trace, Verdict, asked
 from babysit.policies.rollback import Known, Orders, Plan, Shelf
 from babysit.policies.schema import Policy
-from babysit.policies.types import Action, Finding, Incident, JobStep, RankStep, Remedy, Severity
+from babysit.policies.types import (
+    Action,
+    Finding,
+    Incident,
+    JobStep,
+    RankStep,
+    Remedy,
+    Severity,
+    StepRecord,
+)
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import (
     Directive,
@@ -68,7 +79,10 @@ def _blame_order(verdict: CrashVerdict) -> int:
     return _SPECIFICITY.index(verdict.crash_class)
 
 _CURSOR_MEMORY = 4096
-"""Recent steps whose data cursor is remembered, to turn a spike's onset step into batches."""
+"""Recent steps remembered (data cursor, loss, grad norm): to turn a spike's onset step into
+batches, and to hold a rerun against what the first pass saw."""
+_PACE_MEMORY = 256
+"""Recent step times whose median is the run's pace (a rerun's cost in seconds)."""
 
 
 OWN_LOAD_BLIND = ("throughput", "straggler")
@@ -101,7 +115,12 @@ class Watch:
         self.reshard = False
         """Relaunches may change the world size (an elastic multi-node run)."""
         self.crashes: list[CrashSignature] = []
-        self._cursor_at: OrderedDict[int, int] = OrderedDict()
+        self.trace = Trace(_CURSOR_MEMORY)
+        self._pace: deque[float] = deque(maxlen=_PACE_MEMORY)
+        self.rerun: Rerun | None = None
+        """The rerun in flight: a spike's or a NaN's steps replayed to see whose it is."""
+        self.verdicts: list[Verdict] = []
+        """Reruns concluded since the caller last took them (``take_verdicts``)."""
         self._judged_step = 0
         """The newest step ``observe_record`` saw this attempt."""
         self._resume_failed = False
@@ -193,12 +212,35 @@ class Watch:
                         last_agreeing_step=self.sdc.last_agreeing_step)
 
     def observe_record(self, record: JobStep) -> list[Finding]:
+        """The detectors' findings for ``record``. During a rerun (``policies/rerun.py``) the
+        re-detection of the same anomaly is left to the rerun's verdict, and a reproduced one
+        comes back as a finding marked for the data's rollback."""
         self._world = record.world_size
         self._judged_step = max(self._judged_step, record.step)
-        self._cursor_at[record.step] = record.cursor
-        while len(self._cursor_at) > _CURSOR_MEMORY:
-            self._cursor_at.popitem(last=False)
-        return self.pipeline.findings(record, OWN_LOAD_BLIND if self.own_load else ())
+        per_rank = {r.rank: r.loss for r in record.ranks if r.loss is not None} \
+            if isinstance(record, StepRecord) and record.world_size <= PER_RANK_LIMIT else {}
+        seen = Seen(record.cursor, record.loss, record.grad_norm, per_rank)
+        self.trace.add(record.step, seen)
+        if record.step_time is not None and record.step_time > 0:
+            self._pace.append(record.step_time)
+        findings = self.pipeline.findings(record, OWN_LOAD_BLIND if self.own_load else ())
+        if self.rerun is None:
+            return findings
+        first = self.rerun.finding
+        findings = [f for f in findings
+                    if not (f.incident is first.incident and f.step <= first.step)]
+        verdict = self.rerun.observe(record.step, seen)
+        if verdict is not None:
+            self.rerun = None
+            self.verdicts.append(verdict)
+            if verdict.reproduced:
+                findings.insert(0, verdict.as_finding())
+        return findings
+
+    def take_verdicts(self) -> list[Verdict]:
+        """The reruns concluded since the last call (the caller journals them)."""
+        taken, self.verdicts = self.verdicts, []
+        return taken
 
     def judge(self, finding: Finding, now: float, shelf: Shelf | None) -> Remedy:
         """The policy's answer to ``finding`` (ladders, cooldowns, the rollback's plan, budget).
@@ -207,7 +249,8 @@ class Watch:
         None when the caller vouches that one exists. A rollback's plan (``rules.judge``, from
         the shelf, this watch's cursor memory and the LR orders in force) is kept for
         ``launch``."""
-        known = Known(shelf, self._cursor_at, self.orders, tuple(self.skips))
+        pace = statistics.median(self._pace) if self._pace else None
+        known = Known(shelf, self.trace.cursors(), self.orders, tuple(self.skips), pace)
         remedy, plan = self.rules.judge(finding, now, known)
         if plan is not None:
             self._planned = plan
@@ -282,7 +325,8 @@ class Watch:
                 "crashes": [[c.signature, c.step] for c in self.crashes],
                 "skips": [[r.start, r.end] for r in self.skips], "lr_scale": self.lr_scale,
                 "lr_ramp": _ramp_json(self.lr_ramp), "detectors": detectors,
-                "sdc": self.sdc.state_dict()}
+                "sdc": self.sdc.state_dict(),
+                "rerun": self.rerun.to_json() if self.rerun is not None else None}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.rules.load_state_dict(d["rules"])
@@ -292,6 +336,8 @@ class Watch:
         self.adopt_lr(d)
         if "sdc" in d:  # the checks that agreed, and each device's first probe
             self.sdc.load_state_dict(d["sdc"])
+        if d.get("rerun"):  # a rerun in flight goes on being compared
+            self.rerun = Rerun.from_json(d["rerun"])
         if "detectors" in d:  # the baselines: a taken-over run judges at once, no new warm-up
             self.pipeline.load_state_dict({"detectors": d["detectors"],
                                            "rules": self.rules.state_dict()})
@@ -325,7 +371,7 @@ class Watch:
         if remedy is not None and remedy.action is Action.ROLLBACK and planned is not None \
                 and planned.finding == remedy.finding:
             return in_directive(planned, resume)
-        return plan_relaunch(remedy, resume, self._cursor_at, self.lr_scale, self.lr_ramp)
+        return plan_relaunch(remedy, resume, self.trace.cursors(), self.lr_scale, self.lr_ramp)
 
     def launch(self, attempt: int, remedy: Remedy | None, resume: Resume | None,
                checkpoint_every: int | None = None) -> tuple[Directive, list[Entry]]:
@@ -337,6 +383,9 @@ class Watch:
         it records the orders as those in force."""
         plan = self.plan(remedy, resume)
         self._planned = None
+        rerun = remedy is not None and remedy.action is Action.ROLLBACK and asked(remedy.finding)
+        self.rerun = Rerun.start(remedy.finding, self.trace) if remedy is not None and rerun \
+            else None
         if plan.skip is not None:
             self.skips.append(plan.skip)
         changes: list[Entry] = []

@@ -58,7 +58,9 @@ def test_a_hang_and_a_spike_are_told_in_full_and_the_final_state_stays_scrapeabl
         f"  args: [--steps, '50', --hang, '1:15', --spike, '30:40', --eval-every, '5']\n"
         f"run_dir: {run_dir}\n"
         "checkpoints: {every_steps: 5, probation_steps: 5}\n"
-        f"policy: {{name: {WORKERS.parent / 'fast_policy.yaml'}}}\n"
+        # (The spike's rollback skips at once, no rerun first: tests/e2e/test_cause.py.)
+        f"policy: {{name: {WORKERS.parent / 'fast_policy.yaml'}, "
+        "overrides: {rollback: {rerun_max_steps: 0}}}\n"
         f"prometheus: {{enabled: true, port: 0, linger_s: 60, textfile: {prom}}}\n"
         "alerts:\n  sinks:\n"
         "    - {name: ops-hook, kind: webhook, url_env: OPS_HOOK_URL, min_severity: info}\n")

@@ -1,9 +1,14 @@
-"""A fault that follows the data, with real torchrun and gloo: one rank's loader meets the same
-global batch in every attempt (a file it deadlocks on, a sample its decoder crashes on). The
-first time is a hang or a crash like any other and is relaunched; the second time, at the same
-batch on the same rank, it is the data's: babysit rolls back, skips that batch, and the run
-finishes where a person's fix (the data set without that batch) finishes: the same final
-evaluation, to the last digits, on CPU."""
+"""Whose fault is it, with real torchrun and gloo.
+
+A fault that follows the data: one rank's loader meets the same global batch in every attempt (a
+file it deadlocks on, a sample its decoder crashes on). The first time is a hang or a crash like
+any other and is relaunched; the second time, at the same batch on the same rank, it is the
+data's: babysit rolls back, skips that batch, and the run finishes where a person's fix (the
+data set without that batch) finishes: the same final evaluation, to the last digits, on CPU.
+
+A spike that is the machine's: one weight blown up on one rank, on the first attempt only. The
+rerun of the same steps does not meet it: nothing is skipped, the LR is left alone, and the run
+finishes exactly where a run without the glitch does."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST_POLICY, babysat, journal
+from tests.conftest import FAST_POLICY, babysat, journal, run_babysit
 
 pytestmark = pytest.mark.e2e
 
@@ -32,6 +37,43 @@ def fixed(tmp_path_factory: pytest.TempPathFactory) -> float:
     result, run_dir = babysat(tmp, "fixed", *STEPS, "--drop-batch", "12")
     assert result.returncode == 0, result.stdout + result.stderr
     return last_eval(run_dir)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> float:
+    """The final evaluation of a run without any fault."""
+    tmp = tmp_path_factory.mktemp("clean")
+    result, run_dir = babysat(tmp, "clean", *STEPS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return last_eval(run_dir)
+
+
+def test_a_spike_the_rerun_does_not_meet_is_transient_and_costs_no_data(
+        tmp_path: Path, clean: float) -> None:
+    result, run_dir = babysat(tmp_path, "glitch", *STEPS, "--glitch", "1:16")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    (spike,) = [e for e in journal(run_dir, "finding")
+                if e["finding"]["incident"] == "loss_spike"]
+    assert spike["remedy"]["action"] == "rollback" and spike["finding"]["onset_step"] == 17
+    # From the newest good checkpoint a spike's rollback may use (5 or 10: as promoted by then).
+    (resume,) = [e for e in journal(run_dir, "resume") if e.get("from")]
+    assert resume["checkpoint_step"] in (5, 10)
+    assert f"rerun steps from step {resume['checkpoint_step'] + 1} to 17 first" \
+        in spike["remedy"]["reason"]
+    (verdict,) = journal(run_dir, "rerun")
+    assert verdict["verdict"] == "transient" and verdict["moved_first"] == [1]
+    assert "not reproduced on the rerun" in verdict["summary"]
+    assert "not reproduced on the rerun" in result.stdout
+    # The rerun is the continuation: one relaunch, nothing skipped, the LR never touched.
+    _, rerun = journal(run_dir, "launch")
+    assert rerun["directive"]["skip"] == [] and rerun["directive"]["lr_scale"] == 1.0
+    assert journal(run_dir, "lr_scale") == [] and journal(run_dir, "worker_skip") == []
+    (finished,) = journal(run_dir, "run_finished")
+    assert finished["state"] == "succeeded" and finished["step"] == 30
+    assert last_eval(run_dir) == clean  # bit-exact: the rerun replayed the clean run
+    status = run_babysit("status", str(run_dir), cwd=tmp_path, timeout=60)
+    assert "not reproduced on the rerun" in status.stdout and "rank 1 moved first" in status.stdout
 
 
 @pytest.mark.parametrize("fault, incident", [("--stuck-batch", "hang"), ("--bad-batch", "crash")])

@@ -130,8 +130,13 @@ def test_a_spike_on_one_nodes_rank_rolls_back_every_node_alike(tmp_path: Path) -
     # It saw the spike that only rank 3's shard had, and rolled the whole job back.
     interventions = [e for e in run.events("state") if e["new"] == "intervening"]
     assert interventions and "rollback" in interventions[0]["reason"]
-    leader = [e for e in run.events("launch") if e["attempt"] == 1]
-    follower = [e for e in run.events("launch", node=1) if e["attempt"] == 1]
+    # First a rerun of the same steps, nothing skipped: the spike came back on it (the leader
+    # compared the merged summaries), so the data's rollback followed.
+    (rerun,) = run.events("rerun")
+    assert rerun["verdict"] == "reproduced"
+    assert [e["directive"]["skip"] for e in run.events("launch") if e["attempt"] == 1] == [[]]
+    leader = [e for e in run.events("launch") if e["attempt"] == 2]
+    follower = [e for e in run.events("launch", node=1) if e["attempt"] == 2]
     assert leader and follower
     # One checkpoint, one skip range, one LR scale: the same directive on every node.
     assert leader[0]["directive"] == follower[0]["directive"]

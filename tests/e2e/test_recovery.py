@@ -82,20 +82,29 @@ def test_loss_spike_rolls_back_skips_the_bad_batches_and_lowers_the_lr(tmp_path:
     result, run_dir = babysat(tmp_path, "spike", "--steps", "60", "--spike", "25:40",
                               script=script)
     assert result.returncode == 0, result.stdout + result.stderr
-    rollback = next(e for e in journal(run_dir, "finding")
-                    if e["remedy"]["action"] == "rollback")
-    assert rollback["finding"]["incident"] in ("loss_spike", "grad_spike")
-    (resume,) = journal(run_dir, "resume")
-    # The newest good checkpoint strictly before the onset (26: batch 25 is the first poisoned).
+    asked, data = (e for e in journal(run_dir, "finding") if e["remedy"]["action"] == "rollback")
+    assert asked["finding"]["incident"] in ("loss_spike", "grad_spike")
+    # First the same steps again, nothing skipped and the LR kept: whose fault is it?
+    assert asked["finding"]["evidence"]["rerun"] == "asked"
+    rerun_launch, launch = journal(run_dir, "launch")[1:]
+    assert rerun_launch["directive"]["skip"] == [] and rerun_launch["directive"]["lr_scale"] == 1
+    # Back at the same batches: the data's.
+    (verdict,) = journal(run_dir, "rerun")
+    assert verdict["verdict"] == "reproduced" and verdict["batches"][0] <= 25
+    assert data["finding"]["evidence"]["rerun"] == "reproduced"
+    assert data["remedy"]["reason"].startswith(verdict["summary"])
+    # Both from the newest good checkpoint strictly before the onset (26: batch 25 is the
+    # first poisoned).
+    first, resume = journal(run_dir, "resume")
     assert resume["verdict"] == "good" and resume["checkpoint_step"] < 26
-    (launch,) = journal(run_dir, "launch")[1:]
+    assert first["checkpoint_step"] == resume["checkpoint_step"]
     directive = launch["directive"]
     assert directive["lr_scale"] == 0.5
     (skip,) = directive["skip"]
     assert skip["start"] <= 25 and skip["end"] >= 40  # the whole poisoned stretch
     # The relaunched attempt never trained on a poisoned batch and finished healthy.
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    attempt1 = [m for m in rows if m["attempt"] == 1]
+    attempt1 = [m for m in rows if m["attempt"] == 2]
     assert attempt1[0]["step"] == resume["checkpoint_step"] + 1
     assert all(not (25 < m["cursor"] <= 40) for m in attempt1)
     healthy = max(m["loss"] for m in rows if m["attempt"] == 0 and 15 <= m["step"] <= 25)
@@ -103,14 +112,17 @@ def test_loss_spike_rolls_back_skips_the_bad_batches_and_lowers_the_lr(tmp_path:
     assert read_jsonl(run_dir / "events.jsonl")[-1]["state"] == "succeeded"
 
 
-def test_nan_loss_rolls_back_at_once(tmp_path: Path) -> None:
+def test_a_nan_is_rerun_then_rolled_back_past_its_batch(tmp_path: Path) -> None:
     result, run_dir = babysat(tmp_path, "nan", "--steps", "40", "--nan-at", "22")
     assert result.returncode == 0, result.stdout + result.stderr
     finding = next(e for e in journal(run_dir, "finding")
                    if e["finding"]["incident"] == "nonfinite")
     assert finding["step"] == 23 and finding["remedy"]["action"] == "rollback"
     assert finding["finding"]["ranks"] == [0, 1]
-    (launch,) = journal(run_dir, "launch")[1:]
+    # Rerun first: the NaN came back at the same batch, so it is skipped.
+    (verdict,) = journal(run_dir, "rerun")
+    assert verdict["verdict"] == "reproduced" and verdict["rerun_excess"] == "inf"
+    launch = journal(run_dir, "launch")[2]
     assert any(s["start"] <= 22 < s["end"] for s in launch["directive"]["skip"])
     assert read_jsonl(run_dir / "events.jsonl")[-1]["state"] == "succeeded"
 
@@ -119,10 +131,12 @@ def test_hang_names_the_stuck_rank_from_its_stack_and_relaunches(tmp_path: Path)
     # One run, three faults (the goodput ledger's real run): attempt 0 hangs at step 15,
     # attempt 1 meets poisoned batches 22-25 and rolls back, attempt 2 is killed at step 33
     # and relaunched after a backoff (the first crash waits here, so the ledger has one).
+    # (The spike's rollback skips at once: no rerun first, tests/e2e/test_cause.py has those.)
     result, run_dir = babysat(tmp_path, "hang", "--steps", "40", "--hang", "1:15",
                               "--spike", "22:26", "--at", "2:0:33:SIGKILL",
                               policy=f"{{name: {FAST_POLICY}, overrides: "
-                                     "{crash: {first_relaunch_at_once: false}}}")
+                                     "{crash: {first_relaunch_at_once: false}, "
+                                     "rollback: {rerun_max_steps: 0}}}")
     assert result.returncode == 0, result.stdout + result.stderr
     # Telemetry alone cannot tell them apart (both last reported step 14); the stacks can.
     (diagnosis,) = journal(run_dir, "hang_diagnosis")

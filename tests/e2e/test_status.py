@@ -32,7 +32,7 @@ STATUS_KEYS = {
     "supervisor_pid", "started", "finished", "elapsed_s", "last_update", "attempt", "attempts",
     "step", "loss", "steps_per_s", "tokens_per_s", "incident_count", "ignored_findings",
     "incidents", "attempt_history", "checkpoint_dir", "checkpoints", "mfu", "loss_spread", "sdc",
-    "cadence", "nodes", "goodput",
+    "cadence", "nodes", "goodput", "reruns",
 }
 
 
@@ -75,7 +75,10 @@ def test_json_agrees_with_the_journal_and_metrics(run_dir: Path) -> None:
     assert s["journal"] == str(run_dir / "events.jsonl")
     last = read_jsonl(run_dir / "metrics.jsonl")[-1]
     assert (s["attempt"], s["step"], s["loss"]) == (last["attempt"], last["step"], last["loss"])
-    assert s["step"] == 60 and s["attempts"] == len(journal(run_dir, "launch")) == 2
+    # The NaN's steps rerun first (attempt 1), and rolled back past it once it came back.
+    assert s["step"] == 60 and s["attempts"] == len(journal(run_dir, "launch")) == 3
+    (rerun,) = s["reruns"]
+    assert rerun["verdict"] == "reproduced" and "the data's: skipped" in rerun["summary"]
     assert s["steps_per_s"] > 0 and s["tokens_per_s"] > 0  # the demo reports tokens
     # Incidents: the findings the policy acted on; the NaN steps it ignored are counted.
     findings = journal(run_dir, "finding")
@@ -88,9 +91,10 @@ def test_json_agrees_with_the_journal_and_metrics(run_dir: Path) -> None:
     incident = next(i for i in s["incidents"] if i["incident"] == "nonfinite")
     assert (incident["action"], incident["step"], incident["ranks"]) == (
         "rollback", nan["finding"]["step"], nan["finding"]["ranks"])
-    # The relaunch: what attempt 1 was told (the directive) and why.
-    told = journal(run_dir, "launch")[1]["directive"]
-    again = s["attempt_history"][1]
+    # The rollback past it: what attempt 2 was told (the directive) and why.
+    assert s["attempt_history"][1]["skip"] == [] and s["attempt_history"][1]["lr_scale"] == 1.0
+    told = journal(run_dir, "launch")[2]["directive"]
+    again = s["attempt_history"][2]
     assert again["skip"] == [[r["start"], r["end"]] for r in told["skip"]] and again["skip"]
     assert again["lr_scale"] == told["lr_scale"] == 0.5
     assert again["cause"]["incident"] == "nonfinite" and s["attempt_history"][0]["cause"] is None
@@ -109,11 +113,12 @@ def test_human_view_says_the_same_compactly(run_dir: Path) -> None:
     assert lines[0] == f"babysit status: demo_train  ({run_dir})"
     labels = [line[2:14].strip() for line in lines[1:] if line.startswith("  ") and line[2] != " "]
     assert labels == ["state", "time", "progress", "speed", "rank loss", "goodput",
-                      "incidents", "attempts", "checkpoints", "journal"]
+                      "rerun", "incidents", "attempts", "checkpoints", "journal"]
     assert re.search(r"  goodput     \d+\.\d% of [0-9.]+ s productive; badput .*lost", out)
     assert "  state       succeeded (workers finished), exit code 0" in lines
-    assert "attempt 1 (2 launched), step 60, loss " in out
-    start, end = json.loads(status(run_dir, True)[1])["attempt_history"][1]["skip"][0]
+    assert "attempt 2 (3 launched), step 60, loss " in out
+    assert "reproduced on the rerun at batch" in out
+    start, end = json.loads(status(run_dir, True)[1])["attempt_history"][2]["skip"][0]
     step = next(f["step"] for f in journal(run_dir, "finding")
                 if f["remedy"]["action"] == "rollback")
     # The LR cut wears off after the skipped batches (issue 14's re-warm), and the line says so.

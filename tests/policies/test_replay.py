@@ -39,7 +39,13 @@ def test_synthetic_tsv_spike_that_stays_is_rolled_back_after_patience(tmp_path: 
     assert [(d.step, d.action) for d in decisions] == [(250, "alert"), (330, "rollback")]
     rollback = decisions[1]
     assert rollback.onset_step == 250 and rollback.detector == "loss_spike"
-    assert rollback.remedy["lr_scale"] == 0.5 and rollback.remedy["lr_rewarm"] == 50
+    # First a rerun of the same steps, nothing skipped and the LR kept (policies/rerun.py)...
+    assert rollback.remedy["lr_scale"] == 1.0 and rollback.remedy["skip_after"] == 0
+    assert "rerun steps to 330 first" in rollback.remedy["reason"]
+    # ...or, with reruns off, the data's rollback at once: the skip and the LR cut.
+    at_once = replay(read_curve(tmp_path / "c.tsv"),
+                     load_policy("default", {"rollback": {"rerun_max_steps": 0}}))[1]
+    assert at_once.remedy["lr_scale"] == 0.5 and at_once.remedy["lr_rewarm"] == 50
 
 
 def test_synthetic_tsv_spike_that_heals_is_only_an_alert(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from babysit.checkpoints import Catalog
 from babysit.policies import rollback
 from babysit.policies.loader import load_policy
+from babysit.policies.rerun import Seen
 from babysit.policies.rollback import Known, Orders, Ramp, Region, Saved, Shelf, Span
 from babysit.policies.rules import Rules
 from babysit.policies.types import Action, Finding, Incident, Severity
@@ -18,6 +19,9 @@ from babysit.supervisor.run.watch import Watch
 from tests.checkpoints.test_catalog import make_ckpt
 
 SECTION = load_policy("default").rollback  # skip 10 before, 50 after; LR x0.5, re-warm 50
+DATA_FIRST = {"rollback": {"rerun_max_steps": 0}}
+"""Reruns off: the rollback of a spike skips and cuts at once (tests/policies/test_rerun.py
+holds the rerun that comes first by default)."""
 CURSORS = {s: 2 * s for s in range(1, 400)}  # two batches per step, to tell them apart
 SHELF = Shelf((Saved(40, 80, good=True), Saved(60, 120, good=True),
                Saved(90, 180, good=False)), probation_steps=20)
@@ -87,7 +91,7 @@ def test_no_good_checkpoint_before_the_onset() -> None:
     # An unknown shelf (replay) assumes one exists.
     assert rollback.plan(spike(), SECTION, [], Known(None, CURSORS)).possible
     # The rules alert, and use up no rung and no escalation region.
-    rules = Rules(load_policy("default"))
+    rules = Rules(load_policy("default", DATA_FIRST))
     alert, none = rules.judge(spike(), 0.0, Known(shelf, CURSORS))
     assert (alert.action, none) == (Action.ALERT, None)
     assert "no good checkpoint from before step 100" in alert.reason
@@ -112,7 +116,7 @@ def test_onsets_in_cursors_and_in_steps() -> None:
 
 
 def test_the_checkpoint_rule_of_a_relaunch_and_of_a_rollback() -> None:
-    rules = Rules(load_policy("default"))
+    rules = Rules(load_policy("default", DATA_FIRST))
     remedy, _ = rules.judge(spike(), 0.0, Known(SHELF, CURSORS))
     assert rollback.resume_bound(remedy) == (100, False)  # good ones before the onset
     hang = Finding(Incident.HANG, "hang", Severity.CRITICAL, 120, 120, "stalled")
@@ -129,9 +133,9 @@ def test_the_watch_launches_the_plan_the_rules_made(tmp_path: Path) -> None:
     make_ckpt(tmp_path, 50, size=100)
     catalog.promote(100, 20)
     assert recovery.shelf() == Shelf((Saved(50, 100, good=True),), 20)
-    watch = Watch(load_policy("default"))
+    watch = Watch(load_policy("default", DATA_FIRST))
     for s in range(1, 130):
-        watch._cursor_at[s] = s
+        watch.trace.add(s, Seen(s, None, None))
     remedy = watch.judge(spike(), 0.0, recovery.shelf())
     assert remedy.action is Action.ROLLBACK
     resume, _ = recovery.resume_for(remedy)
@@ -154,10 +158,10 @@ def test_the_watch_launches_the_plan_the_rules_made(tmp_path: Path) -> None:
 def test_a_rollback_inherited_from_the_journal_launches_the_same_plan() -> None:
     """A supervisor taking over reads the pending remedy back from the journal: it never made
     the plan, and must launch the same attempt as the one that did."""
-    made, inherited = Watch(load_policy("default")), Watch(load_policy("default"))
+    made, inherited = (Watch(load_policy("default", DATA_FIRST)) for _ in range(2))
     for w in (made, inherited):
         for s in range(1, 130):
-            w._cursor_at[s] = 3 * s
+            w.trace.add(s, Seen(3 * s, None, None))
     remedy = made.judge(spike(), 0.0, SHELF)
     resume = Resume(path="/ckpt/60", step=60, cursor=120)
     copy = type(remedy).from_json(json.loads(json.dumps(remedy.to_json())), remedy.finding)

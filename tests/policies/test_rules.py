@@ -22,7 +22,10 @@ def finding(incident: Incident = Incident.LOSS_SPIKE, step: int = 1000,
 
 
 def policy(**overrides: object) -> Policy:
-    return load_policy("default", dict(overrides))
+    """The default policy with ``overrides``, reruns off unless they say otherwise: these
+    tests are about the ladders and the rollback's sizes (tests/policies/test_rerun.py holds
+    the rerun a spike's rollback begins with by default)."""
+    return load_policy("default", {"rollback.rerun_max_steps": 0, **overrides})
 
 
 def test_loss_spike_ladder_climbs_then_stops() -> None:

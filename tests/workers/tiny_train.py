@@ -17,6 +17,10 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
                            parameters just differ from its peers' from then on (bit 16, a 2**-7
                            relative change: the lowest bit would be rounded away by the next
                            identical update within a step or two, so the fault would heal)
+    --glitch RANK:STEP     a transient fault of the machine: right after that step's optimizer
+                           update, the largest weight of the first layer on that rank grows
+                           2**16-fold (an exponent bit hit). The loss spikes; a rerun of the
+                           same steps from a checkpoint does not meet it (first attempt only)
     --bad-shard RANK:CURSOR  from that global batch on, that rank's shard has wrong labels (x3):
                            its loss departs from its peers' while theirs stays normal
     --every-attempt        process faults strike on every attempt (default: the first only,
@@ -145,6 +149,7 @@ def main() -> None:
     p.add_argument("--oom", type=pair)
     p.add_argument("--corrupt", type=pair)
     p.add_argument("--bad-shard", type=pair)
+    p.add_argument("--glitch", type=pair)
     p.add_argument("--flops-per-token", type=float, help="passed to attach() for MFU")
     p.add_argument("--peak-flops", type=float, help="passed to attach() for MFU")
     p.add_argument("--every-attempt", action="store_true")
@@ -241,6 +246,10 @@ def main() -> None:
             opt.step()
         if faults_on and args.corrupt and args.corrupt == (rank, run.step_count):
             flip_bit(model[0].weight)
+        if faults_on and args.glitch and args.glitch == (rank, run.step_count):
+            with torch.no_grad():
+                weights = model[0].weight.view(-1)
+                weights[weights.abs().argmax()] *= 2.0**16
         sched.step()
         if heartbeat is not None:
             heartbeat.send_heartbeat()

@@ -27,7 +27,7 @@ from babysit.supervisor.commands.status import describe_attempt, duration, goodp
 KNOWN_EVENTS = {"run_started", "launch", "worker_hello", "worker_close", "worker_skip", "state",
                 "finding", "alert", "stop_workers", "workers_stopped", "backoff", "run_finished",
                 "finding_set_aside", "incident", "resume", "sdc_check", "cadence_advice",
-                "cadence_adopted", "goodput"}
+                "cadence_adopted", "goodput", "rerun"}
 SHOWN = 20  # newest SDC disagreements and cadence changes listed; older ones are counted
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1240px; color: #222; }
@@ -80,7 +80,8 @@ def render(data: RunData, snap: dict[str, Any], figures: dict[str, str | None],
              f"<p class='muted'>{_e(snap['run_dir'])}; generated {_clock(time.time())}</p>",
              _summary(data, snap), _figures(data, figures),
              ledger.section(snap.get("goodput"), figures.get("goodput")), "<h2>Attempts</h2>",
-             _attempts(data, snap), "<h2>Incidents</h2>", _incidents(data, page), _sdc(data),
+             _attempts(data, snap), "<h2>Incidents</h2>", _incidents(data, page), _reruns(data),
+             _sdc(data),
              "<h2>Checkpoints</h2>", _checkpoints(snap), _cadence(data), _config(data),
              _other_events(data),
              f"<p class='muted'>Journal: <code>{_e(snap['journal'])}</code>; metrics: "
@@ -344,6 +345,21 @@ def _digests(digests: Any, disagreeing: set[int], keys: int = 6) -> str:
     if len(digests) > keys:
         lines.append(f"<span class='muted'>and {len(digests) - keys} more</span>")
     return "<br>".join(lines)
+
+
+def _reruns(data: RunData) -> str:
+    """The ``rerun`` events: whose fault each spike or NaN was, by rerunning its steps."""
+    verdicts = _events(data, "rerun")
+    if not verdicts:
+        return ""
+    rows = [[_e(e.get("step")), _e(e.get("attempt")), f"<b>{_e(e.get('verdict'))}</b>",
+             _e(_ranges(_rank_ids(e.get("moved_first"))) or "-"), _e(e.get("summary"))]
+            for e in verdicts[-SHOWN:]]
+    return "\n".join(["<h2>Whose fault: reruns</h2>",
+                      "<p>Each spike or NaN's steps were rerun from a checkpoint before it, "
+                      "nothing skipped: back at the same batches is the data's (then skipped), "
+                      "not back is a transient fault of the machine (nothing skipped).</p>",
+                      _table(["step", "attempt", "verdict", "moved first", "summary"], rows)])
 
 
 def _sdc(data: RunData) -> str:

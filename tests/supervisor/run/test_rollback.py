@@ -12,6 +12,7 @@ import pytest
 from babysit.checkpoints import Catalog
 from babysit.policies import rollback
 from babysit.policies.loader import load_policy
+from babysit.policies.rerun import Seen
 from babysit.policies.rules import Rules
 from babysit.policies.types import (
     Action,
@@ -26,6 +27,10 @@ from babysit.supervisor.contract.directive import Directive, LrRamp, Resume, Ski
 from babysit.supervisor.run.recovery import Recovery
 from babysit.supervisor.run.rollback import plan_relaunch
 from babysit.supervisor.run.watch import Watch
+
+DATA_FIRST = {"rollback": {"rerun_max_steps": 0}}
+"""Reruns off: a spike's rollback skips and cuts at once (the rerun that comes first by
+default: tests/policies/test_rerun.py)."""
 
 
 def remedy(action: Action = Action.ROLLBACK, incident: Incident = Incident.LOSS_SPIKE,
@@ -87,9 +92,9 @@ def test_the_rank_applies_the_ramp_per_step_and_it_survives_json() -> None:
 
 
 def test_the_watch_journals_each_change_and_carries_the_orders_through_a_takeover() -> None:
-    watch = Watch(load_policy("default"))
+    watch = Watch(load_policy("default", DATA_FIRST))
     for s in range(1, 130):
-        watch._cursor_at[s] = s
+        watch.trace.add(s, Seen(s, None, None))
     d, changes = watch.launch(1, remedy(), RESUME)
     assert (d.lr_scale, d.lr_ramp) == (0.5, LrRamp(89, 170, 220, 1.0))
     assert [(event, fields["summary"]) for event, fields in changes] == [
@@ -97,7 +102,7 @@ def test_the_watch_journals_each_change_and_carries_the_orders_through_a_takeove
     # A crash relaunch keeps the ramp (it is in cursor space) and changes nothing.
     d2, changes = watch.launch(2, remedy(Action.RELAUNCH), RESUME)
     assert (d2.lr_scale, d2.lr_ramp, changes) == (0.5, d.lr_ramp, [])
-    heir = Watch(load_policy("default"))
+    heir = Watch(load_policy("default", DATA_FIRST))
     heir.load_state_dict(json.loads(json.dumps(watch.state_dict())))
     assert (heir.lr_scale, heir.lr_ramp) == (0.5, d.lr_ramp)
 
@@ -110,7 +115,7 @@ def test_a_spike_without_a_good_checkpoint_before_it_alerts_and_says_why(tmp_pat
     recovery = Recovery(catalog, probation_steps=20, keep=3)
     spike = remedy(step=120, onset=100).finding
     assert not rollback.can_roll_back(spike, recovery.shelf())
-    rules = Rules(load_policy("default"))
+    rules = Rules(load_policy("default", DATA_FIRST))
     alert = rules.on_finding(spike, 0.0, checkpoint=False)
     assert alert.action is Action.ALERT
     assert "no good checkpoint from before step 100" in alert.reason
@@ -134,7 +139,7 @@ def test_a_spike_without_a_good_checkpoint_before_it_alerts_and_says_why(tmp_pat
 
 
 def test_a_relaunched_model_is_not_judged_by_the_old_attempts_grad_norms() -> None:
-    watch = Watch(load_policy("default"))
+    watch = Watch(load_policy("default", DATA_FIRST))
 
     def step(s: int, grad_norm: float) -> list[Finding]:
         rank = RankStep(rank=0, step=s, time=float(s), cursor=s, loss=2.0, grad_norm=grad_norm)
