@@ -18,7 +18,11 @@ What it measures (tables go to stdout and into docs/detection.md between the eva
      step, without end); catastrophic faults (a 5x jump, a NaN).
    Onset = the first injected step at least 2 % above the clean curve (the jump itself for
    step faults); latency = first rollback step - onset.
-3. with ``--e2e``: the demo model (configs/demo_train.py, 2 ranks, 400 steps) trained clean,
+3. the resume check (``policies/detectors/resume_loss.py``) on every curve: a resume every
+   ``RESUME_EVERY`` steps, its first steps the curve's own next ones (it took: any verdict is
+   a false alarm), and the same resumes whose first steps are the run's very first losses (a
+   script that loaded fresh weights over the restored ones: it must be caught).
+4. with ``--e2e``: the demo model (configs/demo_train.py, 2 ranks, 400 steps) trained clean,
    then with poisoned batches 200-229 under plain torchrun and under babysit (torchrun-style
    invocation, default checkpoints): final eval losses. About two minutes on 2 free cores.
 """
@@ -43,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from babysit.policies.detectors.resume_loss import ResumeLoss  # noqa: E402
 from babysit.policies.loader import load_policy  # noqa: E402
 from babysit.policies.pipeline import Pipeline, ReplayDecision  # noqa: E402
 from babysit.policies.replay import read_curve  # noqa: E402
@@ -57,6 +62,8 @@ ONSET_EXCESS = 0.02
 WINDOW = 250
 """Steps replayed per injection: the fault and what follows it."""
 DEADLINE = 100
+RESUME_EVERY = 7
+"""Steps between the resumes the resume check is tried at (after the first 20)."""
 """A fault that does not heal must be rolled back within this many steps of its onset."""
 
 
@@ -147,6 +154,30 @@ def inject(policy: Policy, loss: list[float], snap: str, pos: int, fault: Fault)
             if d.action in ("rollback", "stop") and onset is not None:
                 return Outcome(d.step - onset, True)
     return Outcome(None, warned)
+
+
+def resume_checks(policy: Policy, curves: dict[str, list[float]]) -> list[str]:
+    """Section 3: the resume check's false alarms and catches on every curve."""
+    config = policy.detectors.resume_loss
+    lines = ["", "**Resume check** (a resume every "
+             f"{RESUME_EVERY} steps; took: the curve goes on; overwritten: its first "
+             f"{config.steps} steps are the run's first ones)", "",
+             "| run | resumes | false alarms (took) | caught (overwritten) |",
+             "| --- | ---: | ---: | ---: |"]
+    for name, loss in curves.items():
+        resumes = alarms = caught = 0
+        for s in range(20, len(loss) - 2 * config.steps, RESUME_EVERY):
+            recorded = {t: loss[t] for t in range(max(0, s - config.history + 1), s + 1)}
+            took = ResumeLoss.start(config, s, recorded)
+            overwritten = ResumeLoss.start(config, s, recorded)
+            if took is None or overwritten is None:
+                continue
+            resumes += 1
+            ahead = range(s + 1, s + 1 + 2 * config.steps)
+            alarms += any(took.observe(t, loss[t]) is not None for t in ahead)
+            caught += any(overwritten.observe(t, loss[t - s - 1]) is not None for t in ahead)
+        lines.append(f"| {name} | {resumes} | {alarms} | {caught / max(resumes, 1):.4f} |")
+    return lines
 
 
 def pct(xs: list[int], q: float) -> str:
@@ -246,6 +277,7 @@ def main() -> int:
             f"{within if kind != 'healing' else float('nan'):.3f} | "
             f"{sum(o.warned for o in outs) / len(outs):.3f} | {pct(lat, 0.5)} | "
             f"{pct(lat, 0.9)} | {max(lat) if lat else '-'} |")
+    lines += resume_checks(policy, curves)
     if args.e2e:
         with tempfile.TemporaryDirectory(prefix="babysit-eval-") as tmp:
             lines += demo_e2e(Path(tmp))

@@ -74,6 +74,9 @@ class Trace:
     def cursors(self) -> dict[int, int]:
         return {s: v.cursor for s, v in self._steps.items()}
 
+    def losses(self) -> dict[int, float | None]:
+        return {s: v.loss for s, v in self._steps.items()}
+
 
 def asked(finding: Finding) -> bool:
     """``finding``'s rollback reruns the same steps (no skip, the LR kept) to see whose it is."""

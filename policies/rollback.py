@@ -283,11 +283,16 @@ def _kept_why(finding: Finding, checkpoint: Saved | None) -> str:
 def rerun_pays(finding: Finding, section: Section, memory: Sequence[Region],
                known: Known = NOTHING_KNOWN) -> bool:
     """Whether the rollback for ``finding`` (a spike or a NaN) first reruns its steps
-    (``policies/rerun.py``): within the policy's bounds (``rerun_max_steps``, and
+    (``policies/rerun.py``): with a data cursor that says which batches they were, within the
+    policy's bounds (``rerun_max_steps``, and
     ``rerun_max_s`` at the measured step time) from the checkpoint it would use, and not in a
     region an earlier rollback skipped (the same region again is the data's without asking)."""
     if finding.incident not in rerun.RERUNNABLE or section.rerun_max_steps <= 0 \
             or finding.evidence.get("rerun") is not None:
+        return False
+    if not finding.onset_cursor:
+        # No data cursor (the script does not read through ``run.batches()``, stdout mode):
+        # nothing says the rerun would meet the same batches, so it could tell nothing.
         return False
     onset = finding.onset_cursor if finding.onset_cursor is not None else finding.onset_step
     window = section.escalation_window

@@ -26,6 +26,7 @@ from babysit.policies.detectors import (
     LossSpikeConfig,
     NonFiniteConfig,
     RankDepartureConfig,
+    ResumeLossConfig,
     SdcConfig,
     StragglerConfig,
     ThroughputConfig,
@@ -54,6 +55,9 @@ class Detectors(Section):
     (policies/detectors/rank_departure.py)."""
     sdc: SdcConfig = SdcConfig()
     """Per-rank parameter and probe digests that must agree (policies/detectors/sdc.py)."""
+    resume_loss: ResumeLossConfig = ResumeLossConfig()
+    """After a resume, the first steps' loss against what the run recorded at the
+    checkpoint's step: far above, the restore did not take (policies/detectors/resume_loss.py)."""
 
 
 class Response(Section):
@@ -123,9 +127,9 @@ class Incidents(Section):
     node to rejoin (``nodes.rejoin_timeout_s``), paging a human; stop to never relaunch."""
     resume: Response = _ladder(A.ROLLBACK, A.STOP)
     """A resume that did not take (a rank's parameters at its first step are not the ones it
-    restored): roll back once to the next older good checkpoint (nothing skipped, LR kept);
-    again, or with no older one -> stop, naming the likely causes. Never loop rollbacks over a
-    broken restore."""
+    restored, or the first steps' loss is far above the one recorded at the checkpoint): roll
+    back once to the next older good checkpoint (nothing skipped, LR kept); again, or with no
+    older one -> stop, naming the likely causes. Never loop rollbacks over a broken restore."""
 
     @model_validator(mode="after")
     def _skip_only_for_grad(self) -> Incidents:

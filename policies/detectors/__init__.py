@@ -15,6 +15,8 @@ Straggler         StepRecord           STRAGGLER: WARNING naming the rank
 Throughput        StepRecord           THROUGHPUT: WARNING (steps/s, tokens/s or MFU)
 RankDeparture     StepRecord           RANK_DEPARTURE: WARNING naming the rank
 Sdc               per-rank digests     SDC: CRITICAL, names the ranks that disagree
+ResumeLoss        a resume's first     RESUME: CRITICAL, the loss far above what was recorded
+                  steps' loss          at the checkpoint's step
 classify()        exit + log tail      CrashVerdict (class, signature, deterministic)
 ================  ===================  ===========================================
 """
@@ -29,6 +31,7 @@ from babysit.policies.detectors.rank_departure import (
     RankDepartureDetector,
     loss_spread,
 )
+from babysit.policies.detectors.resume_loss import ResumeLoss, ResumeLossConfig
 from babysit.policies.detectors.sdc import SdcConfig, SdcDetector
 from babysit.policies.detectors.straggler import StragglerConfig, StragglerDetector
 from babysit.policies.detectors.throughput import ThroughputConfig, ThroughputDetector
@@ -47,6 +50,8 @@ __all__ = [
     "NonFiniteDetector",
     "RankDepartureConfig",
     "RankDepartureDetector",
+    "ResumeLoss",
+    "ResumeLossConfig",
     "SdcConfig",
     "SdcDetector",
     "StragglerConfig",

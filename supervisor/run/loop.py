@@ -284,14 +284,18 @@ class Supervisor:
         else:
             resume, entries = self.recovery.resume_for(remedy)
         self._journal_all(entries)
-        self._journal_all(self.members.prepare(remedy, attempt))
+        prepared = self.members.prepare(remedy, attempt)
+        self._journal_all(prepared)
+        # A script's own checkpoint put back (stdout mode): the step its resume is checked at.
+        restored = next((int(f["checkpoint_step"]) for event, f in prepared
+                         if event == "script_checkpoint_restored" and f.get("from")), None)
         directive, changes = self.watch.launch(attempt, remedy, resume,
                                                self.cadence.every_steps)
         for event, fields in changes:  # every change of the LR scale is on the record
             self._journal(event, **fields)
             self.console.log(f"babysit: {fields['summary']}")
         self.record.newest_step = 0
-        self.watch.new_attempt(self.clock(), directive)
+        self.watch.new_attempt(self.clock(), directive, restored)
         fields = self.members.launch(attempt, directive, self.clock())
         first, self._launched = not self._launched, True
         self._journal("launch", directive=directive.to_json(), **fields)

@@ -19,6 +19,7 @@ from babysit.policies.detectors.crash import (
     CrashSignature,
     CrashVerdict,
 )
+from babysit.policies.detectors.resume_loss import ResumeLoss
 from babysit.policies.detectors.sdc import SdcDetector
 from babysit.policies.loader import load_policy
 from babysit.policies.pipeline import Pipeline
@@ -124,7 +125,14 @@ class Watch:
         self._judged_step = 0
         """The newest step ``observe_record`` saw this attempt."""
         self._resume_failed = False
-        """A rank said this attempt's resume did not take (one finding per attempt)."""
+        """This attempt's resume did not take, by a rank's digest or by the loss (one finding
+        per attempt)."""
+        self._resume_loss: ResumeLoss | None = None
+        """The loss check of this attempt's resume (``detectors/resume_loss.py``)."""
+        self._first_record = True
+        """No step of this attempt judged yet: the first one says where it resumed."""
+        self._restored: int | None = None
+        """The step of the checkpoint this attempt resumed from, as the supervisor knows it."""
         self._alive: set[int] = set()
         self._world = 0
         self.own_load = False
@@ -156,12 +164,17 @@ class Watch:
 
     # -- streams --------------------------------------------------------------------------------
 
-    def new_attempt(self, now: float, directive: Directive) -> None:
+    def new_attempt(self, now: float, directive: Directive,
+                    restored: int | None = None) -> None:
         """A new attempt launched: only ranks that say hello are watched for hangs, so a script
-        without the worker API is judged by liveness and exit code alone."""
+        without the worker API is judged by liveness and exit code alone. ``restored``: the
+        step of the checkpoint it resumes from when not babysit's (``directive.resume``): a
+        stdout-mode script's own, put back."""
         self._alive = set()
         self._judged_step = 0
         self._resume_failed = False
+        self._resume_loss, self._first_record = None, True
+        self._restored = directive.resume.step if directive.resume is not None else restored
         self.hang.start(now)
         if directive.attempt > 0:
             self.pipeline.new_attempt()
@@ -217,6 +230,14 @@ class Watch:
         comes back as a finding marked for the data's rollback."""
         self._world = record.world_size
         self._judged_step = max(self._judged_step, record.step)
+        if self._first_record:
+            # The attempt resumed after the step before its first (its checkpoint's, whoever
+            # restored it: babysit, the script in stdout mode, a framework): hold its first
+            # losses against what the run recorded up to there.
+            self._first_record = False
+            self._resume_loss = ResumeLoss.start(self.policy.detectors.resume_loss,
+                                                 record.step - 1, self.trace.losses(),
+                                                 self._restored)
         per_rank = {r.rank: r.loss for r in record.ranks if r.loss is not None} \
             if isinstance(record, StepRecord) and record.world_size <= PER_RANK_LIMIT else {}
         seen = Seen(record.cursor, record.loss, record.grad_norm, per_rank)
@@ -224,6 +245,11 @@ class Watch:
         if record.step_time is not None and record.step_time > 0:
             self._pace.append(record.step_time)
         findings = self.pipeline.findings(record, OWN_LOAD_BLIND if self.own_load else ())
+        if self._resume_loss is not None and not self._resume_failed:
+            failed = self._resume_loss.observe(record.step, record.loss)
+            if failed is not None:
+                self._resume_failed = True
+                findings.append(failed)
         if self.rerun is None:
             return findings
         first = self.rerun.finding

@@ -45,8 +45,11 @@ def _check_rollback(run_dir: Path, result: subprocess.CompletedProcess[str],
     assert "FINAL " in clean_out, clean_out
     assert result.returncode == 0, result.stdout + result.stderr
     rollbacks = [f for f in journal(run_dir, "finding") if f["remedy"]["action"] == "rollback"]
-    assert len(rollbacks) == 1, journal(run_dir, "finding")
-    onset = rollbacks[0]["finding"]["onset_step"]
+    # The same steps rerun first through the framework's data path (its sampler replays the
+    # same batches from the restored cursor), and the poison came back: the data's.
+    assert len(rollbacks) == 2, journal(run_dir, "finding")
+    assert [r["finding"]["evidence"]["rerun"] for r in rollbacks] == ["asked", "reproduced"]
+    onset = rollbacks[1]["finding"]["onset_step"]
     # The framework's own checkpoint, registered with babysit's catalog and chosen by it.
     launch = journal(run_dir, "launch")[-1]["directive"]
     assert launch["resume"]["external"] and launch["resume"]["step"] < onset
@@ -57,7 +60,7 @@ def _check_rollback(run_dir: Path, result: subprocess.CompletedProcess[str],
     # report it as they apply it, through step hooks on the framework's optimizer.
     (cut,) = journal(run_dir, "lr_scale")
     assert cut["lr_scale"] < 1.0
-    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["attempt"] == 1 and "lr" in r]
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["attempt"] == 2 and "lr" in r]
     assert rows
     final, reference = _final(result.stdout), _final(clean_out)
     assert final["step"] == steps

@@ -115,6 +115,35 @@ def test_a_printing_script_shows_progress_and_a_frozen_rank_is_relaunched(
         assert table["data"][0][2] == "hang" and table["data"][0][5] == "relaunch"
 
 
+def test_a_resume_whose_loss_is_back_near_the_start_is_caught_and_stopped(
+        tmp_path: Path) -> None:
+    """Stdout mode has no parameters to compare: the loss says the restore did not take."""
+    out_dir = tmp_path / "out"
+    result, run_dir = babysat(
+        tmp_path, "forgot", "--max_iters=60", f"--out_dir={out_dir}", "--die_at=45",
+        "--forget_weights", script=SCRIPT, checkpoints="{}",
+        extra=f"stdout:\n  checkpoint_dir: {out_dir}\n  resume_args: [--init_from=resume]\n")
+    assert result.returncode == 1, result.stdout + result.stderr
+    crash, *resumes = (e for e in journal(run_dir, "finding")
+                       if e["remedy"]["action"] != "ignore")
+    assert crash["finding"]["incident"] == "crash" and crash["remedy"]["action"] == "relaunch"
+    # Caught a few printed steps after each resume: from the newest copy of the script's
+    # checkpoint, then once from the one before it; then stopped, never "succeeded".
+    restored = [e["checkpoint_step"] for e in journal(run_dir, "script_checkpoint_restored")]
+    assert len(restored) == 2 and restored[1] < restored[0]
+    assert [e["remedy"]["action"] for e in resumes] == ["rollback", "stop"]
+    for entry, step in zip(resumes, restored, strict=True):
+        finding = entry["finding"]
+        assert finding["incident"] == "resume" and finding["detector"] == "resume_loss"
+        # The checkpoint's step as babysit registered it: the last printed before the save.
+        assert finding["message"].startswith(f"resume from step {step}: loss ")
+        assert "the restore did not take" in finding["message"]
+        assert finding["evidence"]["ratio"] > 10  # back near the first iterations' loss
+        assert step <= entry["step"] <= step + 10
+    assert journal(run_dir, "run_finished")[-1]["state"] == "failed"
+    assert "the restore did not take" in result.stdout
+
+
 def test_with_its_checkpoint_keys_set_a_printing_script_rolls_back_over_poison(
         tmp_path: Path) -> None:
     out_dir = tmp_path / "out"

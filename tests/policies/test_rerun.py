@@ -202,3 +202,11 @@ def test_the_watch_turns_a_reproduced_spike_into_the_datas_rollback() -> None:
     directive, entries = watch.launch(2, data, Resume(path="/ckpt/40", step=40, cursor=80))
     assert directive.skip and directive.lr_scale == 0.5 and entries
     assert watch.rerun is None
+
+
+def test_no_rerun_without_a_data_cursor() -> None:
+    """Stdout mode (no ``run.batches()``): nothing says a rerun meets the same batches."""
+    blind = Finding(Incident.LOSS_SPIKE, "loss_spike", Severity.CRITICAL, 110, 100, "spike",
+                    evidence={"baseline": 2.0}, onset_cursor=0)
+    remedy, _ = Rules(load_policy("default")).judge(blind, 0.0, Known(SHELF, {}))
+    assert remedy.action is Action.ROLLBACK and not rerun.asked(remedy.finding)

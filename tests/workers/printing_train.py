@@ -9,6 +9,10 @@ stream positions 0, 1, 2... again from its resumed iteration on.
 
     --poison START:END   stream positions START <= p < END carry poisoned labels (a loss spike)
     --sleep S            seconds per iteration beyond the compute (so a save holds still)
+    --die_at N           rank 0 SIGKILLs itself at iteration N (a fresh start only: a machine
+                         fault a relaunch cures)
+    --forget_weights     on a resume, the iteration and optimizer come back but the model is
+                         re-initialised: a "load pretrained" line after the restore
 """
 
 import argparse
@@ -25,6 +29,8 @@ parser.add_argument("--max_iters", type=int, default=40)
 parser.add_argument("--save_every", type=int, default=10)
 parser.add_argument("--poison", default=None)
 parser.add_argument("--sleep", type=float, default=0.05)
+parser.add_argument("--die_at", type=int, default=None)
+parser.add_argument("--forget_weights", action="store_true")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -39,6 +45,10 @@ if args.init_from == "resume":
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     iter_num = checkpoint["iter_num"]
+    if args.forget_weights:
+        torch.manual_seed(7)
+        model = torch.nn.Linear(16, 1)  # the restored weights lost; the optimizer's still there
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     if rank == 0:
         print(f"resuming from iteration {iter_num}", flush=True)
 poison = tuple(int(v) for v in args.poison.split(":")) if args.poison else None
@@ -50,6 +60,8 @@ while iter_num < args.max_iters:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "iter_num": iter_num}, ckpt_path)
         print(f"saving checkpoint to {args.out_dir}", flush=True)
+    if args.die_at == iter_num and args.init_from == "scratch" and rank == 0:
+        os.kill(os.getpid(), 9)
     t0 = time.time()
     g = torch.Generator().manual_seed(position * world + rank)
     x = torch.randn(8, 16, generator=g)
