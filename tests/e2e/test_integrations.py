@@ -23,6 +23,10 @@ pytestmark = pytest.mark.e2e
 POLICY = (f"{{name: {FAST_POLICY}, overrides: {{rollback: {{skip_before: 2, skip_after: 14}}, "
           f"detectors: {{loss_spike: {{patience: 5}}}}, "
           f"incidents: {{grad_spike: {{ladder: [alert]}}}}}}}}")
+NO_RERUN = POLICY.replace("skip_after: 14", "skip_after: 14, rerun_max_steps: 0")
+"""The data's rollback at once: the Trainer's test reruns through a framework's data path
+(Lightning's replays the same batches too, seen when this was written: 'asked', then
+'reproduced'); here it saves the CI a relaunch."""
 
 
 def _final(output: str) -> dict:
@@ -39,7 +43,7 @@ def _clean_run(script: Path, out: Path, *args: str) -> subprocess.Popen[str]:
 
 
 def _check_rollback(run_dir: Path, result: subprocess.CompletedProcess[str],
-                    clean: subprocess.Popen[str], steps: int) -> None:
+                    clean: subprocess.Popen[str], steps: int, rerun: bool = True) -> None:
     clean_out, _ = clean.communicate(timeout=240)
     # Its training finished (gloo in torch 2.13 sometimes aborts in the teardown after it).
     assert "FINAL " in clean_out, clean_out
@@ -47,9 +51,10 @@ def _check_rollback(run_dir: Path, result: subprocess.CompletedProcess[str],
     rollbacks = [f for f in journal(run_dir, "finding") if f["remedy"]["action"] == "rollback"]
     # The same steps rerun first through the framework's data path (its sampler replays the
     # same batches from the restored cursor), and the poison came back: the data's.
-    assert len(rollbacks) == 2, journal(run_dir, "finding")
-    assert [r["finding"]["evidence"]["rerun"] for r in rollbacks] == ["asked", "reproduced"]
-    onset = rollbacks[1]["finding"]["onset_step"]
+    assert len(rollbacks) == 1 + rerun, journal(run_dir, "finding")
+    if rerun:
+        assert [r["finding"]["evidence"]["rerun"] for r in rollbacks] == ["asked", "reproduced"]
+    onset = rollbacks[-1]["finding"]["onset_step"]
     # The framework's own checkpoint, registered with babysit's catalog and chosen by it.
     launch = journal(run_dir, "launch")[-1]["directive"]
     assert launch["resume"]["external"] and launch["resume"]["step"] < onset
@@ -60,7 +65,8 @@ def _check_rollback(run_dir: Path, result: subprocess.CompletedProcess[str],
     # report it as they apply it, through step hooks on the framework's optimizer.
     (cut,) = journal(run_dir, "lr_scale")
     assert cut["lr_scale"] < 1.0
-    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["attempt"] == 2 and "lr" in r]
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl")
+            if r["attempt"] == 1 + rerun and "lr" in r]
     assert rows
     final, reference = _final(result.stdout), _final(clean_out)
     assert final["step"] == steps
@@ -88,5 +94,5 @@ def test_a_lightning_job_rolls_back_through_its_callback(tmp_path: Path) -> None
     result, run_dir = babysat(
         tmp_path, "lightning", "--out", str(tmp_path / "out"), "--steps", "70",
         "--poison", "30:42", "--babysit", script=script,
-        checkpoints="{every_steps: 10, probation_steps: 5}", policy=POLICY)
-    _check_rollback(run_dir, result, clean, 70)
+        checkpoints="{every_steps: 10, probation_steps: 5}", policy=NO_RERUN)
+    _check_rollback(run_dir, result, clean, 70, rerun=False)
