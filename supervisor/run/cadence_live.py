@@ -37,6 +37,10 @@ class LiveCadence:
     each merged step, and ``closing()`` once as the run finishes."""
 
     EVENTS = ("state", "finding", "supervisor_takeover", "checkpoint_saved")
+    PRINT_CHANGE = 2.0
+    """The console shows the advice again only once the advised interval moved by this factor
+    from the one it last showed (the journal keeps every move of 10 %: early estimates wander
+    while the costs and failure rate are being learnt)."""
 
     def __init__(self, config: CheckpointConfig, *, journal: Callable[..., None],
                  log: Callable[[str], None], request: Callable[..., None],
@@ -52,6 +56,8 @@ class LiveCadence:
         self._journal, self._log, self._request = journal, log, request
         self._newest_step = newest_step
         self._running_since: float | None = None
+        self._printed: int | None = None
+        """The advised interval the console last showed (``PRINT_CHANGE``)."""
 
     @property
     def every_steps(self) -> int:
@@ -127,7 +133,11 @@ class LiveCadence:
         advice, adoption = self.keeper.after_checkpoint(newest)
         if advice is not None:
             self._journal("cadence_advice", summary=advice.summary(), **advice.to_json())
-            self._log(f"babysit: cadence: {advice.summary()}")
+            shown = self._printed
+            if shown is None or not (shown / self.PRINT_CHANGE <= advice.optimal_steps
+                                     <= shown * self.PRINT_CHANGE):
+                self._printed = advice.optimal_steps
+                self._log(f"babysit: cadence: {advice.summary()}")
         if adoption is None:
             return
         self._request(checkpoint_every=adoption.every_steps, from_step=adoption.from_step)

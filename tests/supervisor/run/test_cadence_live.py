@@ -3,6 +3,7 @@ it says its advice and, with ``auto``, asks the ranks for a new interval."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from babysit.policies.types import JobStep, RankStep, StepRecord
@@ -80,3 +81,24 @@ def test_an_interval_auto_adopted_before_a_restart_stays_in_force() -> None:
     # The user changed the interval since: their word wins.
     other = Heard().cadence(every_steps=500, cadence={"auto": True})
     assert other.restore(previous) == [] and other.every_steps == 500
+
+
+def test_the_console_shows_the_advice_again_only_when_it_moved_materially() -> None:
+    """Every move of 10 % is journaled; the console repeats the advice only once the advised
+    interval halved or doubled since it last showed it."""
+    lines: list[str] = []
+    entries: list[str] = []
+    c = LiveCadence(CheckpointConfig(every_steps=100),
+                    journal=lambda event, **f: entries.append(event), log=lines.append,
+                    request=lambda **f: None, newest_step=lambda: 0)
+    for s in range(1, 65):
+        c.observe_step(step(s, 0.1))
+    c.hear(entry("state", 0.0, old="starting", new="running"))
+    t = 0.0
+    for blocking in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1.5, 2.0, 4.0, 8.0):  # costs grow
+        t += 600.0
+        c.hear(entry("checkpoint_saved", t, step=100, data={"step": 100, "blocking_s": blocking}))
+    advised = entries.count("cadence_advice")
+    assert advised >= 4 and 1 <= len(lines) < advised
+    shown = [int(line.split("checkpoint every ")[1].split()[0]) for line in lines]
+    assert all(b >= 2 * a or b <= a / 2 for a, b in itertools.pairwise(shown))
