@@ -46,7 +46,8 @@ as in the journal)::
     incidents                   the newest 10 acted-on findings, oldest first: {time, attempt,
                                 step, onset_step, incident, severity, ranks, action, reason,
                                 message, dir (its incident folder, or null)}
-    attempt_history             every launch: {attempt, time, resume_step, resume_note, skip:
+    attempt_history             every launch: {attempt, time, resume_step (babysit's checkpoint,
+                                or in stdout mode the script's own put back), resume_note, skip:
                                 [[start, end]] (data-cursor batches), lr_scale, cause: the
                                 incident that made babysit launch it, or null}
     checkpoint_dir              the checkpoint root looked at (str)
@@ -186,6 +187,11 @@ class History:
                 resume_note = e.get("reason") or (
                     f"checkpoint at step {e.get('checkpoint_step')} ({e.get('verdict')})"
                     if e.get("from") else None)
+            elif kind == "script_checkpoint_restored" and e.get("from"):
+                # Stdout mode: babysit has no checkpoint of its own; the script resumes from its
+                # own, which babysit put back (the resume entry before it says "from scratch").
+                resume_note = (f"the script's own checkpoint at step {e.get('checkpoint_step')}"
+                               " (its copy, put back)")
             elif kind == "finding":
                 inc = _incident(e)
                 inc.dir = folders.pop((inc.step, inc.incident), None)
@@ -197,7 +203,7 @@ class History:
                         pending_cause = inc
             elif kind == "launch":
                 d = _dict(e.get("directive"))
-                resume = _dict(d.get("resume"))
+                resume = _dict(d.get("resume")) or _dict(e.get("script_resume"))
                 skip = [(int(s["start"]), int(s["end"])) for s in d.get("skip") or ()
                         if isinstance(s, dict) and "start" in s and "end" in s]
                 h.attempts.append(Attempt(
@@ -294,8 +300,12 @@ def checkpoints(h: History) -> list[dict[str, Any]]:
         if not isinstance(step, int):
             continue
         if e.get("event") == "checkpoint_saved":
+            copy = data.get("source") == "output"  # stdout mode's copy of the script's own
             found[step] = {"step": step, "cursor": data.get("cursor", e.get("cursor")),
-                           "verdict": "pending", "reason": None,
+                           "verdict": "copy" if copy else "pending",
+                           "reason": "a copy of the script's own checkpoint (stdout mode): put "
+                                     "back on a relaunch, never judged by probation"
+                           if copy else None,
                            "path": data.get("path", e.get("path"))}
         elif e.get("event") == "checkpoint_verdict" and step in found:
             found[step]["verdict"] = str(e.get("verdict"))

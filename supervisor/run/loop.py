@@ -298,6 +298,8 @@ class Supervisor:
         self.watch.new_attempt(self.clock(), directive, restored)
         fields = self.members.launch(attempt, directive, self.clock())
         first, self._launched = not self._launched, True
+        if restored is not None:  # where the attempt really resumes: the script restores itself
+            fields["script_resume"] = {"step": restored}
         self._journal("launch", directive=directive.to_json(), **fields)
         off = fields.get("standby_off")
         if first and off and off != standby.CONFIGURED_OFF:  # the user's own choice needs no word

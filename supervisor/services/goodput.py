@@ -305,6 +305,8 @@ class Ledger:
     def _launch(self, t: float, e: Mapping[str, Any]) -> None:
         directive = e.get("directive") if isinstance(e.get("directive"), Mapping) else {}
         resume = (directive or {}).get("resume")
+        if not isinstance(resume, Mapping):  # stdout mode: the script's own checkpoint, put back
+            resume = e.get("script_resume")
         resume_step = resume.get("step") if isinstance(resume, Mapping) else None
         resume_step = resume_step if isinstance(resume_step, int) else 0
         number = _int((directive or {}).get("attempt"), _int(e.get("attempt"), 0))

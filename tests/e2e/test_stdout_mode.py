@@ -166,3 +166,13 @@ def test_with_its_checkpoint_keys_set_a_printing_script_rolls_back_over_poison(
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["attempt"] == 1]
     assert rows[-1]["step"] == 39 and rows[-1]["loss"] < 0.1
     assert len(journal(run_dir, "checkpoint_saved")) >= 2
+    # The record says where it really resumed: the script's own checkpoint, not "from start";
+    # the ledger counts as lost only the steps past it; the copies are shown as copies.
+    status = _status(run_dir)
+    assert status is not None
+    resumed = status["attempt_history"][1]
+    assert resumed["resume_step"] == restored["checkpoint_step"]
+    assert resumed["resume_note"].startswith("the script's own checkpoint")
+    assert {c["verdict"] for c in status["checkpoints"]} == {"copy"}
+    human = run_babysit("status", str(run_dir), cwd=tmp_path, timeout=30).stdout
+    assert f"resume step {restored['checkpoint_step']} (the script's own checkpoint" in human

@@ -230,3 +230,15 @@ def test_the_categories_always_sum_to_the_wall_time(run: Any) -> None:
     g = ledger(entries, metrics)
     assert_sums(g)
     assert g.wall_s == pytest.approx(end, abs=1e-9)
+
+
+def test_a_stdout_mode_resume_from_the_scripts_checkpoint_loses_only_the_steps_past_it() -> None:
+    """Stdout mode: no babysit checkpoint in the directive; the launch says where the script's
+    own checkpoint, put back, resumes it (``script_resume``)."""
+    relaunch = launch(11.0, 1)
+    relaunch["script_resume"] = {"step": 6}
+    entries = [ev(0.0, "run_started"), launch(0.0, 0), finding(10.5, "crash", "relaunch"),
+               relaunch, ev(20.0, "run_finished", 1, state="succeeded")]
+    g = ledger(entries, rows(0, range(1, 11), t0=1.0) + rows(1, range(7, 14), t0=12.0))
+    assert_sums(g)
+    assert g.attempts[0]["lost"] == pytest.approx(4.0)  # steps 7..10, not all ten
