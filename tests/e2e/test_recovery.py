@@ -112,21 +112,6 @@ def test_loss_spike_rolls_back_skips_the_bad_batches_and_lowers_the_lr(tmp_path:
     assert read_jsonl(run_dir / "events.jsonl")[-1]["state"] == "succeeded"
 
 
-def test_a_nan_is_rerun_then_rolled_back_past_its_batch(tmp_path: Path) -> None:
-    result, run_dir = babysat(tmp_path, "nan", "--steps", "40", "--nan-at", "22")
-    assert result.returncode == 0, result.stdout + result.stderr
-    finding = next(e for e in journal(run_dir, "finding")
-                   if e["finding"]["incident"] == "nonfinite")
-    assert finding["step"] == 23 and finding["remedy"]["action"] == "rollback"
-    assert finding["finding"]["ranks"] == [0, 1]
-    # Rerun first: the NaN came back at the same batch, so it is skipped.
-    (verdict,) = journal(run_dir, "rerun")
-    assert verdict["verdict"] == "reproduced" and verdict["rerun_excess"] == "inf"
-    launch = journal(run_dir, "launch")[2]
-    assert any(s["start"] <= 22 < s["end"] for s in launch["directive"]["skip"])
-    assert read_jsonl(run_dir / "events.jsonl")[-1]["state"] == "succeeded"
-
-
 def test_hang_names_the_stuck_rank_from_its_stack_and_relaunches(tmp_path: Path) -> None:
     # One run, three faults (the goodput ledger's real run): attempt 0 hangs at step 15,
     # attempt 1 meets poisoned batches 22-25 and rolls back, attempt 2 is killed at step 33

@@ -79,6 +79,8 @@ def test_json_agrees_with_the_journal_and_metrics(run_dir: Path) -> None:
     assert s["step"] == 60 and s["attempts"] == len(journal(run_dir, "launch")) == 3
     (rerun,) = s["reruns"]
     assert rerun["verdict"] == "reproduced" and "the data's: skipped" in rerun["summary"]
+    (verdict,) = journal(run_dir, "rerun")  # non-finite again where it was: infinitely far
+    assert verdict["first_excess"] == verdict["rerun_excess"] == "inf"
     assert s["steps_per_s"] > 0 and s["tokens_per_s"] > 0  # the demo reports tokens
     # Incidents: the findings the policy acted on; the NaN steps it ignored are counted.
     findings = journal(run_dir, "finding")
