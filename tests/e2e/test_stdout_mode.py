@@ -138,7 +138,7 @@ def test_a_resume_whose_loss_is_back_near_the_start_is_caught_and_stopped(
         # The checkpoint's step as babysit registered it: the last printed before the save.
         assert finding["message"].startswith(f"resume from step {step}: loss ")
         assert "the restore did not take" in finding["message"]
-        assert finding["evidence"]["ratio"] > 10  # back near the first iterations' loss
+        assert finding["evidence"]["ratio"] > 3  # back near the first iterations' loss
         assert step <= entry["step"] <= step + 10
     assert journal(run_dir, "run_finished")[-1]["state"] == "failed"
     assert "the restore did not take" in result.stdout
