@@ -150,7 +150,8 @@ class Verdict:
                 "onset_step": self.finding.onset_step, "reproduced": self.reproduced,
                 "verdict": REPRODUCED if self.reproduced else TRANSIENT,
                 "steps": list(self.steps), "batches": list(self.batches),
-                "first_excess": _json_float(self.first), "rerun_excess": _json_float(self.again),
+                "first_excess": _json_num(round(self.first, 6)),
+                "rerun_excess": _json_num(round(self.again, 6)),
                 "moved_first": list(self.moved_first), "summary": self.summary()}
 
     def as_finding(self) -> Finding:
@@ -161,8 +162,9 @@ class Verdict:
                        evidence=evidence)
 
 
-def _json_float(x: float) -> float | str:
-    return repr(x) if not math.isfinite(x) else round(x, 6)
+def _json_num(x: float | None) -> float | str | None:
+    """``x`` as the journal writes numbers: a non-finite one as its repr ("inf", "nan")."""
+    return x if x is None or math.isfinite(x) else repr(x)
 
 
 @dataclass
@@ -268,10 +270,8 @@ def _moved_first(first: Mapping[int, Seen], baseline: float,
 
 
 def _seen_json(v: Seen) -> dict[str, Any]:
-    def num(x: float | None) -> float | str | None:
-        return x if x is None or math.isfinite(x) else repr(x)
-    return {"cursor": v.cursor, "loss": num(v.loss), "grad_norm": num(v.grad_norm),
-            "rank_loss": {str(r): num(x) for r, x in v.rank_loss.items()}}
+    return {"cursor": v.cursor, "loss": _json_num(v.loss), "grad_norm": _json_num(v.grad_norm),
+            "rank_loss": {str(r): _json_num(x) for r, x in v.rank_loss.items()}}
 
 
 def _seen_from(d: Mapping[str, Any]) -> Seen:

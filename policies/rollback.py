@@ -250,9 +250,7 @@ def plan(finding: Finding, section: Section, memory: Sequence[Region],
         # checkpoint before the one whose restore did not take) and replay the same steps.
         return Plan(finding, True, possible, checkpoint, orders=known.orders,
                     note=_kept_why(finding, checkpoint))
-    onset = finding.onset_cursor if finding.onset_cursor is not None else finding.onset_step
-    window = section.escalation_window
-    same = [r for r in memory if r.lo - window <= onset < r.hi + window]
+    onset, same = _same_region(finding, section, memory)
     gen = 1 + max((r.gen for r in same), default=-1)
     widen = section.escalation_skip_factor ** gen
     before = round(section.skip_before * widen)
@@ -266,6 +264,15 @@ def plan(finding: Finding, section: Section, memory: Sequence[Region],
                           checkpoint.cursor if checkpoint is not None else None)
     return Plan(finding, True, possible, checkpoint, before, after, section.lr_factor, rewarm,
                 Region(onset - before, onset + after, gen), note, skip, orders)
+
+
+def _same_region(finding: Finding, section: Section,
+                 memory: Sequence[Region]) -> tuple[int, list[Region]]:
+    """``finding``'s onset (its own cursor, else its step) and the earlier rollbacks' regions
+    it falls within ``escalation_window`` of: the same region failing again."""
+    onset = finding.onset_cursor if finding.onset_cursor is not None else finding.onset_step
+    window = section.escalation_window
+    return onset, [r for r in memory if r.lo - window <= onset < r.hi + window]
 
 
 def _kept_why(finding: Finding, checkpoint: Saved | None) -> str:
@@ -294,9 +301,7 @@ def rerun_pays(finding: Finding, section: Section, memory: Sequence[Region],
         # No data cursor (the script does not read through ``run.batches()``, stdout mode):
         # nothing says the rerun would meet the same batches, so it could tell nothing.
         return False
-    onset = finding.onset_cursor if finding.onset_cursor is not None else finding.onset_step
-    window = section.escalation_window
-    if any(r.lo - window <= onset < r.hi + window for r in memory):
+    if _same_region(finding, section, memory)[1]:
         return False
     if known.shelf is None:  # one is vouched for: the rerun is at least the anomaly's steps
         since = finding.onset_step

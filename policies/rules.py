@@ -73,7 +73,8 @@ class Rules:
         no good one before its onset is an alert instead, as ``on_finding`` says), the cursor
         memory and the LR orders in force. ``now``: as for ``on_finding``."""
         caused = self._cause(finding, known)
-        if rerun.reproduced(finding):
+        reproduced = rerun.reproduced(finding)
+        if reproduced:
             remedy, plan = self._reproduced(finding, known)
         elif caused is not None:
             remedy, plan = caused
@@ -84,7 +85,7 @@ class Rules:
         if plan is not None and plan.region is not None:
             # Remembered even when the budget stops the run instead: the region did spike.
             self._rollbacks.append(plan.region)
-        if not rerun.reproduced(finding):
+        if not reproduced:
             remedy = self._charge(remedy, now)
         return remedy, plan if remedy.action is Action.ROLLBACK else None
 

@@ -409,9 +409,8 @@ class Watch:
         it records the orders as those in force."""
         plan = self.plan(remedy, resume)
         self._planned = None
-        rerun = remedy is not None and remedy.action is Action.ROLLBACK and asked(remedy.finding)
-        self.rerun = Rerun.start(remedy.finding, self.trace) if remedy is not None and rerun \
-            else None
+        self.rerun = Rerun.start(remedy.finding, self.trace) if remedy is not None \
+            and remedy.action is Action.ROLLBACK and asked(remedy.finding) else None
         if plan.skip is not None:
             self.skips.append(plan.skip)
         changes: list[Entry] = []
