@@ -169,7 +169,8 @@ class Rules:
             return remedy, rollback.for_remedy(remedy, known)
         if follows is Follows.CODE:
             assert earlier is not None
-            return Remedy(Action.STOP, finding, f"same {name} at step {fault.step} on "
+            code = replace(finding, evidence={**finding.evidence, "follows": "code"})
+            return Remedy(Action.STOP, code, f"same {name} at step {fault.step} on "
                           f"{fault.batches()} as on {earlier.batches()} before: it follows the "
                           "step count, not the data -> the code's (an evaluation, a save or a "
                           "schedule at that step?); a relaunch would meet it again"), None

@@ -12,9 +12,14 @@ tick at a time (the messages both ways are ``supervisor.cluster.messages``)::
 A hang found here is diagnosed here (only this node can read its ranks' stacks) and its incident
 folder written here; the finding goes to the leader, which chooses between the nodes' views.
 
-If the leader vanishes, nobody can coordinate a relaunch: the follower stops its workers and
-exits (code 1), and its journal says why. A message from the leader that it cannot read (another
-babysit version, or a bug) is journaled (``leader_message_refused``) and otherwise ignored.
+If the leader vanishes (its connection closes, or it falls silent), the follower stops its
+workers at once: they cannot train without the others. Then it asks the shared run directory
+(``cluster.leadership``) whose fault it was. The leader's lease still beats: this node is the one
+cut off, and it keeps trying to rejoin (up to ``nodes.rejoin_timeout_s``), so a partition that
+heals costs one relaunch. The lease is stale: the leader is gone, and this follower claims the
+next term; the claim that wins becomes the leader (``run()`` returns its ``Term``), the others
+join it. A message from the leader that it cannot read (another babysit version, or a bug) is
+journaled (``leader_message_refused``) and otherwise ignored.
 Its journal (``RUN_DIR/nodes/<node rank>/``) records what it saw and did; the leader's is the
 run's record.
 """
@@ -29,6 +34,8 @@ from types import FrameType
 from typing import Any
 
 from babysit.policies.types import Finding
+from babysit.supervisor.cluster import leadership
+from babysit.supervisor.cluster.leadership import Lease, LeaseWatch, Term
 from babysit.supervisor.cluster.messages import (
     Beat,
     Control,
@@ -53,11 +60,13 @@ from babysit.supervisor.cluster.messages import (
 )
 from babysit.supervisor.cluster.node_view import NodeView
 from babysit.supervisor.cluster.wire import AuthError, Peer, connect
+from babysit.supervisor.config.address import format_address, parse_address
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.node import incident, launcher
 from babysit.supervisor.node.sketch import StepSummary
 from babysit.supervisor.node.tick import Hang, OwnNode
 from babysit.supervisor.node.workers import NodeWorkers
+from babysit.supervisor.run import exit_codes
 from babysit.supervisor.run import journal as journal_mod
 from babysit.supervisor.run.console import Console
 
@@ -70,7 +79,8 @@ FORWARDED = ("hello", "close", "skip", "checkpoint", "checkpoint_failed", "caden
 class Follower:
     """Runs a follower node to the end of the run; ``run()`` returns the exit code."""
 
-    def __init__(self, plan: RunPlan, console: Console, secret: bytes) -> None:
+    def __init__(self, plan: RunPlan, console: Console, secret: bytes,
+                 lease: Lease | None = None) -> None:
         self.plan = plan
         self.console = console
         self.node = plan.node_rank
@@ -90,8 +100,18 @@ class Follower:
         self._signal: int | None = None
         self._term_at: float | None = None
         self._join_deadline: float | None = None
+        self.lease = lease
+        self.term: Term | None = None
+        """The term of the leader this node follows (None: node 0's first, not yet claimed)."""
+        self._lost = False
+        """This node lost its leader and has not joined one again."""
+        self._leader_lease: LeaseWatch | None = None
+        """The lease of the leader of ``term``, watched from the first join on."""
+        self._term_checked = 0.0
 
-    def run(self) -> int:
+    def run(self) -> int | Term:
+        """The exit code; or the term this node won when its leader was lost (the caller leads
+        from here on, with the same console and lease)."""
         self.plan.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.plan.run_dir, 0o700)
         self.journal.open()
@@ -101,8 +121,8 @@ class Follower:
             signal.signal(sig, self._on_signal)
         self._journal("follower_started", host=self.host, pid=os.getpid(),
                       leader=self.plan.leader_address)
+        code: int | Term | None = None
         try:
-            code = None
             while code is None:
                 code = self._join()
                 if code is None:
@@ -110,35 +130,50 @@ class Follower:
                         code = self._loop()
                     except _Rejoin:  # our node rank was still held by our previous connection
                         time.sleep(1.0)
-            self._journal("follower_finished", exit_code=code)
+            if isinstance(code, Term):
+                self._journal("leading", term=code.epoch, address=code.address)
+            else:
+                self._journal("follower_finished", exit_code=code)
             return code
         finally:
             self.workers.close()
             if self.peer is not None:
                 self.peer.close()
             self.journal.close()
-            self.console.close()
+            if not isinstance(code, Term):
+                self.console.close()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signal = signum
 
-    def _join(self) -> int | None:
-        """Connect to the leader, retrying until ``nodes.join_timeout_s``; an exit code if not."""
-        address, timeout = self.plan.leader_address, self.plan.config.nodes.join_timeout_s
-        self.console.log(f"babysit: node {self.node} joining the leader at {address}")
+    def _join(self) -> int | Term | None:
+        """Connect to the leader of the term in force, retrying until ``nodes.join_timeout_s``
+        (``nodes.rejoin_timeout_s`` after a loss); an exit code if not, or the term this node
+        won because the leader it lost is gone."""
+        nodes = self.plan.config.nodes
+        timeout = nodes.rejoin_timeout_s if self._lost else nodes.join_timeout_s
         if self._join_deadline is None:  # one deadline, however often the leader refuses us
             self._join_deadline = time.monotonic() + timeout
         deadline = self._join_deadline
+        address = self._leader_address()
+        self.console.log(f"babysit: node {self.node} joining the leader at {address}")
         refused = False
         last: Exception | None = None
         while self._signal is None:
+            won = self._elect()  # first: a leader that still answers may have lost its lease
+            if won is not None:
+                return won
+            address = self._leader_address()
             try:
                 self.peer = connect(address, self.secret,
                                     {"node_rank": self.node, "host": self.host,
-                                     "pid": os.getpid()}, timeout_s=10.0)
-                self.peer.keep_alive(self.plan.config.nodes.heartbeat_s, encode(Beat()))
-                self._journal("joined", leader=address)
+                                     "pid": os.getpid()}, timeout_s=min(10.0, nodes.lost_after_s))
+                self.peer.keep_alive(nodes.heartbeat_s, encode(Beat()))
+                self._journal("joined", leader=address,
+                              term=self.term.epoch if self.term else None)
                 self.console.log(f"babysit: node {self.node} joined the leader at {address}")
+                self._lost, self._join_deadline = False, None
+                self._leader_address()  # the term it leads, if it was claimed meanwhile
                 return None
             except AuthError as exc:
                 # Most likely another secret; but a leader that is restarting or swamped hangs
@@ -149,10 +184,49 @@ class Follower:
             except OSError as exc:
                 last = exc
             if time.monotonic() > deadline:
-                return self._fail("join_timeout", f"could not join the leader at {address} "
-                                  f"within {timeout:g} s (nodes.join_timeout_s): {last}")
-            time.sleep(1.0)
+                if not self._lost:
+                    return self._fail("join_timeout", f"could not join the leader at {address} "
+                                      f"within {timeout:g} s (nodes.join_timeout_s): {last}")
+                self._fail("rejoin_timeout", f"cut off from the leader at {address}, which "
+                           f"lives, for {timeout:g} s (nodes.rejoin_timeout_s): {last}; "
+                           f"leaving the run to it")
+                return exit_codes.REQUEUE
+            time.sleep(min(1.0, nodes.heartbeat_s))
         return 128 + self._signal
+
+    def _leader_address(self) -> str:
+        """Where the leader listens: the newest term's, when another node holds it; else
+        ``nodes.leader`` (node 0's, which claims the first term when it starts)."""
+        current = leadership.newest(self.plan.shared_dir)
+        if current is not None and current.node != self.node:
+            if self.term is None or current.epoch > self.term.epoch:
+                self.term = current
+                self._leader_lease = LeaseWatch(self.plan.shared_dir, current.node,
+                                                self.plan.config.nodes.lost_after_s)
+            return current.address
+        return self.plan.leader_address
+
+    def _elect(self) -> Term | None:
+        """After losing the leader: if its lease went stale, claim the next term. The term this
+        node won, or None (the leader lives, or another node won: the next join finds it)."""
+        if not self._lost or self.term is None or self._leader_lease is None:
+            return None
+        current = leadership.newest(self.plan.shared_dir)
+        if current is not None and current.epoch > self.term.epoch:
+            return None  # already elected: join the new leader
+        if self._leader_lease.state() == "alive":
+            return None  # the leader lives: this node is the one cut off
+        host = self.peer.info.get("local") if self.peer is not None else None
+        address = format_address(host or self.host, parse_address(self.plan.leader_address)[1])
+        won = leadership.claim(self.plan.shared_dir, self.term.epoch + 1, self.node, self.host,
+                               address)
+        if won is not None:
+            self._journal("leader_elected", term=won.epoch, address=won.address,
+                          previous=self.term.node,
+                          silent_s=round(self._leader_lease.silent_s(), 1))
+            self.console.log(f"babysit: node {self.node}: the leader (node {self.term.node}) is "
+                             f"gone; this node leads from here ({won.describe()})")
+        return won
 
     def _fail(self, event: str, why: str) -> int:
         self._journal(event, why=why)
@@ -161,7 +235,8 @@ class Follower:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def _loop(self) -> int:
+    def _loop(self) -> int | None:
+        """Until the run ends (an exit code) or the leader is lost (None: join again)."""
         assert self.peer is not None
         lost_after = self.plan.config.nodes.lost_after_s
         while True:
@@ -185,12 +260,31 @@ class Follower:
             for line in self.workers.output():
                 self.console.log(line)
             silent = time.monotonic() - self.peer.last_heard
-            if gone or silent > lost_after:
-                why = (f"silent for {silent:.0f} s" if not gone
-                       else f"connection closed ({self.peer.close_reason or 'eof'})")
-                self._stop_workers(f"leader lost: {why}")
-                return self._fail("leader_lost", f"the leader is gone ({why}); stopped this "
-                                  f"node's workers: nothing can coordinate a relaunch")
+            deposed = self._deposed()
+            if gone or silent > lost_after or deposed:
+                why = deposed or (f"silent for {silent:.0f} s" if not gone
+                                  else f"connection closed ({self.peer.close_reason or 'eof'})")
+                # Cut off, torchrun's own shutdown waits on a store it cannot reach: kill it
+                # as soon as the ranks are gone, as when an attempt is replaced.
+                self._stop_workers(f"leader lost: {why}", replacing=True)
+                self._journal("leader_lost", why=why)
+                self.console.log(f"babysit: node {self.node}: lost the leader ({why}); stopped "
+                                 f"this node's workers; rejoining, or electing a new leader if "
+                                 f"it is gone")
+                self._lost = True
+                return None
+
+    def _deposed(self) -> str | None:
+        """A newer term than the one this node follows: its leader was given up (fenced)."""
+        now = time.monotonic()
+        if now - self._term_checked < self.plan.config.nodes.heartbeat_s:
+            return None
+        self._term_checked = now
+        current = leadership.newest(self.plan.shared_dir)
+        if current is not None and self.term is not None and current.epoch > self.term.epoch \
+                and current.node != self.node:
+            return f"node {current.node} leads a newer term ({current.epoch})"
+        return None
 
     def _on_signal_received(self) -> int | None:
         """SIGINT stops this node at once. SIGTERM (a scheduler ending the job: every node gets
@@ -244,9 +338,14 @@ class Follower:
         self._stop_workers("a new attempt starts", replacing=True)
         attempt, directive = message.attempt, message.directive
         self.attempt, self._step = attempt, 0
+        assert self.peer is not None
+        leader_host = parse_address(self.peer.info["address"])[0]
+        place = launcher.Placement(
+            rdzv_host=False if parse_address(message.rdzv_endpoint)[0] == leader_host else None,
+            local_addr=self.peer.info.get("local"))
         command = self.own.launch(attempt, directive, time.monotonic(), lambda: self.workers.launch(
             attempt, directive, rdzv_endpoint=message.rdzv_endpoint, rdzv_id=message.rdzv_id,
-            nnodes=str(message.nnodes), node_rank=message.node_rank))
+            nnodes=str(message.nnodes), node_rank=message.node_rank, place=place))
         self._journal("launch", command=command, rdzv_endpoint=message.rdzv_endpoint,
                       directive=directive.to_json())
 

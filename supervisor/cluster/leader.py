@@ -22,8 +22,9 @@ import time
 from typing import Any
 
 from babysit.policies.types import Finding, Incident, Severity
+from babysit.supervisor.cluster import leadership
+from babysit.supervisor.cluster.leadership import Lease, Term
 from babysit.supervisor.cluster.membership import (
-    LEADER,
     Cluster,
     Heard,
     JobExit,
@@ -44,16 +45,19 @@ from babysit.supervisor.cluster.messages import (
     Summary,
 )
 from babysit.supervisor.cluster.node_view import NodeView, located
+from babysit.supervisor.config.address import parse_address
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent, mfu_inputs
 from babysit.supervisor.node import standby
 from babysit.supervisor.node.aggregate import with_rates
+from babysit.supervisor.node.launcher import Placement
 from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
 from babysit.supervisor.node.tick import OwnNode
 from babysit.supervisor.node.workers import NodeWorkers
 from babysit.supervisor.run.members import (
     Entry,
+    Fenced,
     Gathered,
     JobEnd,
     MembersMissing,
@@ -74,11 +78,18 @@ class ClusterMembers(OnThisNode):
 
     scope = "job"
 
-    def __init__(self, plan: RunPlan, secret: bytes) -> None:
+    def __init__(self, plan: RunPlan, secret: bytes, term: Term, lease: Lease,
+                 expect: list[int] | None = None) -> None:
+        """``term``: the leadership this babysitter won (``cluster.leadership``); ``lease``:
+        its own, beating. ``expect``: after taking over from a lost leader, the nodes of the
+        last attempt still to be waited for (briefly); None waits for ``launch.nnodes``."""
         self.plan = plan
         self.clock = time.monotonic
+        self.term, self.lease, self.expect = term, lease, expect
+        self._term_checked = 0.0
+        self.fenced: str | None = None
         self.workers = NodeWorkers(plan, plan.run_dir)
-        self.view = NodeView.from_plan(plan, LEADER)
+        self.view = NodeView.from_plan(plan, plan.node_rank)
         self.node: OwnNode[tuple[list[StepSummary], list[Finding]]] = OwnNode(
             self.workers, self.view, flush_on_exit=True)
         self.cluster = Cluster(plan, secret, self.clock)
@@ -112,19 +123,43 @@ class ClusterMembers(OnThisNode):
                 f"({exc.strerror or exc}): another run holds the port, or the host is not this "
                 f"machine; change nodes.leader") from None
         voice.journal("leader_listening", address=self.plan.leader_address,
-                      nnodes=self.plan.config.launch.nnodes)
+                      nnodes=self.plan.config.launch.nnodes, term=self.term.epoch,
+                      node=self.cluster.me)
         low, high = self.cluster.low, self.cluster.high
         timeout = self.plan.config.nodes.join_timeout_s
-        voice.log(f"babysit: leading {low if low == high else f'{low} to {high}'} nodes; "
-                  f"waiting for the others at {self.plan.leader_address}")
-        if not self._await_nodes(high, timeout) and \
+        want = high
+        if self.expect is not None:  # a takeover: the last attempt's nodes find us by the term
+            want = len({self.cluster.me, *self.expect})
+            timeout = 2 * self.plan.config.nodes.lost_after_s
+            self._took_over(voice)
+        voice.log(f"babysit: leading {low if low == high else f'{low} to {high}'} nodes "
+                  f"({self.term.describe()}); waiting for the others at "
+                  f"{self.plan.leader_address}")
+        if not self._await_nodes(want, timeout) and \
                 (len(self.cluster.present()) < low or voice.stopping()):
             raise MembersMissing(
                 f"only {len(self.cluster.present())} of at least {low} nodes joined within "
                 f"{timeout:g} s (nodes.join_timeout_s); check that every node runs babysit "
-                f"with the same secret and can reach {self.plan.leader_address}")
+                f"with the same secret and can reach {self.plan.leader_address}",
+                lost=self.expect is not None)
+
+    def _took_over(self, voice: Voice) -> None:
+        """Say in the run's record that the leader was lost and this node leads now."""
+        lost = leadership.read(self.plan.shared_dir, self.term.epoch - 1)
+        if lost is None or lost.node == self.cluster.me:
+            return
+        why = (f"its babysitter stopped beating its lease; node {self.cluster.me} "
+               f"({self.view.host}) leads from here ({self.term.describe()})")
+        voice.journal("node_lost", node=lost.node, host=lost.host, why=why)
+        voice.journal("leader_changed", term=self.term.epoch, node=self.cluster.me,
+                      host=self.view.host, previous=lost.node, previous_host=lost.host)
+        voice.alert(Severity.CRITICAL, f"the leader, node {lost.node} ({lost.host}), is lost; "
+                                       f"node {self.cluster.me} ({self.view.host}) took over "
+                                       f"the run from the newest good checkpoint")
 
     def launch(self, attempt: int, directive: Directive, now: float) -> dict[str, Any]:
+        self._term_checked = 0.0
+        self._check_term()  # never start ranks under a term another node has taken
         present = len(self.cluster.present())
         if present < self.cluster.low:
             self._await_rejoin(present)
@@ -132,9 +167,12 @@ class ClusterMembers(OnThisNode):
         rdzv_id = launch.rdzv_id or f"{self.plan.name}-{attempt}"
         nodes, endpoint = self.cluster.launch(attempt, directive, rdzv_id, launch.rdzv_endpoint)
         self._attempt = attempt
+        hosts_it = parse_address(endpoint)[0] == self.cluster.leader_host
+        place = Placement(rdzv_host=True if hosts_it else None,
+                          local_addr=self.cluster.leader_host)
         command = self.node.launch(attempt, directive, now, lambda: self.workers.launch(
             attempt, directive, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
-            nnodes=str(len(nodes)), node_rank=0))
+            nnodes=str(len(nodes)), node_rank=0, place=place))
         self.voice.log(f"babysit: attempt {attempt} on {len(nodes)} node(s): "
                        f"{', '.join(self.cluster.describe(n) for n in nodes)}")
         assert self.workers.group is not None
@@ -156,7 +194,7 @@ class ClusterMembers(OnThisNode):
         for event, fields in moot.entries:
             self.voice.journal(event, **fields)
         missing = [n for n in self.cluster.attempt.nodes
-                   if n != LEADER and n not in self.cluster.attempt.stopped]
+                   if n != self.cluster.me and n not in self.cluster.attempt.stopped]
         self.voice.journal("nodes_stopped", missing=missing)
         return code
 
@@ -165,6 +203,7 @@ class ClusterMembers(OnThisNode):
         self.cluster.tell(Control(fields))
 
     def gather(self, now: float, watching: bool) -> Gathered:
+        self._check_term()
         out = Gathered()
         self._own_node(now, watching, out)
         # Settled before this tick's messages: a node lost in this tick is judged first, and
@@ -189,29 +228,56 @@ class ClusterMembers(OnThisNode):
     def locate(self, finding: Finding) -> Finding:
         if not finding.ranks:
             return finding
-        node = self.cluster.rank_node.get(finding.ranks[0], LEADER)
+        node = self.cluster.rank_node.get(finding.ranks[0], self.cluster.me)
         return located(finding, node, self.cluster.hosts.get(node, self.view.host))
 
     def close(self, code: int | None) -> list[Entry]:
+        if self.fenced is not None:  # another leads: command nobody, keep nothing running
+            self.cluster.close(None)
+            self.close_workers()
+            return []
         self.cluster.close(code if code is not None else 1)
         return self.close_workers()
+
+    # -- the term ---------------------------------------------------------------------------------
+
+    def _check_term(self) -> None:
+        """Raise ``Fenced`` once another node leads a newer term, or once this babysitter has
+        not been able to beat its lease for ``nodes.lost_after_s`` (the others will elect)."""
+        now = self.clock()
+        nodes = self.plan.config.nodes
+        if now - self._term_checked < min(1.0, nodes.heartbeat_s):
+            return
+        self._term_checked = now
+        current = leadership.newest(self.plan.shared_dir)
+        if current is not None and current.epoch > self.term.epoch:
+            self.fenced = (f"node {current.node} ({current.host}) leads term {current.epoch}: "
+                           f"the other nodes gave this leader (term {self.term.epoch}) up")
+        elif now - self.lease.last_ok > nodes.lost_after_s:
+            self.fenced = (f"could not beat this node's lease in {self.lease.path} for "
+                           f"{now - self.lease.last_ok:.0f} s: the other nodes may elect "
+                           f"another leader")
+        if self.fenced is not None:
+            if self.workers.group is not None and self.workers.group.processes():
+                self.workers.stop()
+            raise Fenced(self.fenced)
 
     # -- this node ------------------------------------------------------------------------------
 
     def _own_node(self, now: float, watching: bool, out: Gathered) -> None:
         tick = self.node.tick(now, watching)
         for summaries, findings in tick.outputs:
-            self._node_report(LEADER, summaries, findings, out)
+            self._node_report(self.cluster.me, summaries, findings, out)
         for event in tick.events:
-            self._rank_event(LEADER, event, out)
+            self._rank_event(self.cluster.me, event, out)
         self.record_tick(tick, out)
         for hang in tick.hangs:
-            self.cluster.hang(LEADER, hang.finding)
+            self.cluster.hang(self.cluster.me, hang.finding)
         if tick.rank_died:
-            self.cluster.rank_died(LEADER)
+            self.cluster.rank_died(self.cluster.me)
         end = tick.exit
         if end is not None:
-            self.cluster.exited(LEADER, end.code, end.tails, end.root, end.exits)
+            self.cluster.exited(self.cluster.me, end.code, end.tails, end.root, end.exits)
 
     # -- the other nodes ------------------------------------------------------------------------
 
@@ -321,5 +387,6 @@ class ClusterMembers(OnThisNode):
                          f"(nodes.rejoin_timeout_s)")
         if not self._await_nodes(low, timeout):
             raise MembersMissing(f"only {len(self.cluster.present())} of at least {low} nodes "
-                                 f"came back within {timeout:g} s (nodes.rejoin_timeout_s)")
+                                 f"came back within {timeout:g} s (nodes.rejoin_timeout_s)",
+                                 lost=True)
         self.voice.journal("nodes_rejoined", present=self.cluster.present())

@@ -62,6 +62,7 @@ from babysit.supervisor.node.launcher import free_port
 from babysit.supervisor.node.sketch import StepSummary
 
 LEADER = 0
+"""The node rank that leads when a run starts (another takes over if it is lost)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,20 +142,23 @@ class Cluster:
         self.leader_host = parse_address(plan.leader_address)[0]
         self.listener = Listener("::" if ":" in self.leader_host else "", port, secret)
         self.clock = clock
+        self.me = plan.node_rank
+        """The leading node's rank: 0, or the node that took over from a lost leader."""
         self.peers: dict[int, Peer] = {}
         """Followers connected now, by node rank."""
-        self.hosts: dict[int, str] = {LEADER: node_name()}
+        self.hosts: dict[int, str] = {self.me: node_name()}
         self.rank_node: dict[int, int] = {}
         """Global rank -> node rank, from the hellos of the current attempt."""
-        self.merger = NodeMerger({LEADER})
-        self.attempt = _Attempt([LEADER])
+        self.merger = NodeMerger({self.me})
+        self.attempt = _Attempt([self.me])
         self._backlog: list[tuple[int, Heard]] = []
 
     def open(self) -> None:
         self.listener.open()
 
     def close(self, code: int | None = None) -> None:
-        """Tell every follower the run is over (with its exit code), then hang up."""
+        """Tell every follower the run is over (with its exit code; None: tell nobody
+        anything, as a fenced leader must), then hang up."""
         if code is not None:
             for peer in self.peers.values():
                 peer.send(encode(Finish(code)))
@@ -168,9 +172,10 @@ class Cluster:
         for peer in self.listener.accept():
             node, host = peer.info.get("node_rank"), str(peer.info.get("host", "?"))
             old = self.peers.get(node) if isinstance(node, int) else None
-            if not isinstance(node, int) or not 0 < node < self.high:
+            if not isinstance(node, int) or not 0 <= node < self.high or node == self.me:
                 # Never going to work: another config, or a typo in --node-rank.
-                why = f"node rank {node!r} is not in 1..{self.high - 1} (launch.nnodes)"
+                why = (f"node rank {node!r} is not in 0..{self.high - 1} (launch.nnodes) or is "
+                       f"the leader's own ({self.me})")
                 final = True
             elif old is not None and not old.closed:
                 # Its previous connection may not have been seen closing yet: it may retry.
@@ -195,7 +200,7 @@ class Cluster:
 
     def present(self) -> list[int]:
         """Nodes that could take part in an attempt now (the leader and live followers)."""
-        return [LEADER, *sorted(n for n, p in self.peers.items() if not p.closed)]
+        return [self.me, *sorted(n for n, p in self.peers.items() if not p.closed)]
 
     def describe(self, node: int) -> str:
         return f"node {node} ({self.hosts.get(node, '?')})"
@@ -208,9 +213,9 @@ class Cluster:
         the rendezvous endpoint. The leader's own node is node index 0 of the attempt."""
         nodes = self.present()
         endpoint = endpoint or format_address(self.leader_host, free_port(""))
-        self.attempt = _Attempt(nodes, peers={n: self.peers[n] for n in nodes if n != LEADER})
+        self.attempt = _Attempt(nodes, peers={n: self.peers[n] for n in nodes if n != self.me})
         for index, node in enumerate(nodes):
-            if node != LEADER:
+            if node != self.me:
                 self.peers[node].send(encode(Launch(
                     attempt=attempt, directive=directive, rdzv_id=rdzv_id,
                     rdzv_endpoint=endpoint, nnodes=len(nodes), node_rank=index)))

@@ -176,7 +176,8 @@ class Peer:
     def __init__(self, sock: socket.socket, key: bytes, side: bytes, info: dict[str, Any]) -> None:
         self.info = info
         """The follower's ``node_rank``, ``host`` and ``pid`` as it sent them, plus ``address``
-        (the remote end, ``host:port``); on the follower side only the leader's ``address``."""
+        (the remote end, ``host:port``); on the follower side the leader's ``address`` and
+        ``local``, the address this end reached it from."""
         self.last_heard = time.monotonic()
         """``time.monotonic()`` of the last frame received (of the handshake at first)."""
         self.close_reason = ""
@@ -491,7 +492,8 @@ def connect(address: str, secret: bytes, node: dict[str, Any], timeout_s: float 
     except BaseException:
         sock.close()
         raise
-    return Peer(sock, key, FOLLOWER, {"address": address})._start()
+    return Peer(sock, key, FOLLOWER, {"address": address,
+                                      "local": sock.getsockname()[0]})._start()
 
 
 def _join(sock: socket.socket, address: str, secret: bytes, fields: dict[str, Any],

@@ -250,13 +250,9 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     if not plan.config.launch.multinode:
         return Supervisor(plan, console).run()
-    if plan.node_rank == 0:  # the leader: the same loop, over every node's workers
-        from babysit.supervisor.cluster.leader import ClusterMembers
+    from babysit.supervisor.cluster.roles import run_node
 
-        return Supervisor(plan, console, members=ClusterMembers(plan, plan.secret())).run()
-    from babysit.supervisor.cluster.follower import Follower
-
-    return Follower(plan, console, plan.secret()).run()
+    return run_node(plan, console)  # leader or follower, and a follower may take over
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ validate`` and ``babysit run`` report the same problems in the same words.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ class RunPlan:
     script: Path | None
     python: str
     checkpoint_dir: Path
+    shared_dir: Path
+    """The run directory every node shares (a multi-node run's record and its ``leader/`` and
+    ``nodes/`` folders); ``run_dir`` is this node's own folder in it when it follows."""
 
     @property
     def node_rank(self) -> int:
@@ -44,6 +48,11 @@ class RunPlan:
             raise cfg.ConfigError("a multi-node run needs nodes.leader or launch.rdzv_endpoint")
         host, port = parse_address(endpoint)
         return format_address(host, port + 1)
+
+    def following(self) -> RunPlan:
+        """This plan for a node that follows: its own folder, ``nodes/<node rank>/``."""
+        own = self.shared_dir / "nodes" / str(self.node_rank)
+        return self if self.run_dir == own else dataclasses.replace(self, run_dir=own)
 
     def secret(self) -> bytes:
         """The run's shared secret: ``BABYSIT_SECRET``, else ``nodes.secret``."""
@@ -124,6 +133,7 @@ def resolve(config: cfg.RunConfig, base: Path, source: str, stem: str,
         run_dir = cfg.default_run_dir(name).resolve()
     checkpoint_dir = cfg.checkpoint_dir(config, base, run_dir)
     problems = []
+    shared_dir = run_dir
     if config.launch.multinode:
         problems = _check_multinode(config, source, run_dir_override)
         if config.launch.node_rank > 0:  # the leader's journal is the run's record
@@ -137,6 +147,7 @@ def resolve(config: cfg.RunConfig, base: Path, source: str, stem: str,
     return RunPlan(
         config=config, source=source, base=base, name=name, run_dir=run_dir, script=script,
         python=config.launch.python or sys.executable, checkpoint_dir=checkpoint_dir,
+        shared_dir=shared_dir,
     )
 
 

@@ -77,6 +77,66 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where this node stands in a multi-node attempt, for torchrun and gloo.
+
+    A machine whose host name resolves to an address the other nodes cannot reach (127.0.0.1
+    on many multi-homed hosts and containers) leaves torchrun unsure which node hosts the c10d
+    store, and gives the workers a ``MASTER_ADDR`` and gloo an interface nobody else can
+    reach. babysit knows better: the leader's node hosts the rendezvous, and each node is
+    reached at the address it reached the leader from. What the user set wins.
+    """
+
+    rdzv_host: bool | None
+    """This node hosts the c10d rendezvous store (``is_host`` in ``--rdzv-conf``); None: say
+    nothing (the endpoint is not one babysit can vouch for)."""
+    local_addr: str | None
+    """The address the other nodes reach this node at (``--local-addr``)."""
+
+    def apply(self, launch: LaunchConfig, env: dict[str, str]
+              ) -> tuple[LaunchConfig, dict[str, str]]:
+        """The attempt's launch settings and the environment it adds, with what is unset filled
+        in; ``env`` is the environment the workers would get."""
+        update: dict[str, object] = {}
+        conf = launch.rdzv_conf or ""
+        if self.rdzv_host is not None and launch.rdzv_backend == "c10d" and \
+                "is_host" not in conf:
+            update["rdzv_conf"] = ",".join(filter(None, [conf, f"is_host={int(self.rdzv_host)}"]))
+        extra: dict[str, str] = {}
+        if self.local_addr:
+            if launch.local_addr is None:
+                update["local_addr"] = self.local_addr
+            interface = interface_of(self.local_addr)
+            if interface is not None and "GLOO_SOCKET_IFNAME" not in env:
+                extra["GLOO_SOCKET_IFNAME"] = interface
+        return (launch.model_copy(update=update) if update else launch), extra
+
+
+def route_source(host: str, port: int) -> str | None:
+    """The address this machine sends from to reach ``host`` (no packet is sent: a UDP
+    socket's connect only asks the routing table), or None without a route."""
+    try:
+        family, kind, proto, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(target)
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding ``address`` (an IP, or a name resolved here), or None."""
+    try:
+        ips = {info[4][0] for info in socket.getaddrinfo(address, None)}
+    except OSError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] in ips for a in addrs):
+            return name
+    return None
+
+
 def torchrun_command(
     launch: LaunchConfig,
     script: Path | None,

@@ -93,10 +93,12 @@ class NodeWorkers:
         return self.run_dir / "attempts" / str(attempt)
 
     def launch(self, attempt: int, directive: Directive, *, rdzv_endpoint: str, rdzv_id: str,
-               nnodes: str | None = None, node_rank: int | None = None) -> list[str]:
+               nnodes: str | None = None, node_rank: int | None = None,
+               place: launcher.Placement | None = None) -> list[str]:
         """Start attempt ``attempt`` with ``directive``; returns the torchrun command.
         ``nnodes``/``node_rank`` replace the config's for this attempt (a multi-node leader
-        decides which nodes take part)."""
+        decides which nodes take part); ``place`` says where this node stands in it (who hosts
+        the rendezvous, which address this node is reached at)."""
         attempt_dir = self.attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=True)
         standby.set_aside(attempt_dir)
@@ -110,11 +112,14 @@ class NodeWorkers:
             launch = launch.model_copy(update={
                 "nnodes": nnodes if nnodes is not None else launch.nnodes,
                 "node_rank": node_rank if node_rank is not None else launch.node_rank})
+        extra_env: dict[str, str] = {}
+        if place is not None:
+            launch, extra_env = place.apply(launch, {**os.environ, **launch.env})
         command = launcher.torchrun_command(
             launch, self.plan.script, python=self.plan.python, rdzv_id=rdzv_id,
             rdzv_endpoint=rdzv_endpoint, log_dir=attempt_dir / "torchrun")
         self._new_attempt()
-        self.group = self._group(command, attempt_dir, attempt, self.lines)
+        self.group = self._group(command, attempt_dir, attempt, self.lines, extra_env)
         return command
 
     def _new_attempt(self) -> None:

@@ -38,6 +38,7 @@ class Journal:
         self._file: IO[str] | None = None
         self._lock = threading.Lock()
         self._listeners: list[tuple[frozenset[str] | None, Listener]] = []
+        self._fenced = False
 
     def listen(self, listener: Listener, events: Iterable[str] | None = None) -> None:
         """Hand ``listener`` every entry written from now on, or only those whose ``event`` is
@@ -64,6 +65,8 @@ class Journal:
             entry[f"evidence_{key}" if key in _RESERVED else key] = value
         line = json.dumps(json_safe(entry), separators=(",", ":")) + "\n"
         with self._lock:
+            if self._fenced:
+                return entry
             if self._file is None:
                 raise RuntimeError("Journal.write() before open()")
             self._file.write(line)
@@ -74,6 +77,11 @@ class Journal:
             if events is None or event in events:
                 listener(entry)
         return entry
+
+    def fence(self) -> None:
+        """Write nothing more, and tell no listener: another writer owns the record now."""
+        with self._lock:
+            self._fenced = True
 
     def close(self) -> None:
         with self._lock:

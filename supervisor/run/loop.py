@@ -34,13 +34,14 @@ from babysit.policies import decide as sm
 from babysit.policies.types import Finding, Remedy, Severity
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.node import launcher, standby
+from babysit.supervisor.run import exit_codes, preemption, run_dir, takeover
 from babysit.supervisor.run import journal as journal_mod
-from babysit.supervisor.run import preemption, run_dir, takeover
 from babysit.supervisor.run.background import Services
 from babysit.supervisor.run.cadence_live import LiveCadence
 from babysit.supervisor.run.console import Console
 from babysit.supervisor.run.judge import Judge
 from babysit.supervisor.run.members import (
+    Fenced,
     Gathered,
     LocalMembers,
     Members,
@@ -101,6 +102,8 @@ class Supervisor:
         self._started = 0.0
         self._first_attempt = 0
         self._takeover: takeover.Takeover | None = None
+        self._requeued: list[int] = []
+        """Steps at which earlier sessions of this run directory ended in a requeue."""
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -108,6 +111,10 @@ class Supervisor:
         self._setup()
         try:
             self._exit_code = self._loop()
+        except Fenced as exc:  # another node leads now: not a word more in the run's record
+            self.record.journal.fence()
+            self.console.log(f"babysit: fenced: {exc}; stopped this node's workers")
+            self._exit_code = exit_codes.REQUEUE
         except MembersMissing as exc:
             self._exit_code = self._members_missing(exc)
         except BaseException as exc:
@@ -121,6 +128,7 @@ class Supervisor:
     def _setup(self) -> None:
         previous = run_dir.prepare(self.plan)
         self._first_attempt = run_dir.next_attempt(previous)
+        self._requeued = exit_codes.requeued_steps(previous)
         self.machine = sm.Machine(attempt=self._first_attempt)
         restored = self.cadence.restore(previous)
         self._listen()
@@ -323,6 +331,14 @@ class Supervisor:
         self._notify(sm.Notify(severity, title))
 
     def _finish(self, code: int) -> int:
+        verdict: dict[str, Any] = {}
+        if code == exit_codes.STOP and self.machine.state is sm.State.FAILED:
+            # Requeue or stop: what the scheduler that started this run acts on.
+            judged = exit_codes.for_failure(self.machine.pending, self._newest(),
+                                            self._requeued)
+            code, verdict = judged.code, judged.to_json()
+            if judged.exclude:
+                run_dir.exclude_hosts(self.plan.run_dir, judged.exclude)
         self._journal_all(self.cadence.closing())  # the whole run's figures: status, report
         # Nothing of the run outlives it: a warm standby waiting for an attempt that will never
         # come is stopped now, and said so before run_finished.
@@ -331,7 +347,7 @@ class Supervisor:
         # run_finished, which stays the journal's last word).
         self._journal("goodput", **self.services.goodput().to_json())
         self._journal("run_finished", state=self.machine.state.value, exit_code=code,
-                      reason=self.machine.reason)
+                      reason=self.machine.reason, **verdict)
         self.services.finished(self.machine, code)
         return code
 

@@ -26,6 +26,7 @@ from babysit.supervisor.node.printed import SOURCE
 from babysit.supervisor.node.stacks import Diagnosis
 from babysit.supervisor.node.tick import NodeTick, OwnNode
 from babysit.supervisor.node.workers import NodeWorkers
+from babysit.supervisor.run import exit_codes
 from babysit.supervisor.run.watch import Watch
 
 Entry = tuple[str, dict[str, Any]]
@@ -80,14 +81,27 @@ class Voice:
 
 
 class MembersMissing(Exception):
-    """Too few members joined, or came back, for the run to go on; the message says why."""
+    """Too few members joined, or came back, for the run to go on; the message says why.
+    ``lost``: members the run had were lost and did not come back (a requeue on other hosts
+    may go on), rather than members that never came (a setup to fix: the secret, an address)."""
+
+    def __init__(self, message: str, lost: bool = False) -> None:
+        super().__init__(message)
+        self.lost = lost
 
     def ending(self, signum: int | None) -> dict[str, Any]:
         """The ``run_finished`` entry's fields: stopped when ``signum`` asked for that while
         the run waited for its members, else failed."""
         if signum is not None:
             return {"state": "stopped", "exit_code": 128 + signum, "reason": f"signal {signum}"}
-        return {"state": "failed", "exit_code": 1, "reason": str(self)}
+        code = exit_codes.REQUEUE if self.lost else exit_codes.STOP
+        return {"state": "failed", "exit_code": code, "reason": str(self)}
+
+
+class Fenced(MembersMissing):
+    """Another babysitter leads the run now (``cluster.leadership``): this one stops its ranks,
+    commands nobody, writes nothing more to the run's record, and exits to be restarted as a
+    follower (``exit_codes.REQUEUE``)."""
 
 
 class Members(Protocol):

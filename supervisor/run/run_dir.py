@@ -9,6 +9,8 @@ reachable by its owner only.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -34,3 +36,16 @@ def prepare(plan: RunPlan) -> list[dict[str, Any]]:
 def next_attempt(previous: list[dict[str, Any]]) -> int:
     """The number of this supervisor's first attempt: one past every attempt journaled."""
     return 1 + max((e.get("attempt", -1) for e in previous), default=-1)
+
+
+EXCLUDE_HOSTS = "exclude_hosts"
+
+
+def exclude_hosts(folder: Path, hosts: Iterable[str]) -> Path:
+    """Add ``hosts`` to ``folder/exclude_hosts`` (one per line, each once): the hosts a requeue
+    should run without, for a job script to hand on (``sbatch --exclude``)."""
+    path = folder / EXCLUDE_HOSTS
+    known = path.read_text().split() if path.exists() else []
+    merged = [*known, *(h for h in hosts if h not in known)]
+    path.write_text("".join(f"{h}\n" for h in merged))
+    return path

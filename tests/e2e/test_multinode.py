@@ -20,7 +20,9 @@ import psutil
 import pytest
 
 from babysit.supervisor.node.launcher import free_port
+from tests import netns
 from tests.conftest import FAST_POLICY, ROOT, WORKERS, babysit_env, read_jsonl, run_babysit
+from tests.netns import Network
 
 pytestmark = pytest.mark.e2e  # every test here runs several babysitters and torchruns
 
@@ -45,17 +47,22 @@ class Nodes:
     """The babysitters of one multi-node run, started as separate processes."""
 
     def __init__(self, tmp_path: Path, *args: str, nnodes: str = "2", nodes: str = "",
-                 steps: int = 40) -> None:
+                 steps: int = 40, net: Network | None = None) -> None:
+        """``net``: each node in its own network namespace, with its own address; the config
+        then names only the rendezvous endpoint, on node 0's address, as a user's would."""
         self.tmp_path = tmp_path
         self.run_dir = tmp_path / "run"
         self.config = tmp_path / "run.yaml"
+        self.net = net
+        where = (f"  rdzv-endpoint: '{net.address(0)}:29400'\n" if net is not None else "")
+        leader = "" if net is not None else f"leader: '127.0.0.1:{free_port()}', "
         self.config.write_text(
             f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
-            f"  nnodes: '{nnodes}'\n"
+            f"  nnodes: '{nnodes}'\n{where}"
             f"  args: {json.dumps(['--steps', str(steps), '--step-sleep', '0.05', *args])}\n"
             f"run_dir: {self.run_dir}\ncheckpoints: {{every_steps: 5, probation_steps: 5}}\n"
             f"policy: {{name: {FAST_POLICY}}}\n"
-            f"nodes: {{leader: '127.0.0.1:{free_port()}', heartbeat_s: 0.5, lost_after_s: 3,"
+            f"nodes: {{{leader}heartbeat_s: 0.5, lost_after_s: 3,"
             f" settle_s: 2, join_timeout_s: 60{nodes}}}\n")
         self.procs: dict[int, subprocess.Popen[str]] = {}
         _RUNS.append(self)
@@ -63,8 +70,9 @@ class Nodes:
     def start(self, node: int, secret: str = SECRET) -> subprocess.Popen[str]:
         env = {**babysit_env(), "BABYSIT_SECRET": secret}
         log = open(self.tmp_path / f"node{node}.log", "a")  # noqa: SIM115 - closed with the test
+        prefix = self.net.prefix(node) if self.net is not None else []
         proc = subprocess.Popen(
-            [sys.executable, "-m", "babysit", "run", "--node-rank", str(node),
+            [*prefix, sys.executable, "-m", "babysit", "run", "--node-rank", str(node),
              str(self.config)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             text=True)
         self.procs[node] = proc
@@ -275,3 +283,79 @@ def test_a_crash_on_one_node_is_named_with_its_rank_node_and_log(tmp_path: Path)
     # The failed rank's own log, filed under its global rank even when it ran on a follower.
     assert "injected crash at step 10" in tail
     assert run.events("follower_finished", node=1)[0]["exit_code"] == 1
+
+
+NO_NETNS = netns.available()
+
+
+@pytest.fixture
+def net() -> Iterator[Network]:
+    """Two "nodes" with their own addresses (10.77.0.1 and .2) on one bridge."""
+    if NO_NETNS is not None:
+        pytest.skip(NO_NETNS)
+    with netns.network(2) as made:
+        yield made
+
+
+def test_losing_the_leader_hands_the_run_to_a_follower(tmp_path: Path, net: Network) -> None:
+    """Node 0's babysitter and ranks SIGKILLed mid-run (a dead host), each node on its own
+    address: node 1 stops its ranks, sees the leader's lease go stale, claims the next term and
+    finishes the run alone from the newest good checkpoint, hosting the rendezvous itself."""
+    run = Nodes(tmp_path, "--eval-every", "10", nnodes="1:2", steps=60, net=net)
+    run.start(0), run.start(1)
+    run.until("step 15", lambda: _step(run) >= 15)
+    run.kill(0)
+    code = run.procs[1].wait(timeout=240)
+    assert code == 0, run.logs()
+    elected = run.events("leader_elected", node=1)
+    assert elected and elected[0]["term"] == 1 and elected[0]["previous"] == 0
+    term = json.loads((run.run_dir / "leader" / "term-000001.json").read_text())
+    assert term["node"] == 1 and term["address"] == f"{net.address(1)}:29401"
+    # The run's own record goes on: a takeover by node 1, one relaunch on node 1 alone.
+    assert run.events("supervisor_takeover"), run.logs()
+    assert [e["node"] for e in run.events("leader_listening")] == [0, 1]
+    [changed] = run.events("leader_changed")
+    assert changed["previous"] == 0 and changed["node"] == 1
+    assert any("node 1" in e["title"] and "took over" in e["title"] for e in run.events("alert"))
+    relaunch = run.events("launch")[-1]
+    assert relaunch["nodes"] == [1] and relaunch["directive"]["resume"] is not None
+    assert relaunch["rdzv_endpoint"].startswith(f"{net.address(1)}:")
+    assert run.events("run_finished")[-1]["state"] == "succeeded"
+    evals = [e["data"]["values"]["eval_loss"] for e in run.events("worker_scalars")
+             if e["data"]["step"] == 60]
+    assert evals and all(v == v for v in evals)  # finite, at the last step
+    # babysit status names the lost leader among the lost nodes.
+    status = json.loads(run_babysit("status", "--json", str(run.run_dir), cwd=tmp_path).stdout)
+    assert [e["node"] for e in status["nodes"]["lost"]] == [0]
+    # Nothing of node 0's or node 1's is left running.
+    assert not [p for p in psutil.process_iter(["environ"])
+                if (p.info["environ"] or {}).get("BABYSIT_RUN_DIR") == str(run.run_dir)]
+
+
+def test_nodes_on_their_own_addresses_start_and_a_healed_partition_rejoins(
+        tmp_path: Path, net: Network) -> None:
+    """Two nodes on 10.77.0.1 and .2, their host name resolving to 127.0.0.1, and only the
+    rendezvous endpoint configured: they meet. Then node 1's link goes down for a while: it
+    stops its ranks at once and claims nothing (the leader's lease still beats); the leader,
+    which needs both nodes, pages and waits; the link comes back, node 1 rejoins, the run
+    finishes on both."""
+    run = Nodes(tmp_path, nnodes="2", steps=80, net=net, nodes=", rejoin_timeout_s: 120")
+    run.start(0), run.start(1)
+    run.until("step 15", lambda: _step(run) >= 15)
+    first = run.events("launch", node=1)[0]["command"]
+    assert f"--local-addr {net.address(1)}" in " ".join(first) and "is_host=0" in first
+    net.cut(1)
+    cut_at = time.time()
+    run.until("node 1 to stop its ranks", lambda: run.events("workers_stopped", node=1))
+    run.until("the leader to wait for node 1", lambda: run.events("waiting_for_nodes"))
+    time.sleep(2.0)
+    net.heal(1)
+    codes = run.wait()
+    assert codes == {0: 0, 1: 0}, run.logs()
+    stopped = run.events("workers_stopped", node=1)[0]["time"]
+    assert stopped - cut_at < 3 + 10  # lost_after_s, and the stop's own grace
+    assert not run.events("leader_elected", node=1)
+    assert len([e for e in run.events("node_joined") if e["node"] == 1]) == 2
+    relaunch = next(e for e in run.events("launch") if e["attempt"] == 1)
+    assert relaunch["nodes"] == [0, 1]
+    assert run.events("run_finished")[-1]["state"] == "succeeded"

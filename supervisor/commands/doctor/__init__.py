@@ -16,6 +16,8 @@ of every ``babysit run`` through ``fast_checks``; the rest only under ``babysit 
     disk space       room for checkpoints.keep checkpoints plus one in flight    fast
     checkpoint io    a real save and load of a tiny model, where checkpoints go  (imports torch)
     rendezvous       multi-node: the endpoint resolves and answers               fast
+    node address     multi-node: the address the others reach this node at, and  fast
+                     a host name that resolves elsewhere (127.0.0.1)
     alert config     every sink's URL variable is set                            fast
     metrics port     prometheus.port is free to listen on (when enabled)         fast
     alert sinks      every sink answers, without sending an alert (or sends a    (network)
@@ -34,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TextIO
 
-from babysit.supervisor.commands.doctor import alerting, checks, runtime
+from babysit.supervisor.commands.doctor import alerting, checks, network, runtime
 from babysit.supervisor.commands.doctor.core import (
     Check,
     CheckResult,
@@ -72,6 +74,7 @@ CHECKS: tuple[Check, ...] = (
     Check("disk space", checks.disk_space, fast=True),
     Check("checkpoint io", runtime.checkpoint_io, fast=False),
     Check("rendezvous", checks.rendezvous, fast=True),
+    Check("node address", network.node_address, fast=True),
     Check("alert config", alerting.alert_config, fast=True),
     Check("metrics port", checks.metrics_port, fast=True),
     Check("alert sinks", alerting.alert_sinks, fast=False),

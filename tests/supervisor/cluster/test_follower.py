@@ -23,7 +23,9 @@ from typing import Any, TypeVar
 
 import pytest
 
+from babysit.supervisor.cluster import leadership
 from babysit.supervisor.cluster.follower import Follower
+from babysit.supervisor.cluster.leadership import Lease, Term
 from babysit.supervisor.cluster.messages import (
     Beat,
     Control,
@@ -43,6 +45,7 @@ from babysit.supervisor.cluster.wire import Listener, Peer
 from babysit.supervisor.config.plan import SECRET_ENV, RunPlan, from_mapping
 from babysit.supervisor.contract.directive import CONTROL_FILE, Directive
 from babysit.supervisor.node import launcher
+from babysit.supervisor.run import exit_codes
 from babysit.supervisor.run.console import Console
 
 SECRET = b"cluster-follower-test-secret"
@@ -64,8 +67,8 @@ class ScriptedLeader:
         deadline = time.monotonic() + timeout
         while True:
             new = self.listener.accept()
-            if new:
-                [self.peer] = new
+            if new:  # the newest: earlier ones the follower has given up already
+                self.peer = new[-1]
                 self.heard = []
                 return self.peer
             assert time.monotonic() < deadline, "the follower did not join"
@@ -147,14 +150,16 @@ def own_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         signal.signal(sig, handler)
 
 
-def make_plan(tmp_path: Path, listener: Listener, torchrun: FakeTorchrun) -> RunPlan:
+def make_plan(tmp_path: Path, listener: Listener, torchrun: FakeTorchrun,
+              rejoin_timeout_s: float = 30.0) -> RunPlan:
     script = tmp_path / "train.py"
     script.write_text("print('training')\n")
     config = {
         "launch": {"script": str(script), "nproc_per_node": 2, "nnodes": "2", "node_rank": 1,
                    "python": str(torchrun.path), "stop_grace_s": 2.0},
         "nodes": {"leader": listener.address, "heartbeat_s": 0.2,
-                  "lost_after_s": LOST_AFTER_S, "join_timeout_s": 10.0},
+                  "lost_after_s": LOST_AFTER_S, "join_timeout_s": 10.0,
+                  "rejoin_timeout_s": rejoin_timeout_s},
     }
     return from_mapping(config, "test", tmp_path, "t", run_dir=str(tmp_path / "run"))
 
@@ -162,14 +167,15 @@ def make_plan(tmp_path: Path, listener: Listener, torchrun: FakeTorchrun) -> Run
 class Run:
     """One follower, run to its end against a script."""
 
-    def __init__(self, tmp_path: Path, listener: Listener, exit_code: int | None = None) -> None:
+    def __init__(self, tmp_path: Path, listener: Listener, exit_code: int | None = None,
+                 rejoin_timeout_s: float = 30.0) -> None:
         self.torchrun = FakeTorchrun(tmp_path, exit_code)
-        self.plan = make_plan(tmp_path, listener, self.torchrun)
+        self.plan = make_plan(tmp_path, listener, self.torchrun, rejoin_timeout_s)
         self.output = io.StringIO()
         self.follower = Follower(self.plan, Console(self.output, tty=False), self.plan.secret())
         self.listener = listener
 
-    def against(self, script: Callable[[], None]) -> int:
+    def against(self, script: Callable[[], None]) -> int | Term:
         """Run the follower to its exit code while ``script`` plays the leader. A script that
         fails hangs up, so the follower ends too; one that leaves the follower running fails."""
         errors: list[BaseException] = []
@@ -353,9 +359,10 @@ def test_a_refusal_that_is_not_final_joins_again(
 # -- the leader's loss ----------------------------------------------------------------------------
 
 
-def test_when_the_leaders_connection_closes_the_follower_stops_its_workers_and_exits_1(
+def test_when_the_leader_is_gone_the_follower_stops_its_workers_and_claims_the_next_term(
         tmp_path: Path, listener: Listener, leader: ScriptedLeader) -> None:
     run = Run(tmp_path, listener)
+    leadership.claim(run.plan.shared_dir, 0, 0, "gpu-0", listener.address)  # and no lease
     pids: list[int] = []
 
     def script() -> None:
@@ -364,21 +371,25 @@ def test_when_the_leaders_connection_closes_the_follower_stops_its_workers_and_e
         pids.append(run.torchrun.started())
         listener.close()  # the leader's babysitter is gone, and its connections with it
 
-    assert run.against(script) == 1
+    term = run.against(script)
 
+    assert isinstance(term, Term) and (term.epoch, term.node) == (1, 1)
+    assert leadership.newest(run.plan.shared_dir) == term
+    # It leads from the address it reached the old leader from, on the leader's port.
+    assert term.address == f"127.0.0.1:{listener.port}"
     assert not alive(pids[0])
     [stop] = run.journal("stop_workers")
     assert stop["reason"] == "leader lost: connection closed (eof)"
-    why = ("the leader is gone (connection closed (eof)); stopped this node's workers: "
-           "nothing can coordinate a relaunch")
-    assert run.journal("leader_lost")[0]["why"] == why
-    assert f"babysit: node 1: {why}" in run.output.getvalue()
-    assert run.journal("follower_finished")[0]["exit_code"] == 1
+    assert run.journal("leader_lost")[0]["why"] == "connection closed (eof)"
+    [elected] = run.journal("leader_elected")
+    assert elected["previous"] == 0 and elected["term"] == 1
+    assert "the leader (node 0) is gone; this node leads from here" in run.output.getvalue()
 
 
 def test_a_leader_silent_for_lost_after_s_is_lost_too(
         tmp_path: Path, listener: Listener, leader: ScriptedLeader) -> None:
     run = Run(tmp_path, listener)
+    leadership.claim(run.plan.shared_dir, 0, 0, "gpu-0", listener.address)
     pids: list[int] = []
     started = time.monotonic()
 
@@ -387,13 +398,58 @@ def test_a_leader_silent_for_lost_after_s_is_lost_too(
         leader.send(launch())
         pids.append(run.torchrun.started())
 
-    assert run.against(script) == 1
+    assert isinstance(run.against(script), Term)
 
     assert time.monotonic() - started > LOST_AFTER_S
     assert not alive(pids[0])
     [lost] = run.journal("leader_lost")
-    assert lost["why"].startswith("the leader is gone (silent for ")
-    assert lost["why"].endswith("nothing can coordinate a relaunch")
+    assert lost["why"].startswith("silent for ")
+
+
+def test_a_follower_cut_off_from_a_live_leader_rejoins_it_and_claims_nothing(
+        tmp_path: Path, listener: Listener, leader: ScriptedLeader) -> None:
+    run = Run(tmp_path, listener)
+    leadership.claim(run.plan.shared_dir, 0, 0, "gpu-0", listener.address)
+    lease = Lease(run.plan.shared_dir, 0, "gpu-0", every_s=0.1).start()  # the leader lives
+    pids: list[int] = []
+
+    def script() -> None:
+        leader.join().keep_alive(0.2, encode(Beat()))
+        leader.send(launch())
+        pids.append(run.torchrun.started())
+        assert leader.peer is not None
+        leader.peer.close()  # this connection breaks (a partition), the leader does not
+        time.sleep(3 * LOST_AFTER_S)  # longer than a dead leader's lease would need
+        leader.join(timeout=10.0).keep_alive(0.2, encode(Beat()))
+        leader.send(Finish(0))
+
+    try:
+        assert run.against(script) == 0
+    finally:
+        lease.leave()
+
+    assert not alive(pids[0])  # stopped at once: it cannot train cut off from the others
+    assert len(run.journal("joined")) >= 2 and not run.journal("leader_elected")
+    assert leadership.newest(run.plan.shared_dir).epoch == 0
+
+
+def test_a_follower_cut_off_past_rejoin_timeout_leaves_for_a_requeue(
+        tmp_path: Path, listener: Listener, leader: ScriptedLeader) -> None:
+    run = Run(tmp_path, listener, rejoin_timeout_s=1.5)
+    leadership.claim(run.plan.shared_dir, 0, 0, "gpu-0", listener.address)
+    lease = Lease(run.plan.shared_dir, 0, "gpu-0", every_s=0.1).start()
+
+    def script() -> None:
+        leader.join().keep_alive(0.2, encode(Beat()))
+        listener.close()  # unreachable from here, yet beating: the link is down, not the node
+
+    try:
+        assert run.against(script) == exit_codes.REQUEUE
+    finally:
+        lease.leave()
+    [gave_up] = run.journal("rejoin_timeout")
+    assert "nodes.rejoin_timeout_s" in gave_up["why"]
+    assert not run.journal("leader_elected")
 
 
 def test_sigint_stops_the_node_and_tells_the_leader_it_is_leaving(

@@ -23,7 +23,9 @@ import pytest
 
 from babysit.policies.loader import load_policy
 from babysit.policies.types import Finding, Incident, RankStep, Severity
+from babysit.supervisor.cluster import leadership
 from babysit.supervisor.cluster.leader import ClusterMembers
+from babysit.supervisor.cluster.leadership import Lease
 from babysit.supervisor.cluster.membership import (
     LEADER,
     RANK_DEATH_EXIT_S,
@@ -55,7 +57,7 @@ from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node.launcher import free_port
 from babysit.supervisor.node.sketch import StepSummary
-from babysit.supervisor.run.members import Gathered, Voice
+from babysit.supervisor.run.members import Fenced, Gathered, Voice
 from babysit.supervisor.run.watch import Watch
 from tests.conftest import poll
 
@@ -227,7 +229,7 @@ def test_a_node_rank_outside_nnodes_is_refused(cluster: Cluster, follow: Follow,
 
     assert kind == "node_refused"
     assert entry["node"] == node_rank
-    assert "is not in 1..2 (launch.nnodes)" in entry["reason"]
+    assert "is not in 0..2 (launch.nnodes) or is the leader's own (0)" in entry["reason"]
     # Final: another config or a typo in --node-rank never gets better by retrying.
     assert collect(peer, 1) == [Refused(entry["reason"], final=True)]
     wait_for(lambda: peer.closed)
@@ -786,10 +788,14 @@ def members(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster
                   "lost_after_s": LOST_AFTER_S, "settle_s": SETTLE_S, "join_timeout_s": 10.0},
     }, "test", tmp_path, "t", run_dir=str(tmp_path / "run"))
     plan.run_dir.mkdir(parents=True)  # the loop makes it before its members open
-    m = ClusterMembers(plan, plan.secret())
+    term = leadership.claim(plan.shared_dir, 0, 0, "gpu-0", plan.leader_address)
+    assert term is not None
+    lease = Lease(plan.shared_dir, 0, "gpu-0", every_s=0.2).start()
+    m = ClusterMembers(plan, plan.secret(), term, lease)
     m.open()
     yield m
     m.close(0)
+    lease.leave()
 
 
 def join(members: ClusterMembers, said: Said) -> Peer:
@@ -903,3 +909,24 @@ def test_a_follower_that_hangs_up_is_a_lost_node_with_its_ranks(
     [lost] = out.findings
     assert (lost.incident, lost.ranks) == (Incident.NODE_LOST, (3,))
     assert members.cluster.present() == [LEADER]
+
+
+def test_a_leader_that_sees_a_newer_term_is_fenced_stops_its_ranks_and_commands_nobody(
+        members: ClusterMembers) -> None:
+    follower = join(members, Said())
+    members.launch(0, Directive(), time.monotonic())
+    assert isinstance(collect(follower, 1)[0], Launch)
+    group = members.workers.group
+    assert group is not None and group.processes()
+    # The others gave this leader up while it was cut off, and elected node 1.
+    leadership.claim(members.plan.shared_dir, 1, 1, "gpu-1", "10.0.0.2:29401")
+    deadline = time.monotonic() + 5.0
+    with pytest.raises(Fenced, match=r"node 1 \(gpu-1\) leads term 1"):
+        while time.monotonic() < deadline:
+            members.gather(time.monotonic(), True)
+            time.sleep(0.05)
+    assert not group.processes()
+    assert members.close(1) == []
+    time.sleep(0.3)
+    # No Finish: the followers follow the new leader, not this one's last word.
+    assert not [m for m in map(from_leader, follower.receive()) if isinstance(m, Finish)]

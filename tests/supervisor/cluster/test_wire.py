@@ -127,7 +127,7 @@ def test_messages_flow_both_ways_in_order_and_info_names_the_follower(
     leader, follower = pair
     assert leader.info == {**NODE, "address": leader.info["address"]}
     assert leader.info["address"].startswith("127.0.0.1:")
-    assert follower.info == {"address": listener.address}
+    assert follower.info == {"address": listener.address, "local": "127.0.0.1"}
     before = leader.last_heard
 
     for i in range(300):

@@ -29,6 +29,7 @@ from babysit.supervisor.commands.doctor import (
     checks,
     doctor_main,
     load,
+    network,
     render,
     runtime,
 )
@@ -323,6 +324,18 @@ def test_rendezvous(tmp_path: Path, listener: int) -> None:
     assert result.status is Status.WARN and "expected on node 0" in result.summary
     result = rdzv(tmp_path, "nnodes: 2, node_rank: 1, rdzv_endpoint: 'no-such-host.invalid:29400'")
     assert result.status is Status.FAIL and "cannot resolve" in result.summary
+
+
+def test_node_address_says_where_the_others_reach_this_node(tmp_path: Path) -> None:
+    single = network.node_address(plan_of(tmp_path, "launch: {script: train.py}\n"), Context())
+    assert single.status is Status.SKIP
+    plan = plan_of(tmp_path, "launch: {script: train.py, nnodes: 2, node_rank: 1, "
+                             "rdzv_endpoint: '127.0.0.1:29400'}\nnodes: {secret: "
+                             "'0123456789abcdefgh'}\n")
+    result = network.node_address(plan, Context())
+    # The route to a leader on loopback leaves from loopback: nothing to warn about.
+    assert result.status is Status.PASS, result
+    assert "at 127.0.0.1 (lo)" in result.summary and "--local-addr 127.0.0.1" in result.summary
 
 
 # -- alert sinks, against a real HTTP server on loopback ------------------------------------------

@@ -1,0 +1,97 @@
+"""One node's babysitter in a multi-node run, whichever role it plays, and when it changes.
+
+::
+
+    node rank 0, at the start    claims the first term (or the next), and leads; unless another
+                                 node leads a live term already (this node was the leader that
+                                 was lost, coming back): then it follows that one
+    any other node               follows the leader of the term in force
+    a follower whose leader      stops its ranks; rejoins if the leader lives (this node was cut
+    is lost                      off); claims the next term if the leader is gone, and the
+                                 winner leads from here: the same loop a leader runs, taking
+                                 over the run's record from the shared run directory
+
+Who leads, and how a deposed leader is fenced: ``cluster.leadership``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from babysit.supervisor.cluster import leadership
+from babysit.supervisor.cluster.leadership import Lease, LeaseWatch, Term
+from babysit.supervisor.cluster.node_view import node_name
+from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.run import journal
+from babysit.supervisor.run.console import Console
+
+POLL_S = 0.2
+
+
+def run_node(plan: RunPlan, console: Console) -> int:
+    """Run this node's babysitter to the end of the run; returns its exit code."""
+    from babysit.supervisor.cluster.follower import Follower
+    from babysit.supervisor.cluster.leader import ClusterMembers
+    from babysit.supervisor.run.loop import Supervisor
+
+    secret = plan.secret()
+    plan.shared_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lease = Lease(plan.shared_dir, plan.node_rank, node_name(), plan.config.nodes.heartbeat_s)
+    lease.start()
+    try:
+        term = _first_term(plan) if plan.node_rank == 0 else None
+        expect: list[int] | None = None
+        if term is None or term.node != plan.node_rank:
+            following = Follower(plan.following(), console, secret, lease).run()
+            if isinstance(following, int):
+                return following
+            term, expect = following, survivors(plan, following)
+        leading = for_term(plan, term)
+        return Supervisor(leading, console,
+                          members=ClusterMembers(leading, secret, term, lease, expect)).run()
+    finally:
+        lease.leave()
+
+
+def _first_term(plan: RunPlan) -> Term:
+    """Node 0 at the start: a new term of its own, or the live term another node leads."""
+    nodes = plan.config.nodes
+    while True:
+        current = leadership.newest(plan.shared_dir)
+        if current is not None and current.node != plan.node_rank and leadership.wait_alive(
+                LeaseWatch(plan.shared_dir, current.node, nodes.lost_after_s), POLL_S,
+                lambda: False):
+            return current
+        won = leadership.claim(plan.shared_dir, current.epoch + 1 if current else 0,
+                               plan.node_rank, node_name(), plan.leader_address)
+        if won is not None:
+            return won
+        time.sleep(POLL_S)  # another claimed it meanwhile: look again
+
+
+def for_term(plan: RunPlan, term: Term) -> RunPlan:
+    """The plan this node leads ``term`` with: listening at the term's address and, when it
+    took over from another node, hosting the rendezvous itself (the configured endpoint is on
+    the lost leader's host)."""
+    config = plan.config
+    if term.address == plan.leader_address and plan.run_dir == plan.shared_dir:
+        return plan
+    launch = config.launch
+    if launch.rdzv_backend == "c10d":
+        launch = launch.model_copy(update={"rdzv_endpoint": None})
+    nodes = config.nodes.model_copy(update={"leader": term.address})
+    return dataclasses.replace(plan, run_dir=plan.shared_dir, config=config.model_copy(
+        update={"launch": launch, "nodes": nodes}))
+
+
+def survivors(plan: RunPlan, term: Term) -> list[int]:
+    """The nodes of the lost leader's last attempt, but for it and this node: those the new
+    leader waits for (briefly) before its first relaunch."""
+    launches = [e for e in journal.read(plan.shared_dir / "events.jsonl")
+                if e.get("event") == "launch" and isinstance(e.get("nodes"), list)]
+    if not launches:
+        return []
+    lost = leadership.read(plan.shared_dir, term.epoch - 1)
+    return [int(n) for n in launches[-1]["nodes"]
+            if int(n) != term.node and (lost is None or int(n) != lost.node)]
