@@ -14,12 +14,14 @@ folder written here; the finding goes to the leader, which chooses between the n
 
 If the leader vanishes (its connection closes, or it falls silent), the follower stops its
 workers at once: they cannot train without the others. Then it asks the shared run directory
-(``cluster.leadership``) whose fault it was. The leader's lease still beats: this node is the one
-cut off, and it keeps trying to rejoin (up to ``nodes.rejoin_timeout_s``), so a partition that
-heals costs one relaunch. The lease is stale: the leader is gone, and this follower claims the
-next term; the claim that wins becomes the leader (``run()`` returns its ``Term``), the others
-join it. A message from the leader that it cannot read (another babysit version, or a bug) is
-journaled (``leader_message_refused``) and otherwise ignored.
+(``cluster.leadership``) whose fault it was. The leader's lease still beats: this node is the
+one cut off, and it keeps trying to rejoin (up to ``nodes.rejoin_timeout_s``), so a partition
+that heals costs one relaunch. The lease is stale (silent for ``nodes.lost_after_s``; for
+``2 x nodes.heartbeat_s + 1`` s when the leader's host refuses the connection: it answers, nobody
+listens): the leader is gone, and this follower claims the next term. The claim that wins
+becomes the leader (``run()`` returns its ``Term``); the others join it. A message from the
+leader that it cannot read (another babysit version, or a bug) is journaled
+(``leader_message_refused``) and otherwise ignored.
 Its journal (``RUN_DIR/nodes/<node rank>/``) records what it saw and did; the leader's is the
 run's record.
 """
@@ -108,6 +110,8 @@ class Follower:
         self._leader_lease: LeaseWatch | None = None
         """The lease of the leader of ``term``, watched from the first join on."""
         self._term_checked = 0.0
+        self._refused = False
+        """The last try to reach the leader was refused: its host answers, its port does not."""
 
     def run(self) -> int | Term:
         """The exit code; or the term this node won when its leader was lost (the caller leads
@@ -172,7 +176,7 @@ class Follower:
                 self._journal("joined", leader=address,
                               term=self.term.epoch if self.term else None)
                 self.console.log(f"babysit: node {self.node} joined the leader at {address}")
-                self._lost, self._join_deadline = False, None
+                self._lost, self._join_deadline, self._refused = False, None, False
                 self._leader_address()  # the term it leads, if it was claimed meanwhile
                 return None
             except AuthError as exc:
@@ -183,6 +187,9 @@ class Follower:
                 refused, last = True, exc
             except OSError as exc:
                 last = exc
+            # Nobody listens on the leader's port although its host answers: its babysitter
+            # is gone, and the lease can be judged on a shorter silence.
+            self._refused = isinstance(last, ConnectionRefusedError)
             if time.monotonic() > deadline:
                 if not self._lost:
                     return self._fail("join_timeout", f"could not join the leader at {address} "
@@ -214,7 +221,9 @@ class Follower:
         current = leadership.newest(self.plan.shared_dir)
         if current is not None and current.epoch > self.term.epoch:
             return None  # already elected: join the new leader
-        if self._leader_lease.state() == "alive":
+        quick = self._refused and \
+            self._leader_lease.silent_s() > 2 * self.plan.config.nodes.heartbeat_s + 1.0
+        if self._leader_lease.state() == "alive" and not quick:
             return None  # the leader lives: this node is the one cut off
         host = self.peer.info.get("local") if self.peer is not None else None
         address = format_address(host or self.host, parse_address(self.plan.leader_address)[1])
@@ -275,11 +284,15 @@ class Follower:
                 return None
 
     def _deposed(self) -> str | None:
-        """A newer term than the one this node follows: its leader was given up (fenced)."""
+        """A newer term than the one this node follows: its leader was given up (fenced).
+        Also keeps watching the leader's lease, so that once the leader is lost its silence
+        is known from when it began, not from when this node started looking."""
         now = time.monotonic()
         if now - self._term_checked < self.plan.config.nodes.heartbeat_s:
             return None
         self._term_checked = now
+        if self._leader_lease is not None:
+            self._leader_lease.state()
         current = leadership.newest(self.plan.shared_dir)
         if current is not None and self.term is not None and current.epoch > self.term.epoch \
                 and current.node != self.node:

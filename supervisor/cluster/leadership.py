@@ -21,7 +21,10 @@ Failure model (what each babysitter concludes, and from what):
   they cannot train without the others. Then it reads the leader's lease. Beating: the leader
   lives and this node is cut off; it keeps trying to rejoin (a partition that heals), up to
   ``nodes.rejoin_timeout_s``. Stale: the leader is gone; it claims the next term. One claim
-  wins; the others join the winner at the address its term file gives.
+  wins; the others join the winner at the address its term file gives. When the leader's host
+  refuses the connection (it answers, but nobody listens on the port: the babysitter died, the
+  machine did not), a silence of ``2 x heartbeat_s + 1`` s is enough: a live babysitter's own
+  thread beats every ``heartbeat_s`` and would also be listening.
 - **A leader that sees a newer term** was given up by the others (cut off long enough for them
   to elect another): it is *fenced*. It stops its ranks, commands nobody, writes nothing more to
   the run's record and exits. It looks every tick. A leader that cannot beat its lease (the

@@ -10,8 +10,10 @@
     babysit schema [--policy] [--json] [--write PATH]
     babysit replay CURVE [--policy NAME|PATH] [--json]
 
-Exit codes: 0 success; 1 the run failed (a remedy could not save it) or a check failed; 2 a
-usage or configuration mistake; 128+N babysit was stopped by signal N.
+Exit codes: 0 success; 1 the run failed and should not simply be run again (the job's own
+fault, no progress) or a check failed; 75 the run failed for a cause outside the job: requeue it
+without the hosts in RUN_DIR/exclude_hosts; 2 a usage or configuration mistake; 128+N babysit
+was stopped by signal N.
 Heavy modules are imported inside the subcommands so ``babysit --help`` answers at once.
 """
 
@@ -86,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run CONFIG.yaml, or run SCRIPT like torchrun would (default policy, run "
                     "directory under ./runs). torchrun options given with a config file override "
                     "its launch section.",
+        epilog="Exit codes: 0 succeeded; 1 failed, do not simply run it again (the job's own "
+               "fault, or no progress since the last requeue); 75 failed for a cause outside "
+               "the job: requeue without the hosts in RUN_DIR/exclude_hosts; 2 a usage or "
+               "config mistake; 128+N stopped by signal N. See docs/multinode.md#exit-codes.",
         allow_abbrev=False)
     run.add_argument("target", metavar="CONFIG.yaml|SCRIPT",
                      help="a run config (.yaml/.yml) or a training script")

@@ -17,6 +17,8 @@ as in the journal)::
                                 "abandoned": no run_finished and the supervisor process is gone
     live                        the supervisor process is alive (bool)
     reason, exit_code           why the last state was entered; the run's exit code once finished
+    verdict                     a failed run's word to its scheduler: {verdict: requeue | stop,
+                                why, exclude_hosts} (``run.exit_codes``), or null
     supervisor_pid              pid from run_started (int | null)
     started, finished           Unix seconds (float | null)
     elapsed_s                   started -> finished, or -> now while live
@@ -420,6 +422,8 @@ def snapshot(run_dir: str | Path, now: float | None = None) -> dict[str, Any]:
     return {
         "run_dir": str(h.run_dir), "journal": str(h.journal), "metrics": str(h.run_dir / METRICS),
         "name": h.name, "state": state, "live": live, "reason": reason, "exit_code": code,
+        "verdict": ({k: fin.get(k) for k in ("verdict", "why", "exclude_hosts")}
+                    if fin is not None and fin.get("verdict") else None),
         "supervisor_pid": h.pid, "started": h.started, "finished": finished_at,
         "elapsed_s": end - h.started if end is not None and h.started is not None else None,
         "last_update": max(times, default=None),

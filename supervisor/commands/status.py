@@ -76,6 +76,10 @@ def render(s: dict[str, Any], now: float | None = None) -> str:
 
     state = s["state"] + (f" ({s['reason']})" if s["reason"] else "")
     row("state", state + (f", exit code {s['exit_code']}" if s["exit_code"] is not None else ""))
+    if s.get("verdict"):  # what the scheduler should do: requeue (75) or stop (1)
+        v = s["verdict"]
+        hosts = f"; exclude {', '.join(v['exclude_hosts'])}" if v.get("exclude_hosts") else ""
+        row("verdict", f"{v['verdict']}: {v['why']}{hosts}")
     ended = (f"finished {_clock(s['finished'])}" if s["finished"] else
              "still running" if s["live"] else "ended unexpectedly")
     row("time", f"started {_clock(s['started'], date=True)}, {ended}, ran "

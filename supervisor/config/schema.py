@@ -227,7 +227,8 @@ class SdcCheckConfig(DashedSection):
 class NodesConfig(DashedSection):
     """How the babysitters of a multi-node run (``launch.nnodes`` above 1) find and trust each
     other. Every node runs ``babysit run`` with the same config and its own ``--node-rank``;
-    node rank 0's babysitter is the leader (docs/multinode.md)."""
+    node rank 0's babysitter leads first, and another node takes over if it is lost
+    (docs/multinode.md)."""
 
     leader: str | None = None
     """``host:port`` where the leader's babysitter listens and the others connect. Default: the
@@ -240,11 +241,14 @@ class NodesConfig(DashedSection):
     leader to answer."""
     rejoin_timeout_s: float = Field(600.0, ge=0)
     """A relaunch that has fewer nodes than ``launch.nnodes`` allows waits this long for lost
-    nodes to come back (paging a human meanwhile), then the run fails; 0 fails at once."""
+    nodes to come back (paging a human meanwhile), then the run fails; 0 fails at once. Also how
+    long a node cut off from a leader that lives keeps trying to rejoin it."""
     heartbeat_s: float = Field(2.0, gt=0)
     """Seconds between a babysitter's heartbeats to the leader, and back."""
     lost_after_s: float = Field(15.0, gt=0)
-    """Silence after which a node (or, for a follower, the leader) counts as lost."""
+    """Silence after which a node (or, for a follower, the leader) counts as lost; and after
+    which a babysitter's lease in the run directory counts as stale, so that the followers of a
+    lost leader elect another (docs/multinode.md, "Who leads")."""
     settle_s: float = Field(3.0, ge=0)
     """After the first node reports a crash or hang, how long the leader waits for the other
     nodes' view of it before choosing the most telling one (the node with the failing rank
