@@ -23,7 +23,7 @@ from typing import Any
 
 from babysit.policies.types import Finding, Incident, Severity
 from babysit.supervisor.cluster import leadership
-from babysit.supervisor.cluster.leadership import Lease, Term
+from babysit.supervisor.cluster.leadership import Lease, LeaseWatch, Term
 from babysit.supervisor.cluster.membership import (
     Cluster,
     Heard,
@@ -102,6 +102,8 @@ class ClusterMembers(OnThisNode):
         """The newest merged step: what a lost node's finding is dated with."""
         self._crash_tails: dict[int, str] = {}
         """The failed ranks' log tails from every node, for the crash's incident folder."""
+        self._left: list[int] = []
+        """Lost nodes whose babysitters said they left the run, while waiting for them."""
         self._flops_per_token: float | None = None
         self._peak_flops: float | None = None
 
@@ -362,11 +364,19 @@ class ClusterMembers(OnThisNode):
 
     # -- waiting for nodes ----------------------------------------------------------------------
 
-    def _await_nodes(self, want: int, timeout: float) -> bool:
-        """Wait until ``want`` nodes are present, up to ``timeout`` s; False if they are not."""
+    def _await_nodes(self, want: int, timeout: float, awaited: list[int] | None = None) -> bool:
+        """Wait until ``want`` nodes are present, up to ``timeout`` s; False if they are not,
+        or once every node in ``awaited`` has left the run for good (its lease says so)."""
         deadline = self.clock() + timeout
+        leases = [LeaseWatch(self.plan.shared_dir, n, self.plan.config.nodes.lost_after_s)
+                  for n in awaited or []]
         while len(self.cluster.present()) < want:
             if self.clock() >= deadline or self.voice.stopping():
+                return False
+            present = self.cluster.present()
+            if leases and all(w.node in present or w.state() == "gone" for w in leases):
+                self._left = [w.node for w in leases if w.node not in present]
+                self.voice.journal("nodes_gone", nodes=self._left)
                 return False
             time.sleep(TICK_S)
             for event, fields in self.cluster.accept():
@@ -385,8 +395,12 @@ class ClusterMembers(OnThisNode):
                          f"{present} of at least {low} nodes present; waiting up to "
                          f"{timeout:g} s for the lost node(s) to rejoin "
                          f"(nodes.rejoin_timeout_s)")
-        if not self._await_nodes(low, timeout):
+        lost = [n for n in self.cluster.attempt.nodes if n not in self.cluster.present()]
+        self._left = []
+        if not self._await_nodes(low, timeout, awaited=lost):
+            why = (f"the babysitter of node(s) {', '.join(map(str, self._left))} left the run "
+                   f"(its lease says gone)" if self._left else
+                   f"not within {timeout:g} s (nodes.rejoin_timeout_s)")
             raise MembersMissing(f"only {len(self.cluster.present())} of at least {low} nodes "
-                                 f"came back within {timeout:g} s (nodes.rejoin_timeout_s)",
-                                 lost=True)
+                                 f"came back: {why}", lost=True)
         self.voice.journal("nodes_rejoined", present=self.cluster.present())

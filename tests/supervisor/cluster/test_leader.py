@@ -57,7 +57,7 @@ from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node.launcher import free_port
 from babysit.supervisor.node.sketch import StepSummary
-from babysit.supervisor.run.members import Fenced, Gathered, Voice
+from babysit.supervisor.run.members import Fenced, Gathered, MembersMissing, Voice
 from babysit.supervisor.run.watch import Watch
 from tests.conftest import poll
 
@@ -930,3 +930,32 @@ def test_a_leader_that_sees_a_newer_term_is_fenced_stops_its_ranks_and_commands_
     time.sleep(0.3)
     # No Finish: the followers follow the new leader, not this one's last word.
     assert not [m for m in map(from_leader, follower.receive()) if isinstance(m, Finish)]
+
+
+def test_the_wait_for_a_lost_node_ends_once_its_babysitter_says_it_left(
+        members: ClusterMembers) -> None:
+    """A fixed two-node run lost node 1; its babysitter gave up (cut off past its own
+    rejoin_timeout_s) and said so in its lease: the leader stops waiting its 600 s for it."""
+    follower = join(members, Said())
+    members.launch(0, Directive(), time.monotonic())
+    assert isinstance(collect(follower, 1)[0], Launch)
+    follower.close()
+    gathered(members, lambda g: any(kind == "node_lost" for kind, _ in g.entries))
+    Lease(members.plan.shared_dir, 1, "gpu-1", every_s=60.0).start().leave()
+    started = time.monotonic()
+    with pytest.raises(MembersMissing, match=r"node\(s\) 1 left the run") as raised:
+        members.launch(1, Directive(), time.monotonic())
+    assert raised.value.lost and time.monotonic() - started < 5.0
+
+
+def test_a_leader_that_cannot_beat_its_lease_stops_its_ranks_before_the_others_elect(
+        members: ClusterMembers) -> None:
+    join(members, Said())
+    members.launch(0, Directive(), time.monotonic())
+    group = members.workers.group
+    assert group is not None and group.processes()
+    # The shared storage stops taking its beats: every write fails from now on.
+    members.lease.path = members.plan.shared_dir / "unmounted" / "lease.json"
+    with pytest.raises(Fenced, match="could not beat this node's lease"):
+        gathered(members, lambda g: False)
+    assert not group.processes()
