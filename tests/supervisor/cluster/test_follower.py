@@ -469,3 +469,28 @@ def test_sigint_stops_the_node_and_tells_the_leader_it_is_leaving(
 
     assert said == [Leaving(f"signal {signal.SIGINT}")]
     assert not alive(pids[0])
+
+
+def test_a_follower_whose_leader_is_lost_joins_the_node_that_won_the_next_term(
+        tmp_path: Path, listener: Listener, leader: ScriptedLeader) -> None:
+    """Three nodes: node 2 claimed term 1 first; this follower (node 1) must join it at the
+    address its term gives, not claim a term of its own."""
+    run = Run(tmp_path, listener)
+    leadership.claim(run.plan.shared_dir, 0, 0, "gpu-0", listener.address)
+    with Listener("127.0.0.1", 0, SECRET) as second:
+        winner = ScriptedLeader(second)
+
+        def script() -> None:
+            leader.join().keep_alive(0.2, encode(Beat()))
+            leader.send(launch())
+            run.torchrun.started()
+            assert leadership.claim(run.plan.shared_dir, 1, 2, "gpu-2", second.address)
+            listener.close()  # node 0 is gone; node 2 leads term 1
+            winner.join(timeout=10.0).keep_alive(0.2, encode(Beat()))
+            winner.send(Finish(0))
+
+        assert run.against(script) == 0
+    assert [e["term"] for e in run.journal("joined")] == [0, 1]
+    assert run.journal("joined")[-1]["leader"] == second.address
+    assert not run.journal("leader_elected")
+    assert leadership.newest(run.plan.shared_dir).node == 2
