@@ -28,7 +28,7 @@ pytestmark = pytest.mark.e2e
 
 _RUN: dict[str, Path] = {}
 STATUS_KEYS = {
-    "run_dir", "journal", "metrics", "name", "state", "live", "reason", "exit_code",
+    "run_dir", "journal", "metrics", "name", "state", "live", "reason", "exit_code", "verdict",
     "supervisor_pid", "started", "finished", "elapsed_s", "last_update", "attempt", "attempts",
     "step", "loss", "steps_per_s", "tokens_per_s", "incident_count", "ignored_findings",
     "incidents", "attempt_history", "checkpoint_dir", "checkpoints", "mfu", "loss_spread", "sdc",
