@@ -23,6 +23,7 @@ from typing import Any
 
 from babysit.policies.types import Finding, Incident, Severity
 from babysit.supervisor.cluster import leadership
+from babysit.supervisor.cluster.eviction import NodeFaults
 from babysit.supervisor.cluster.leadership import Lease, LeaseWatch, Term
 from babysit.supervisor.cluster.membership import (
     Cluster,
@@ -34,6 +35,7 @@ from babysit.supervisor.cluster.membership import (
 from babysit.supervisor.cluster.messages import (
     Control,
     Exited,
+    Finish,
     HangCleared,
     HangSuspected,
     Leaving,
@@ -43,6 +45,7 @@ from babysit.supervisor.cluster.messages import (
     Stop,
     Stopped,
     Summary,
+    encode,
 )
 from babysit.supervisor.cluster.node_view import NodeView, located
 from babysit.supervisor.config.address import parse_address
@@ -55,6 +58,7 @@ from babysit.supervisor.node.launcher import Placement
 from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
 from babysit.supervisor.node.tick import OwnNode
 from babysit.supervisor.node.workers import NodeWorkers
+from babysit.supervisor.run import exit_codes, run_dir
 from babysit.supervisor.run.members import (
     Entry,
     Fenced,
@@ -102,6 +106,9 @@ class ClusterMembers(OnThisNode):
         """The newest merged step: what a lost node's finding is dated with."""
         self._crash_tails: dict[int, str] = {}
         """The failed ranks' log tails from every node, for the crash's incident folder."""
+        self.faults = NodeFaults(plan.config.nodes.evict_after)
+        self._evictable: dict[int, str] = {}
+        """Nodes the machine faults traced to them made evictable, not yet evicted."""
         self._left: list[int] = []
         """Lost nodes whose babysitters said they left the run, while waiting for them."""
         self._flops_per_token: float | None = None
@@ -162,6 +169,7 @@ class ClusterMembers(OnThisNode):
     def launch(self, attempt: int, directive: Directive, now: float) -> dict[str, Any]:
         self._term_checked = 0.0
         self._check_term()  # never start ranks under a term another node has taken
+        self._evict()
         present = len(self.cluster.present())
         if present < self.cluster.low:
             self._await_rejoin(present)
@@ -228,10 +236,16 @@ class ClusterMembers(OnThisNode):
         return tails
 
     def locate(self, finding: Finding) -> Finding:
+        """The finding with its node and host; a machine fault is also counted against that
+        node (``cluster.eviction``), for the next launch to act on."""
         if not finding.ranks:
             return finding
         node = self.cluster.rank_node.get(finding.ranks[0], self.cluster.me)
-        return located(finding, node, self.cluster.hosts.get(node, self.view.host))
+        placed = located(finding, node, self.cluster.hosts.get(node, self.view.host))
+        why = self.faults.add(placed)
+        if why is not None:
+            self._evictable[node] = why
+        return placed
 
     def close(self, code: int | None) -> list[Entry]:
         if self.fenced is not None:  # another leads: command nobody, keep nothing running
@@ -240,6 +254,32 @@ class ClusterMembers(OnThisNode):
             return []
         self.cluster.close(code if code is not None else 1)
         return self.close_workers()
+
+    # -- eviction ---------------------------------------------------------------------------------
+
+    def _evict(self) -> None:
+        """Take out each evictable node the run can do without: the next attempt runs on the
+        others. Never this leader's own node, nor below ``launch.nnodes``' minimum."""
+        for node, why in list(self._evictable.items()):
+            del self._evictable[node]
+            host = self.cluster.hosts.get(node, "?")
+            left = [n for n in self.cluster.present() if n != node]
+            if node == self.cluster.me or len(left) < self.cluster.low:
+                reason = ("it is the leader's own node" if node == self.cluster.me else
+                          f"{len(left)} node(s) would be left, below the minimum "
+                          f"{self.cluster.low} (launch.nnodes)")
+                self.voice.journal("node_kept", node=node, host=host, why=why, kept=reason)
+                self.voice.alert(Severity.WARNING, f"node {node} ({host}) should be evicted "
+                                 f"({why}) but is kept: {reason}")
+                continue
+            self.cluster.evicted[node] = why
+            peer = self.cluster.peers.get(node)
+            if peer is not None:  # its babysitter leaves with the code a scheduler replaces
+                peer.send(encode(Finish(exit_codes.REQUEUE)))
+            run_dir.exclude_hosts(self.plan.shared_dir, [host])
+            self.voice.journal("node_evicted", node=node, host=host, why=why, nodes_left=left)
+            self.voice.alert(Severity.CRITICAL, f"node {node} ({host}) evicted: {why}; "
+                             f"continuing on {len(left)} node(s)")
 
     # -- the term ---------------------------------------------------------------------------------
 
@@ -305,7 +345,7 @@ class ClusterMembers(OnThisNode):
                                         message.exits)
                 case Stopped():
                     self.cluster.stopped(node)
-                case Lost() | Leaving():
+                case Lost() | Leaving() if node not in self.cluster.evicted:
                     self._node_lost(node, message.why, out, watching)
                 case Unreadable():
                     # A follower of another babysit version, or a bug: say so, never stop the run.

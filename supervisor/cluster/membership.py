@@ -149,6 +149,8 @@ class Cluster:
         self.hosts: dict[int, str] = {self.me: node_name()}
         self.rank_node: dict[int, int] = {}
         """Global rank -> node rank, from the hellos of the current attempt."""
+        self.evicted: dict[int, str] = {}
+        """Nodes taken out of the run (``cluster.eviction``), and why: never taken back."""
         self.merger = NodeMerger({self.me})
         self.attempt = _Attempt([self.me])
         self._backlog: list[tuple[int, Heard]] = []
@@ -177,6 +179,8 @@ class Cluster:
                 why = (f"node rank {node!r} is not in 0..{self.high - 1} (launch.nnodes) or is "
                        f"the leader's own ({self.me})")
                 final = True
+            elif node in self.evicted:
+                why, final = f"node {node} was evicted from this run: {self.evicted[node]}", True
             elif old is not None and not old.closed:
                 # Its previous connection may not have been seen closing yet: it may retry.
                 why, final = f"node rank {node} is already taken by {self.hosts.get(node)}", False
@@ -200,7 +204,8 @@ class Cluster:
 
     def present(self) -> list[int]:
         """Nodes that could take part in an attempt now (the leader and live followers)."""
-        return [self.me, *sorted(n for n, p in self.peers.items() if not p.closed)]
+        return [self.me, *sorted(n for n, p in self.peers.items()
+                                 if not p.closed and n not in self.evicted)]
 
     def describe(self, node: int) -> str:
         return f"node {node} ({self.hosts.get(node, '?')})"

@@ -353,14 +353,18 @@ def cadence(h: History) -> dict[str, Any] | None:
 
 
 def nodes(h: History) -> dict[str, Any] | None:
-    """Which nodes the newest attempt of a multi-node run has, and which were lost."""
+    """Which nodes the newest attempt of a multi-node run has, which were lost, and which
+    were evicted (and why)."""
     launch = next((e for e in reversed(h.events)
                    if e.get("event") == "launch" and isinstance(e.get("hosts"), dict)), None)
     if launch is None:
         return None
     lost = [{"time": e.get("time"), "node": e.get("node"), "host": e.get("host"),
              "why": e.get("why")} for e in h.events if e.get("event") == "node_lost"]
-    return {"attempt": launch.get("attempt"), "nodes": launch["hosts"], "lost": lost[-5:]}
+    evicted = [{"time": e.get("time"), "node": e.get("node"), "host": e.get("host"),
+                "why": e.get("why")} for e in h.events if e.get("event") == "node_evicted"]
+    return {"attempt": launch.get("attempt"), "nodes": launch["hosts"], "lost": lost[-5:],
+            "evicted": evicted}
 
 
 LEDGER_MAX_BYTES = 16 << 20

@@ -249,6 +249,10 @@ class NodesConfig(DashedSection):
     """Silence after which a node (or, for a follower, the leader) counts as lost; and after
     which a babysitter's lease in the run directory counts as stale, so that the followers of a
     lost leader elect another (docs/multinode.md, "Who leads")."""
+    evict_after: int = Field(2, ge=0)
+    """Machine faults traced to one node (a hardware-class crash, a rank's SIGSEGV, SIGBUS or
+    SIGILL) after which the next attempt runs without that node, when ``launch.nnodes`` allows
+    the nodes left; it goes on ``RUN_DIR/exclude_hosts`` too. 0: never evict."""
     settle_s: float = Field(3.0, ge=0)
     """After the first node reports a crash or hang, how long the leader waits for the other
     nodes' view of it before choosing the most telling one (the node with the failing rank

@@ -68,8 +68,8 @@ class Nodes:
         self.procs: dict[int, subprocess.Popen[str]] = {}
         _RUNS.append(self)
 
-    def start(self, node: int, secret: str = SECRET) -> subprocess.Popen[str]:
-        env = {**babysit_env(), "BABYSIT_SECRET": secret}
+    def start(self, node: int, secret: str = SECRET, **env_extra: str) -> subprocess.Popen[str]:
+        env = {**babysit_env(), "BABYSIT_SECRET": secret, **env_extra}
         log = open(self.tmp_path / f"node{node}.log", "a")  # noqa: SIM115 - closed with the test
         prefix = self.net.prefix(node) if self.net is not None else []
         proc = subprocess.Popen(
@@ -351,3 +351,24 @@ def test_nodes_on_their_own_addresses_start_and_a_healed_partition_rejoins(
     relaunch = next(e for e in run.events("launch") if e["attempt"] == 1)
     assert relaunch["nodes"] == [0, 1]
     assert run.events("run_finished")[-1]["state"] == "succeeded"
+
+
+def test_a_node_whose_ranks_keep_segfaulting_is_evicted_and_the_run_goes_on(
+        tmp_path: Path) -> None:
+    """Node 1's machine kills its rank with SIGSEGV at step 10, and again at step 25 of the
+    relaunch: the second machine fault on the same node evicts it (nodes.evict_after: 2), and
+    the run finishes on node 0, as `--nnodes 1:2` allows."""
+    run = Nodes(tmp_path, nnodes="1:2", steps=60)
+    run.start(0), run.start(1, TINY_TRAIN_SEGV_AT="0:10,1:25")
+    codes = run.wait()
+    assert codes == {0: 0, 1: 75}, run.logs()  # 75: the scheduler may replace the machine
+    [evicted] = run.events("node_evicted")
+    assert evicted["node"] == 1 and evicted["nodes_left"] == [0]
+    # The steps the ranks had completed when it struck (just before steps 10 and 25).
+    assert evicted["why"] == "2 machine faults on it: SIGSEGV at step 9, SIGSEGV at step 24"
+    assert [e["nodes"] for e in run.events("launch")] == [[0, 1], [0, 1], [0]]
+    assert any("evicted" in e["title"] for e in run.events("alert"))
+    assert (run.run_dir / "exclude_hosts").read_text().split() == [evicted["host"]]
+    assert run.events("run_finished")[-1]["state"] == "succeeded"
+    status = run_babysit("status", str(run.run_dir), cwd=tmp_path).stdout
+    assert "evicted     node 1" in status

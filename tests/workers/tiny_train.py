@@ -47,6 +47,9 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
                            outside the collective (``hang``), or keeps the CPU busy outside any
                            collective and any phase for SEC seconds (``busySEC``: a slow eval,
                            a GC pause, a CPU-bound loader). Repeatable
+    TINY_TRAIN_SEGV_AT=A:S,B:T (environment) this node's local rank 0 segfaults just before
+                           step S of attempt A, T of B, ...: a machine that keeps failing, set
+                           per node
     --nvrx                 also beat NVIDIA's fault-tolerance heartbeat every step (to run the
                            same job under ft_launcher: benchmarks/recovery.py)
     --step-log PATH        rank 0 appends "wall-time attempt step" per step (for benchmarks
@@ -203,6 +206,11 @@ def main() -> None:
     # Under another launcher's in-place restarts (ft_launcher) the attempt is its restart count.
     attempt = max(run.directive.attempt, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     faults_on = args.every_attempt or attempt == 0
+    # A node's bad machine: its babysitter's environment says in which attempt, at which step,
+    # its local rank 0 segfaults ("0:10,1:25"); set per node by a test.
+    segv_at = {(int(a), int(s)) for a, _, s in (pair.partition(":") for pair in
+               os.environ.get("TINY_TRAIN_SEGV_AT", "").split(",") if pair)}
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     heartbeat = None
     if args.nvrx:
         import nvidia_resiliency_ext.fault_tolerance as ft
@@ -222,6 +230,8 @@ def main() -> None:
         if faults_on and args.hang and args.hang == (rank, upcoming):
             print(f"rank {rank}: injected hang at step {upcoming}", flush=True)
             time.sleep(3600)
+        if (attempt, upcoming) in segv_at and local == 0:  # this node's machine
+            strike("SIGSEGV", rank, upcoming)
         for at_attempt, at_rank, at_step, what in args.at:
             if (int(at_attempt), int(at_rank), int(at_step)) == (attempt, rank, upcoming):
                 strike(what, rank, upcoming)

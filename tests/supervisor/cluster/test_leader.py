@@ -959,3 +959,21 @@ def test_a_leader_that_cannot_beat_its_lease_stops_its_ranks_before_the_others_e
     with pytest.raises(Fenced, match="could not beat this node's lease"):
         gathered(members, lambda g: False)
     assert not group.processes()
+
+
+def test_a_node_the_run_cannot_do_without_is_kept_and_said_so(members: ClusterMembers) -> None:
+    """A fixed two-node run: two SIGSEGVs on node 1's rank make it evictable, but one node
+    left would be below launch.nnodes: it stays, with a warning saying why."""
+    said = Said()
+    join(members, said)
+    members.launch(0, Directive(), time.monotonic())
+    members.cluster.rank_node[2] = 1
+    for step in (9, 24):
+        segv = Finding(incident=Incident.CRASH, detector="crash", severity=Severity.CRITICAL,
+                       step=step, onset_step=step, message="m", ranks=(2,),
+                       evidence={"class": "signal", "signal": 11})
+        assert members.locate(segv).evidence["node"] == 1
+    members.launch(1, Directive(), time.monotonic())
+    kept = [fields for event, fields in said.journal if event == "node_kept"]
+    assert len(kept) == 1 and "below the minimum 2" in kept[0]["kept"]
+    assert not members.cluster.evicted and members.cluster.present() == [0, 1]

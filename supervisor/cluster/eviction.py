@@ -1,0 +1,58 @@
+"""Whose machine is it: machine faults traced to one node, and when that node is taken out.
+
+A crash located on a node (``ClusterMembers.locate``: the rank that failed, its node and host)
+counts against that node when its cause is the machine's, not the job's:
+
+    hardware                a GPU fallen off the bus, an uncorrectable ECC error, an Xid ...
+    SIGSEGV, SIGBUS, SIGILL native code that died of the machine it ran on (or of a driver)
+
+``nodes.evict_after`` such faults on the same node (2 by default; 0 never evicts) make it
+*evictable*: the next attempt runs without it, if ``launch.nnodes`` allows the nodes left. The
+job's own faults (a Python exception, an OOM, a NaN) never count: a relaunch elsewhere would
+meet them again. Pure: what to do with the verdict is the leader's.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+
+from babysit.policies.types import Finding, Incident
+
+NATIVE_SIGNALS = {int(signal.SIGSEGV): "SIGSEGV", int(signal.SIGBUS): "SIGBUS",
+                  int(signal.SIGILL): "SIGILL"}
+
+
+def machine_fault(finding: Finding) -> str | None:
+    """What makes ``finding`` a fault of its node's machine (``SIGSEGV``, ``hardware crash``),
+    or None when it is not one."""
+    if finding.incident is not Incident.CRASH:
+        return None
+    ev = finding.evidence
+    if ev.get("class") == "hardware":
+        return "hardware crash"
+    sig = ev.get("signal")
+    if ev.get("class") == "signal" and isinstance(sig, int) and sig in NATIVE_SIGNALS:
+        return NATIVE_SIGNALS[sig]
+    return None
+
+
+@dataclass
+class NodeFaults:
+    """Machine faults seen on each node this run, and the nodes they made evictable."""
+
+    evict_after: int
+    seen: dict[int, list[str]] = field(default_factory=dict)
+
+    def add(self, finding: Finding) -> str | None:
+        """Count ``finding`` against the node it names; the eviction's reason when this one
+        makes that node evictable (once), else None."""
+        node = finding.evidence.get("node")
+        what = machine_fault(finding)
+        if what is None or not isinstance(node, int) or self.evict_after <= 0:
+            return None
+        faults = self.seen.setdefault(node, [])
+        faults.append(f"{what} at step {finding.step}")
+        if len(faults) != self.evict_after:
+            return None
+        return f"{len(faults)} machine faults on it: {', '.join(faults)}"
