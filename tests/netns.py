@@ -56,6 +56,7 @@ class Network:
         _ip("-n", self.hub, "link", "set", f"h{node}", "up")
 
     def __enter__(self) -> Network:
+        self.remove()  # what an earlier test of this process failed to remove (same names)
         try:
             _ip("netns", "add", self.hub)
             _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
