@@ -5,8 +5,12 @@ place) and resumes when told to (``--init_from=resume``). Its folder therefore h
 newest checkpoint, which after a loss spike is usually already poisoned. babysit keeps its own
 copies: each time the folder changes and then holds still for one poll (a save in progress keeps
 changing sizes), it is copied whole into ``<run_dir>/script_checkpoints/step-<N>``, ``N`` being
-the newest step the script had printed when the change was first seen. A rollback puts back the
-newest copy from before the spike's onset; what the folder held is moved aside, never deleted.
+the newest step the script had printed when the change was first seen. A ``torch.save`` file
+(a zip archive) cut short is never copied: one whose writer paused longer than a poll is copied
+once it is whole, and one whose writer was killed mid-save (a crash, a stop) never is, so a
+rollback puts back the copy before it rather than a file the script cannot load. A rollback
+puts back the newest copy from before the spike's onset; what the folder held is moved aside,
+never deleted.
 
 Copies are plain file copies (a checkpoint written in place would corrupt a hard link) made on
 the supervisor's thread: fine for the checkpoints of the jobs stdout mode is for, slow for
@@ -18,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +51,24 @@ def fingerprint(folder: Path) -> Fingerprint:
                 continue  # removed while we looked: the next poll sees the new state
             found.append((str(path.relative_to(folder)), st.st_size, st.st_mtime_ns))
     return tuple(sorted(found))
+
+
+def torn(folder: Path) -> list[str]:
+    """Files under ``folder`` that are zip archives cut short: ``torch.save``'s format (a zip)
+    written in place by a process that was stopped, or is still writing, before the archive's
+    closing directory. Other formats cannot be told whole or torn, and are taken as they are."""
+    cut = []
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = Path(root, name)
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(4)
+            except OSError:
+                continue
+            if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):
+                cut.append(str(path.relative_to(folder)))
+    return cut
 
 
 class ScriptCheckpoints:
@@ -91,6 +114,8 @@ class ScriptCheckpoints:
             # Keep the step of the first sighting: the save began before it.
             self._changing = (current, self._changing[1] if self._changing else step)
             return None
+        if torn(self.folder):  # a writer paused mid-file (or died there): not a checkpoint yet
+            return None
         return self._copy(current, self._changing[1])
 
     def _copy(self, current: Fingerprint, step: int) -> Snapshot:
@@ -113,8 +138,8 @@ class ScriptCheckpoints:
         step of its first sighting, else ``step`` (the newest printed: never earlier than the
         save, so a rollback never takes it for older than it is)."""
         current = fingerprint(self.folder)
-        if not current or current == self._seen:
-            return None
+        if not current or current == self._seen or torn(self.folder):
+            return None  # nothing new, or a save the stopped writer never finished
         return self._copy(current, self._changing[1] if self._changing is not None else step)
 
     def restore(self, before: int | None, aside: Path) -> Snapshot | None:

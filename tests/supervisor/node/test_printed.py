@@ -3,8 +3,11 @@ copies (real files), and what a rollback it cannot perform becomes."""
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
+
+import torch
 
 from babysit.policies.types import Action, Finding, Incident, RankStep, Remedy, Severity
 from babysit.supervisor.config.schema import StdoutConfig
@@ -121,6 +124,26 @@ def test_a_save_no_poll_copied_yet_is_copied_once_the_workers_stopped(tmp_path: 
     assert late is not None and late.step == 30
     chosen = ckpts.restore(before=25, aside=tmp_path / "aside")
     assert chosen is not None and chosen.step == 21 and (folder / "ckpt.pt").read_bytes() == b"a"
+
+
+def test_a_torch_save_cut_short_is_never_copied_and_a_whole_one_is(tmp_path: Path) -> None:
+    """torch.save writes a zip in place: a writer paused, or killed, before the archive's
+    closing directory leaves a file the script cannot load. Real torch.save bytes."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(4096.0)}, buf)
+    whole = buf.getvalue()
+    folder, store = tmp_path / "out", tmp_path / "run" / "script_checkpoints"
+    ckpts = ScriptCheckpoints(folder, store, keep=3)
+    ckpts.start()
+    _save(folder, whole[: len(whole) // 2], 1)  # the writer paused (or died) halfway
+    assert ckpts.poll(POLL_S, 10) is None
+    assert ckpts.poll(2 * POLL_S, 11) is None  # held still, but cut short: not a checkpoint
+    assert ckpts.settle(12) is None  # the workers stopped with it torn: never copied
+    _save(folder, whole, 2)
+    assert ckpts.poll(3 * POLL_S, 20) is None
+    copied = ckpts.poll(4 * POLL_S, 21)
+    assert copied is not None and (copied.path / "ckpt.pt").read_bytes() == whole
+    assert torch.load(copied.path / "ckpt.pt")["w"].shape == (4096,)
 
 
 def test_a_rollback_with_checkpoint_keys_restores_and_resumes(tmp_path: Path) -> None:
