@@ -20,21 +20,20 @@ import dataclasses
 import time
 
 from babysit.supervisor.cluster import leadership
+from babysit.supervisor.cluster.follower import Follower
+from babysit.supervisor.cluster.leader import ClusterMembers
 from babysit.supervisor.cluster.leadership import Lease, LeaseWatch, Term
 from babysit.supervisor.cluster.node_view import node_name
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.run import journal
 from babysit.supervisor.run.console import Console
+from babysit.supervisor.run.loop import Supervisor
 
 POLL_S = 0.2
 
 
 def run_node(plan: RunPlan, console: Console) -> int:
     """Run this node's babysitter to the end of the run; returns its exit code."""
-    from babysit.supervisor.cluster.follower import Follower
-    from babysit.supervisor.cluster.leader import ClusterMembers
-    from babysit.supervisor.run.loop import Supervisor
-
     secret = plan.secret()
     plan.shared_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     lease = Lease(plan.shared_dir, plan.node_rank, node_name(), plan.config.nodes.heartbeat_s)
