@@ -37,7 +37,7 @@ from typing import Any
 
 from babysit.policies.types import Finding
 from babysit.supervisor.cluster import leadership
-from babysit.supervisor.cluster.leadership import Lease, LeaseWatch, Term
+from babysit.supervisor.cluster.leadership import LeaseWatch, Term
 from babysit.supervisor.cluster.messages import (
     Beat,
     Control,
@@ -81,8 +81,7 @@ FORWARDED = ("hello", "close", "skip", "checkpoint", "checkpoint_failed", "caden
 class Follower:
     """Runs a follower node to the end of the run; ``run()`` returns the exit code."""
 
-    def __init__(self, plan: RunPlan, console: Console, secret: bytes,
-                 lease: Lease | None = None) -> None:
+    def __init__(self, plan: RunPlan, console: Console, secret: bytes) -> None:
         self.plan = plan
         self.console = console
         self.node = plan.node_rank
@@ -102,7 +101,6 @@ class Follower:
         self._signal: int | None = None
         self._term_at: float | None = None
         self._join_deadline: float | None = None
-        self.lease = lease
         self.term: Term | None = None
         """The term of the leader this node follows (None: node 0's first, not yet claimed)."""
         self._lost = False
@@ -115,7 +113,7 @@ class Follower:
 
     def run(self) -> int | Term:
         """The exit code; or the term this node won when its leader was lost (the caller leads
-        from here on, with the same console and lease)."""
+        from here on, with the same console)."""
         self.plan.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.plan.run_dir, 0o700)
         self.journal.open()
@@ -352,9 +350,8 @@ class Follower:
         attempt, directive = message.attempt, message.directive
         self.attempt, self._step = attempt, 0
         assert self.peer is not None
-        leader_host = parse_address(self.peer.info["address"])[0]
-        place = launcher.Placement(
-            rdzv_host=False if parse_address(message.rdzv_endpoint)[0] == leader_host else None,
+        place = launcher.Placement.in_attempt(
+            message.rdzv_endpoint, parse_address(self.peer.info["address"])[0], leads=False,
             local_addr=self.peer.info.get("local"))
         command = self.own.launch(attempt, directive, time.monotonic(), lambda: self.workers.launch(
             attempt, directive, rdzv_endpoint=message.rdzv_endpoint, rdzv_id=message.rdzv_id,

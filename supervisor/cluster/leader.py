@@ -48,7 +48,6 @@ from babysit.supervisor.cluster.messages import (
     encode,
 )
 from babysit.supervisor.cluster.node_view import NodeView, located
-from babysit.supervisor.config.address import parse_address
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent, mfu_inputs
@@ -109,8 +108,6 @@ class ClusterMembers(OnThisNode):
         self.faults = NodeFaults(plan.config.nodes.evict_after)
         self._evictable: dict[int, str] = {}
         """Nodes the machine faults traced to them made evictable, not yet evicted."""
-        self._left: list[int] = []
-        """Lost nodes whose babysitters said they left the run, while waiting for them."""
         self._flops_per_token: float | None = None
         self._peak_flops: float | None = None
 
@@ -144,7 +141,7 @@ class ClusterMembers(OnThisNode):
         voice.log(f"babysit: leading {low if low == high else f'{low} to {high}'} nodes "
                   f"({self.term.describe()}); waiting for the others at "
                   f"{self.plan.leader_address}")
-        if not self._await_nodes(want, timeout) and \
+        if not self._await_nodes(want, timeout)[0] and \
                 (len(self.cluster.present()) < low or voice.stopping()):
             raise MembersMissing(
                 f"only {len(self.cluster.present())} of at least {low} nodes joined within "
@@ -177,9 +174,8 @@ class ClusterMembers(OnThisNode):
         rdzv_id = launch.rdzv_id or f"{self.plan.name}-{attempt}"
         nodes, endpoint = self.cluster.launch(attempt, directive, rdzv_id, launch.rdzv_endpoint)
         self._attempt = attempt
-        hosts_it = parse_address(endpoint)[0] == self.cluster.leader_host
-        place = Placement(rdzv_host=True if hosts_it else None,
-                          local_addr=self.cluster.leader_host)
+        place = Placement.in_attempt(endpoint, self.cluster.leader_host, leads=True,
+                                     local_addr=self.cluster.leader_host)
         command = self.node.launch(attempt, directive, now, lambda: self.workers.launch(
             attempt, directive, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
             nnodes=str(len(nodes)), node_rank=0, place=place))
@@ -404,20 +400,22 @@ class ClusterMembers(OnThisNode):
 
     # -- waiting for nodes ----------------------------------------------------------------------
 
-    def _await_nodes(self, want: int, timeout: float, awaited: list[int] | None = None) -> bool:
-        """Wait until ``want`` nodes are present, up to ``timeout`` s; False if they are not,
-        or once every node in ``awaited`` has left the run for good (its lease says so)."""
+    def _await_nodes(self, want: int, timeout: float, awaited: list[int] | None = None
+                     ) -> tuple[bool, list[int]]:
+        """Wait until ``want`` nodes are present, up to ``timeout`` s: (True, []) once they
+        are; (False, []) if they are not in time; (False, those) once every node in ``awaited``
+        that is not back has left the run for good (its lease says so)."""
         deadline = self.clock() + timeout
         leases = [LeaseWatch(self.plan.shared_dir, n, self.plan.config.nodes.lost_after_s)
                   for n in awaited or []]
         while len(self.cluster.present()) < want:
             if self.clock() >= deadline or self.voice.stopping():
-                return False
+                return False, []
             present = self.cluster.present()
             if leases and all(w.node in present or w.state() == "gone" for w in leases):
-                self._left = [w.node for w in leases if w.node not in present]
-                self.voice.journal("nodes_gone", nodes=self._left)
-                return False
+                left = [w.node for w in leases if w.node not in present]
+                self.voice.journal("nodes_gone", nodes=left)
+                return False, left
             time.sleep(TICK_S)
             for event, fields in self.cluster.accept():
                 self.voice.journal(event, **fields)
@@ -425,7 +423,7 @@ class ClusterMembers(OnThisNode):
                 if isinstance(message, Lost):
                     self.voice.journal("node_lost", node=node, why=message.why)
             self.voice.status(f"waiting for nodes: {len(self.cluster.present())}/{want}")
-        return True
+        return True, []
 
     def _await_rejoin(self, present: int) -> None:
         """Fewer nodes than ``launch.nnodes`` allows: page, and wait for the lost to return."""
@@ -436,10 +434,10 @@ class ClusterMembers(OnThisNode):
                          f"{timeout:g} s for the lost node(s) to rejoin "
                          f"(nodes.rejoin_timeout_s)")
         lost = [n for n in self.cluster.attempt.nodes if n not in self.cluster.present()]
-        self._left = []
-        if not self._await_nodes(low, timeout, awaited=lost):
-            why = (f"the babysitter of node(s) {', '.join(map(str, self._left))} left the run "
-                   f"(its lease says gone)" if self._left else
+        back, left = self._await_nodes(low, timeout, awaited=lost)
+        if not back:
+            why = (f"the babysitter of node(s) {', '.join(map(str, left))} left the run "
+                   f"(its lease says gone)" if left else
                    f"not within {timeout:g} s (nodes.rejoin_timeout_s)")
             raise MembersMissing(f"only {len(self.cluster.present())} of at least {low} nodes "
                                  f"came back: {why}", lost=True)

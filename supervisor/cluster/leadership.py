@@ -27,7 +27,8 @@ Failure model (what each babysitter concludes, and from what):
   thread beats every ``heartbeat_s`` and would also be listening.
 - **A leader that sees a newer term** was given up by the others (cut off long enough for them
   to elect another): it is *fenced*. It stops its ranks, commands nobody, writes nothing more to
-  the run's record and exits. It looks every tick. A leader that cannot beat its lease (the
+  the run's record and exits. It looks every second (every ``heartbeat_s`` if that is
+  shorter) and before every launch. A leader that cannot beat its lease (the
   shared storage gone from under it) stops its ranks the same way: the others elect a new
   leader once its lease is stale, and it must not be training when they do.
 - **A node rank 0 that starts** while another node leads a live term (the old leader coming
@@ -175,8 +176,8 @@ class Lease:
 
 class LeaseWatch:
     """Another babysitter's lease, as seen from here: ``alive`` while its counter moves,
-    ``stale`` once it has not moved for ``lost_after_s`` of this machine's clock, ``gone`` when
-    it said so (or never beat at all within ``lost_after_s`` of watching)."""
+    ``stale`` once it has not moved (or never was written) for ``lost_after_s`` of this
+    machine's clock, ``gone`` when it said so. ``moved``: a beat was seen after the first."""
 
     def __init__(self, run_dir: Path, node: int, lost_after_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -186,6 +187,7 @@ class LeaseWatch:
         self.clock = clock
         self._seen: tuple[int, int] | None = None
         self._since = clock()
+        self.moved = False
 
     def state(self) -> str:
         now = self.clock()
@@ -194,6 +196,7 @@ class LeaseWatch:
             return "gone"
         mark = (int(lease.get("pid", 0)), int(lease.get("beat", 0))) if lease else None
         if mark is not None and mark != self._seen:
+            self.moved = self.moved or self._seen is not None
             self._seen, self._since = mark, now
         if now - self._since <= self.lost_after_s:
             return "alive"
@@ -214,16 +217,10 @@ def _read_lease(path: Path) -> dict[str, Any] | None:
 def wait_alive(watch: LeaseWatch, poll_s: float, stopping: Callable[[], bool]) -> bool:
     """Watch a lease until it beats (True) or goes stale or gone (False): a fresh watch needs
     up to ``lost_after_s`` to tell a dead babysitter's last beat from a live one's."""
-    first = _read_lease(watch.path)
     while not stopping():
-        state = watch.state()
-        if state != "alive":
+        if watch.state() != "alive":
             return False
-        lease = _read_lease(watch.path)
-        if lease is not None and first is not None and \
-                (lease.get("pid"), lease.get("beat")) != (first.get("pid"), first.get("beat")):
+        if watch.moved:
             return True
-        if first is None and lease is not None:
-            first = lease
         time.sleep(poll_s)
     return False

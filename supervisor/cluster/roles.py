@@ -42,7 +42,7 @@ def run_node(plan: RunPlan, console: Console) -> int:
         term = _first_term(plan) if plan.node_rank == 0 else None
         expect: list[int] | None = None
         if term is None or term.node != plan.node_rank:
-            following = Follower(plan.following(), console, secret, lease).run()
+            following = Follower(plan.following(), console, secret).run()
             if isinstance(following, int):
                 return following
             term, expect = following, survivors(plan, following)

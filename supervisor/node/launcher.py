@@ -29,6 +29,7 @@ from pathlib import Path
 
 import psutil
 
+from babysit.supervisor.config.address import parse_address
 from babysit.supervisor.config.schema import LaunchConfig
 from babysit.supervisor.contract.protocol import ENV_ATTEMPT, ENV_RUN_DIR
 
@@ -93,6 +94,15 @@ class Placement:
     nothing (the endpoint is not one babysit can vouch for)."""
     local_addr: str | None
     """The address the other nodes reach this node at (``--local-addr``)."""
+
+    @classmethod
+    def in_attempt(cls, endpoint: str, leader_host: str, *, leads: bool,
+                   local_addr: str | None) -> Placement:
+        """The placement of a node that ``leads`` the attempt or follows it: whether it hosts
+        the store is said only when ``endpoint`` is on the leader's host (always, when babysit
+        picked it)."""
+        on_leader = parse_address(endpoint)[0] == leader_host
+        return cls(rdzv_host=leads if on_leader else None, local_addr=local_addr)
 
     def apply(self, launch: LaunchConfig, env: dict[str, str]
               ) -> tuple[LaunchConfig, dict[str, str]]:

@@ -22,7 +22,6 @@ from typing import Any
 
 from babysit.policies.types import Incident, Remedy
 
-SUCCEEDED = 0
 STOP = 1
 REQUEUE = 75
 

@@ -6,6 +6,7 @@ import socket
 
 from babysit.supervisor.commands.doctor.core import CheckResult, Context, Status
 from babysit.supervisor.commands.doctor.runtime import expects_gpus
+from babysit.supervisor.config import schema as cfg
 from babysit.supervisor.config.address import parse_address
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.node import launcher
@@ -19,7 +20,7 @@ def node_address(plan: RunPlan, ctx: Context) -> CheckResult:
         return CheckResult(name, Status.SKIP, "single node")
     try:
         leader_host, leader_port = parse_address(plan.leader_address)
-    except Exception as exc:  # no leader and no endpoint: the rendezvous check says so
+    except (cfg.ConfigError, ValueError) as exc:  # none, or not host:port: see "rendezvous"
         return CheckResult(name, Status.SKIP, f"no leader address ({exc})")
     local = launcher.route_source(leader_host, leader_port)
     if local is None:
