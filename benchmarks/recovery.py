@@ -1,6 +1,7 @@
 """Hang -> first step of the next attempt: babysit's default policy beside NVIDIA's ft_launcher.
 
     .venv/bin/python benchmarks/recovery.py [--repeats 3] [--cold] [--nvrx-venv PATH] [--no-nvrx]
+                                            [--device cuda] [--hang-step 20]
 
 The same job both ways: ``tests/workers/tiny_train.py``, 2 gloo ranks on this CPU, 0.05 s steps,
 rank 1 sleeping forever at step 300 of the first attempt (some 15 s in), outside the all-reduce
@@ -22,6 +23,10 @@ next one.
   virtual environment (``pip install torch==2.13.0 nvidia-resiliency-ext==0.4.1``), reused when
   it is already there.
 
+``--device cuda`` puts the model on the GPU (both ranks on one GPU, gloo over CUDA tensors) and
+adds the standby's GPU memory, read from ``nvidia-smi``. ``--hang-step 20`` hangs about 1 s in,
+before the warm standby is ready: the cold path a hang in the first seconds takes.
+
 torchrun alone notices a rank stuck in a collective only when the process group times out
 (``default_pg_timeout``, 30 minutes for gloo): printed for reference, not waited for.
 """
@@ -42,7 +47,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "tiny_train.py"
-JOB = ["--steps", "320", "--step-sleep", "0.05", "--at", "0:1:300:hang"]
+STEPS_AFTER_HANG = 20
+
+
+def job(hang_step: int = 300, device: str = "cpu") -> list[str]:
+    """The worker's arguments: rank 1 hangs at ``hang_step`` of the first attempt."""
+    return ["--steps", str(hang_step + STEPS_AFTER_HANG), "--step-sleep", "0.05",
+            "--at", f"0:1:{hang_step}:hang", "--device", device]
 NVRX = "nvidia-resiliency-ext==0.4.1"
 HEARTBEAT_S = 5.0
 
@@ -73,12 +84,12 @@ def gap(log: Path) -> float:
     return min(times[1]) - max(times[0])
 
 
-def babysit_run(workdir: Path, warm: bool = True) -> dict[str, float]:
+def babysit_run(workdir: Path, job: list[str], warm: bool = True) -> dict[str, float]:
     log = workdir / "steps.log"
     config = workdir / "run.yaml"
     config.write_text(
         f"launch:\n  script: {WORKER}\n  nproc-per-node: 2\n"
-        f"  args: {json.dumps([*JOB, '--step-log', str(log)])}\n"
+        f"  args: {json.dumps([*job, '--step-log', str(log)])}\n"
         f"  warm_standby: {'true' if warm else 'false'}\n"
         f"run_dir: {workdir / 'run'}\n"
         f"checkpoints: {{every_steps: 10, probation_steps: 5}}\n")
@@ -99,12 +110,15 @@ def babysit_run(workdir: Path, warm: bool = True) -> dict[str, float]:
     confirmed = diagnosis["time"]
     suspected = confirmed - diagnosis["seconds"]
     launch = first("launch", 1)
-    if launch.get("standby") is not warm:
-        raise SystemExit(f"attempt 1 was launched {'cold' if warm else 'warm'}: {launch}")
+    promoted = launch.get("standby") is True
+    if promoted and not warm:
+        raise SystemExit(f"attempt 1 was launched warm with the standby off: {launch}")
     attached = max(e["time"] for e in journal if e["event"] == "worker_hello"
                    and e["attempt"] == 1)
     return {
         "hang -> first step of the next attempt": gap(log),
+        # A hang before the standby is ready is relaunched cold even with the standby on.
+        "  next attempt from the warm standby (1 = yes)": float(promoted),
         "  last step -> stall suspected": suspected - last,
         "  confirmation (CPU window, stacks)": diagnosis["seconds"],
         "  stop workers": first("workers_stopped", 0)["time"] - confirmed,
@@ -138,8 +152,24 @@ def standby_cost(run_dir: Path, babysit: subprocess.Popen[bytes]) -> dict[str, f
             return {}  # already promoted and gone by the time we looked
         return {"standby: resident MB": sum(m.rss for m in memory) / 2**20,
                 "standby: unique MB": sum(m.uss for m in memory) / 2**20,
-                "standby: CPU seconds to get ready": cpu}
+                "standby: CPU seconds to get ready": cpu,
+                **gpu_memory({p.pid for p in procs})}
     return {}
+
+
+def gpu_memory(pids: set[int]) -> dict[str, float]:
+    """The GPU memory (MB) that nvidia-smi lists for ``pids``; nothing without nvidia-smi."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                               "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    if done.returncode != 0:
+        return {}
+    used = [float(mb) for pid, mb in (line.split(",") for line in done.stdout.splitlines()
+                                      if line.count(",") == 1) if int(pid) in pids]
+    return {"standby: GPU MB (nvidia-smi)": sum(used)}
 
 
 def nvrx_python(path: Path) -> Path:
@@ -157,14 +187,14 @@ def nvrx_python(path: Path) -> Path:
     return python
 
 
-def nvrx_run(workdir: Path, python: Path, port: int) -> dict[str, float]:
+def nvrx_run(workdir: Path, job: list[str], python: Path, port: int) -> dict[str, float]:
     log = workdir / "steps.log"
     command = [str(python.parent / "ft_launcher"), "--nproc-per-node", "2",
                "--max-restarts", "3", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--ft-param-initial_rank_heartbeat_timeout", "60",
                "--ft-param-rank_heartbeat_timeout", str(HEARTBEAT_S),
-               str(WORKER), *JOB, "--nvrx", "--step-log", str(log)]
+               str(WORKER), *job, "--nvrx", "--step-log", str(log)]
     done = subprocess.run(command, cwd=workdir, env={**env(), "PATH": f"{python.parent}:"
                                                      "/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=600)
@@ -181,7 +211,13 @@ def main() -> None:
     parser.add_argument("--no-nvrx", action="store_true", help="babysit's side only")
     parser.add_argument("--cold", action="store_true",
                         help="also run babysit with launch.warm_standby: false")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the model lives (cuda: both ranks on one GPU, gloo)")
+    parser.add_argument("--hang-step", type=int, default=300,
+                        help="the step rank 1 hangs at (300: ~15 s in, after the standby is "
+                        "ready; 20: ~1 s in, before it)")
     args = parser.parse_args()
+    work = job(args.hang_step, args.device)
     from torch.distributed.constants import default_pg_timeout
 
     from babysit.supervisor.node.launcher import free_port
@@ -198,14 +234,14 @@ def main() -> None:
     theirs: list[dict[str, float]] = []
     for i in range(args.repeats):  # interleaved: the machine's load falls on both alike
         with tempfile.TemporaryDirectory(prefix="babysit-bench-") as tmp:
-            ours.append(babysit_run(Path(tmp)))
+            ours.append(babysit_run(Path(tmp), work))
         if args.cold:
             with tempfile.TemporaryDirectory(prefix="babysit-bench-cold-") as tmp:
-                cold.append(babysit_run(Path(tmp), warm=False))
+                cold.append(babysit_run(Path(tmp), work, warm=False))
         if python is not None and nvrx_error is None:
             with tempfile.TemporaryDirectory(prefix="nvrx-bench-") as tmp:
                 try:
-                    theirs.append(nvrx_run(Path(tmp), python, free_port()))
+                    theirs.append(nvrx_run(Path(tmp), work, python, free_port()))
                 except RuntimeError as exc:
                     nvrx_error = str(exc)
         print(f"repeat {i + 1}/{args.repeats} done", file=sys.stderr)

@@ -36,16 +36,23 @@ def test_a_crash_resumes_bit_exact_from_a_checkpoint_of_cuda_tensors(tmp_path: P
 
 
 def test_a_loss_spike_rolls_back_to_a_cuda_checkpoint(tmp_path: Path) -> None:
+    # The CPU suite's spike (tests/e2e/test_recovery.py), with the model on the GPU: rolled
+    # back to a checkpoint of CUDA tensors, the same steps run again first (the rerun), met again
+    # (the data's), rolled back again with the poisoned batches skipped.
     result, run_dir = babysat(tmp_path, "spike", "--steps", "60", "--spike", "25:40", *CUDA,
                               launch_extra=DETERMINISTIC)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rollback = next(e for e in journal(run_dir, "finding")
-                    if e["remedy"]["action"] == "rollback")
-    assert rollback["finding"]["incident"] in ("loss_spike", "grad_spike")
-    (resume,) = journal(run_dir, "resume")
+    asked, data = (e for e in journal(run_dir, "finding") if e["remedy"]["action"] == "rollback")
+    assert asked["finding"]["incident"] in ("loss_spike", "grad_spike")
+    assert asked["finding"]["evidence"]["rerun"] == "asked"
+    (verdict,) = journal(run_dir, "rerun")
+    assert verdict["verdict"] == "reproduced"
+    assert data["finding"]["evidence"]["rerun"] == "reproduced"
+    first, resume = journal(run_dir, "resume")
     assert resume["verdict"] == "good" and resume["checkpoint_step"] < 26
+    assert first["checkpoint_step"] == resume["checkpoint_step"]
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    attempt1 = [m for m in rows if m["attempt"] == 1]
-    assert attempt1[0]["step"] == resume["checkpoint_step"] + 1
-    assert all(not (25 < m["cursor"] <= 40) for m in attempt1)
+    last = [m for m in rows if m["attempt"] == 2]
+    assert last[0]["step"] == resume["checkpoint_step"] + 1
+    assert all(not (25 < m["cursor"] <= 40) for m in last)
     assert read_jsonl(run_dir / "events.jsonl")[-1]["state"] == "succeeded"
