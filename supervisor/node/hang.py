@@ -6,9 +6,10 @@ The hang detector only knows that no step arrived for a while. Before anything i
     1. look     each rank's process state and CPU over ``stall.WINDOW_S`` and, inside that
                 window, the Python stacks of the ranks py-spy can dump (a stopped rank would
                 make it wait)
-    2. deepen   no collective in Python (DDP waits in C++): the native stacks, taken from the
-                early look if no rank moved since, else read now; skipped when a rank busy in
-                its own code already decides
+    2. deepen   no collective in Python (DDP waits in C++): the native stacks of the busy
+                ranks and of a sample of each place (``stacks.deepen``), taken from the early
+                look if no rank moved since, else read now; skipped when a stopped rank or a
+                rank busy in its own code already decides
     3. judge    ``stall.judge``: hung or working, which ranks, and why
     4. name     the finding to act on with its evidence, or None (working: keep watching)
 
@@ -105,6 +106,14 @@ class _Seen:
     """Their Python stacks (empty when none was readable)."""
     procs: dict[int, stall.RankProcess]
 
+    @property
+    def stopped(self) -> bool:
+        return any(p.stopped for p in self.procs.values())
+
+    @property
+    def busy(self) -> list[int]:
+        return [r for r, p in self.procs.items() if p.busy]
+
 
 def _look(rank_pids: Mapping[int, int]) -> _Seen:
     """Step 1. The Python dumps pause each rank for milliseconds, so they fit inside the CPU
@@ -126,9 +135,11 @@ def _deepen(seen: _Seen, early: EarlyLook | None
     ahead = early.native_for(dumps) if early is not None else None
     if ahead is not None:
         dumps, verdict = ahead, stacks.odd_one_out(ahead)
-    # A rank busy in its own code decides (working): no need to pause it longer.
-    elif not any(seen.procs[r].busy and stacks.outside_torch(d) for r, d in dumps.items()):
-        dumps, verdict = stacks.deepen(seen.readable, dumps, verdict)
+    # A stopped rank decides (hung, ``stall.judge``'s first rule), and so does a rank busy in
+    # its own code (working): no native frames needed, no rank paused longer.
+    elif not seen.stopped and \
+            not any(seen.procs[r].busy and stacks.outside_torch(d) for r, d in dumps.items()):
+        dumps, verdict = stacks.deepen(seen.readable, dumps, verdict, busy=seen.busy)
     if all(d.error is not None for d in dumps.values()):
         return dumps, None, ahead is not None
     return dumps, verdict, ahead is not None
@@ -172,7 +183,7 @@ class EarlyLook:
 
     def _look(self) -> None:
         seen = _look(self.rank_pids)
-        if not seen.dumps or any(p.busy for p in seen.procs.values()):
+        if not seen.dumps or seen.busy or seen.stopped:
             return
         deeper, _ = stacks.deepen(seen.readable, seen.dumps, stacks.odd_one_out(seen.dumps))
         self.python = seen.dumps

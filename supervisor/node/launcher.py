@@ -337,6 +337,11 @@ class WorkerGroup:
             self._reader.join(timeout=2.0)
         return code
 
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) every process of the tree. ``stop`` continues a
+        paused tree by itself."""
+        self._signal_all(signal.SIGSTOP if paused else signal.SIGCONT)
+
     def _signal_all(self, sig: signal.Signals) -> None:
         signal_groups(self.processes(), sig)
 

@@ -148,6 +148,8 @@ class Standby:
     rdzv_endpoint: str
     started: float = field(default_factory=time.time)
     """Wall time torchrun was started."""
+    paused: bool = False
+    """Its processes are stopped (``NodeWorkers.hold_standby``): a hang is being confirmed."""
     _ready: float | None = None
 
     def ready_at(self) -> float | None:

@@ -170,8 +170,11 @@ class OwnNode(Generic[Out]):
                     "idle_s": idle_s, "processes": seen}))
         elif self.workers.group is not None:
             if stall.all_alive(self.workers.rank_pids.values()):
-                self._confirmer.ahead(self.workers.rank_pids, self.judge.looming(now))
+                looming = self.judge.looming(now)
+                self.workers.hold_standby(looming)  # the look needs the CPU (NodeWorkers)
+                self._confirmer.ahead(self.workers.rank_pids, looming)
                 for finding in self.judge.check(now):
+                    self.workers.hold_standby(True)
                     self._confirm(finding, now, out)
             elif not self._death_told:
                 # A rank whose process died is a crash in progress (torchrun reports it in a

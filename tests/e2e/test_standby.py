@@ -39,7 +39,8 @@ def wait_for(condition: Callable[[], object], timeout_s: float = 60.0) -> None:
 
 def test_a_standby_waits_silent_until_promoted_and_one_that_fails_is_journaled(
         tmp_path: Path) -> None:
-    """Real torchrun: the standby's rank waits in attach() and sends nothing; promoted, it reads
+    """Real torchrun: the standby's rank waits in attach() and sends nothing (paused and
+    continued while it starts); promoted, it reads
     the directive written then and reports; one that exits on its own is never used; one still
     waiting when the run ends is stopped with it."""
     (tmp_path / "train.py").write_text(STANDBY_SCRIPT)
@@ -52,7 +53,19 @@ def test_a_standby_waits_silent_until_promoted_and_one_that_fails_is_journaled(
         workers.start_standby(1, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="t-1")
         spare = workers.standby
         assert spare is not None
+        # While a hang is confirmed the starting standby is paused (its start-up would take
+        # the CPU the stack reads need), then continued.
+        wait_for(lambda: len(spare.group.processes()) >= 2)  # torchrun and its rank
+        workers.hold_standby(True)
+        assert spare.paused
+        wait_for(lambda: all(p.status() == psutil.STATUS_STOPPED
+                             for p in spare.group.processes()), timeout_s=5)
+        workers.hold_standby(False)
+        assert not spare.paused
         wait_for(spare.ready_at)
+        workers.hold_standby(True)  # ready: nothing to pause
+        assert not spare.paused
+        assert all(p.status() != psutil.STATUS_STOPPED for p in spare.group.processes())
         time.sleep(0.3)
         assert workers.telemetry() == []  # waiting: not even a hello
         assert spare.group.poll() is None

@@ -15,7 +15,9 @@ import pytest
 from babysit.supervisor.node.stacks import (
     Frame,
     StackDump,
+    StackVerdict,
     ThreadStack,
+    deepen,
     dump_stacks,
     find_py_spy,
     odd_one_out,
@@ -165,3 +167,75 @@ def test_a_refused_ptrace_says_what_to_do(tmp_path: Path) -> None:
     dumps = dump_stacks({3: os.getpid()}, timeout_s=5, py_spy=as_nobody)
     assert dumps[3].error is not None and "permission" in dumps[3].error.lower()
     assert dumps[3].hint is not None and "ptrace_scope" in dumps[3].hint
+
+
+# -- the native pass reads a sample of each place -------------------------------------------------
+
+
+def canned_py_spy(tmp_path: Path, python: dict[int, list], native: dict[int, list]) -> Path:
+    """An executable standing in for py-spy at its seam: it prints the canned dump of the pid
+    it is asked for (``native`` with ``--native``) and records each native read in
+    ``tmp_path/native-reads``."""
+    def text(pid: int, frames: list) -> str:
+        lines = [f"Process {pid}: python train.py", "Python v3.11.7", "",
+                 f'Thread {pid} (idle): "MainThread"']
+        lines += [f"    {f} ({file})" if line is None else f"    {f} ({file}:{line})"
+                  for f, file, line in frames]
+        return "\n".join(lines) + "\n"
+    for pid, frames in python.items():
+        (tmp_path / f"{pid}.python").write_text(text(pid, frames))
+    for pid, frames in native.items():
+        (tmp_path / f"{pid}.native").write_text(text(pid, frames))
+    exe = tmp_path / "py-spy"
+    exe.write_text(f"""#!/bin/sh
+kind=python
+for a in "$@"; do [ "$a" = --native ] && kind=native; done
+for a in "$@"; do pid=$a; done
+[ $kind = native ] && echo $pid >> {tmp_path}/native-reads
+cat {tmp_path}/$pid.$kind
+""")
+    exe.chmod(0o755)
+    return exe
+
+
+def native_reads(tmp_path: Path) -> list[int]:
+    reads = tmp_path / "native-reads"
+    return sorted(int(p) for p in reads.read_text().split()) if reads.exists() else []
+
+
+def test_the_native_pass_reads_two_of_each_place_and_lends_their_frames(tmp_path: Path) -> None:
+    # 24 ranks: 23 idle in DDP's backward (the all-reduce is in C++), rank 21 asleep outside.
+    pids = {r: 1000 + r for r in range(24)}
+    python = {pid: IN_BACKWARD for pid in pids.values()} | {1021: SLEEPING}
+    native = {pid: DDP_NATIVE for pid in pids.values()} | {1021: SLEEPING}
+    exe = canned_py_spy(tmp_path, python, native)
+    first = dump_stacks(pids, py_spy=exe)
+    dumps, verdict = deepen(pids, first, odd_one_out(first), busy=[7], py_spy=exe)
+    # Ranks 0 and 1 for the backward place, rank 21 alone in its place, rank 7 being busy.
+    assert native_reads(tmp_path) == [1000, 1001, 1007, 1021]
+    assert verdict.suspects == (21,) and verdict.rule == "collective"
+    assert len(verdict.waiting) == 23
+    lent = dumps[5]
+    assert lent.like == 0 and lent.rank == 5 and lent.pid == 1005
+    assert "rank 0 has the same Python stack" in lent.raw
+    assert lent.to_dict()["native_as_rank"] == 0
+    assert dumps[7].like is None and dumps[21].like is None
+
+
+def test_a_place_whose_sample_disagrees_is_read_whole(tmp_path: Path) -> None:
+    # Same Python stack everywhere; natively rank 1 is not in the all-reduce (a deadlock in C++
+    # inside backward): the sample disagrees, so every rank of the place is read.
+    pids = {r: 2000 + r for r in range(6)}
+    python = {pid: IN_BACKWARD for pid in pids.values()}
+    native = {pid: DDP_NATIVE for pid in pids.values()} | {
+        2001: [("pthread_mutex_lock", "libc.so.6", None), *IN_BACKWARD]}
+    exe = canned_py_spy(tmp_path, python, native)
+    first = dump_stacks(pids, py_spy=exe)
+    # Every Python stack alike is "same": the native pass is not asked for ...
+    assert odd_one_out(first).rule == "same"
+    # ... so ask as the confirmation does when it has a reason to (a majority verdict).
+    dumps, verdict = deepen(pids, first, StackVerdict((), "", rule="none"),
+                            py_spy=exe)
+    assert native_reads(tmp_path) == sorted(pids.values())
+    assert all(d.like is None for d in dumps.values())
+    assert verdict.suspects == (1,)
