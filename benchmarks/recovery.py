@@ -15,7 +15,9 @@ next one.
   steps), by promoting the warm standby (``launch.warm_standby``, on by default: started 5 s
   after the first step, waiting in ``attach()``). The journal splits the time: suspicion,
   confirmation, stop, relaunch -> every rank attached (the checkpoint restored) -> first step.
-  ``--cold`` also runs babysit with ``warm_standby: false``, a column of its own.
+  ``--cold`` also runs babysit with ``warm_standby: false``, a column of its own, and
+  ``--imports`` with ``warm_standby: imports`` (the standby waits before the script, with torch
+  imported: what ``auto`` picks on GPUs).
 - NVRx: ``ft_launcher`` from ``nvidia-resiliency-ext==0.4.1`` with a hand-set 5 s rank
   heartbeat timeout (each rank beats once per step: ``--nvrx``), restarting the workers in
   place (``--max-restarts 3``), from step 0 (the job keeps no checkpoint of its own there;
@@ -84,13 +86,15 @@ def gap(log: Path) -> float:
     return min(times[1]) - max(times[0])
 
 
-def babysit_run(workdir: Path, job: list[str], warm: bool = True) -> dict[str, float]:
+def babysit_run(workdir: Path, job: list[str], standby: str = "true") -> dict[str, float]:
+    """One babysit run with ``launch.warm_standby: <standby>`` (true, false or imports)."""
+    warm = standby != "false"
     log = workdir / "steps.log"
     config = workdir / "run.yaml"
     config.write_text(
         f"launch:\n  script: {WORKER}\n  nproc-per-node: 2\n"
         f"  args: {json.dumps([*job, '--step-log', str(log)])}\n"
-        f"  warm_standby: {'true' if warm else 'false'}\n"
+        f"  warm_standby: {standby}\n"
         f"run_dir: {workdir / 'run'}\n"
         f"checkpoints: {{every_steps: 10, probation_steps: 5}}\n")
     with open(workdir / "babysit.out", "w+") as out:
@@ -211,6 +215,8 @@ def main() -> None:
     parser.add_argument("--no-nvrx", action="store_true", help="babysit's side only")
     parser.add_argument("--cold", action="store_true",
                         help="also run babysit with launch.warm_standby: false")
+    parser.add_argument("--imports", action="store_true",
+                        help="also run babysit with launch.warm_standby: imports")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the model lives (cuda: both ranks on one GPU, gloo)")
     parser.add_argument("--hang-step", type=int, default=300,
@@ -229,15 +235,15 @@ def main() -> None:
             python = nvrx_python(args.nvrx_venv)
         except (RuntimeError, OSError) as exc:
             nvrx_error = str(exc)
-    ours: list[dict[str, float]] = []
-    cold: list[dict[str, float]] = []
+    # babysit's columns: warm_standby's value -> its runs.
+    columns = {"babysit": "true", **({"imports": "imports"} if args.imports else {}),
+               **({"cold": "false"} if args.cold else {})}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in columns}
     theirs: list[dict[str, float]] = []
-    for i in range(args.repeats):  # interleaved: the machine's load falls on both alike
-        with tempfile.TemporaryDirectory(prefix="babysit-bench-") as tmp:
-            ours.append(babysit_run(Path(tmp), work))
-        if args.cold:
-            with tempfile.TemporaryDirectory(prefix="babysit-bench-cold-") as tmp:
-                cold.append(babysit_run(Path(tmp), work, warm=False))
+    for i in range(args.repeats):  # interleaved: the machine's load falls on all alike
+        for name, standby in columns.items():
+            with tempfile.TemporaryDirectory(prefix=f"babysit-bench-{name}-") as tmp:
+                runs[name].append(babysit_run(Path(tmp), work, standby))
         if python is not None and nvrx_error is None:
             with tempfile.TemporaryDirectory(prefix="nvrx-bench-") as tmp:
                 try:
@@ -246,21 +252,22 @@ def main() -> None:
                     nvrx_error = str(exc)
         print(f"repeat {i + 1}/{args.repeats} done", file=sys.stderr)
 
-    head = f"seconds (median of {len(ours)})"
-    cold_head = f" {'cold':>9s}" if cold else ""
-    print(f"{head:48s} {'babysit':>9s}{cold_head} {'NVRx 5 s':>9s} {'torchrun':>9s}")
+    head = f"seconds (median of {args.repeats})"
+    print(f"{head:48s} " + " ".join(f"{name:>9s}" for name in columns) +
+          f" {'NVRx 5 s':>9s} {'torchrun':>9s}")
     timeout = default_pg_timeout.total_seconds()
 
     def column(runs: list[dict[str, float]], key: str) -> str:
         values = [r[key] for r in runs if key in r]
         return f"{statistics.median(values):9.2f}" if values else f"{'':9s}"
 
-    for key in dict.fromkeys(k for r in ours for k in r):  # every row any run measured
+    every = [r for name in columns for r in runs[name]]
+    for key in dict.fromkeys(k for r in every for k in r):  # every row any run measured
         ref = f"{timeout:9.0f}" if key.startswith("hang") else ""
-        warm_cold = column(ours, key) + (" " + column(cold, key) if cold else "")
-        print(f"{key:48s} {warm_cold} {column(theirs, key)} {ref}")
-    print(f"\nbabysit: the default policy, nothing hand-set, warm standby on (cold: "
-          f"launch.warm_standby false). NVRx: ft_launcher with "
+        ours = " ".join(column(runs[name], key) for name in columns)
+        print(f"{key:48s} {ours} {column(theirs, key)} {ref}")
+    print(f"\nbabysit: the default policy, nothing hand-set, warm standby on (imports: "
+          f"launch.warm_standby imports; cold: false). NVRx: ft_launcher with "
           f"rank_heartbeat_timeout={HEARTBEAT_S:g} s set by hand. torchrun: torch's default "
           f"gloo process-group timeout ({timeout:.0f} s), not waited for.")
     if nvrx_error is not None:

@@ -89,19 +89,22 @@ class LaunchConfig(DashedSection):
     progress before babysit calls the teardown stuck (a rank hung in gloo's teardown, say),
     stops torchrun and counts the attempt finished. A script still working after
     ``run.close()`` (saving, uploading) uses CPU and is waited for."""
-    warm_standby: bool | Literal["auto"] = "auto"
+    warm_standby: bool | Literal["auto", "imports"] = "auto"
     """Keep the next attempt's workers started and waiting, so a relaunch (rollback, hang,
-    crash) costs about a checkpoint load and a step instead of a cold start (docs/recovery.md).
-    Once an attempt has trained a few seconds, babysit starts the next one's torchrun, whose
-    ranks run the script up to ``attach()`` and wait there. The cost: a second set of rank
-    processes (and a torchrun) with torch imported and whatever the script built before
-    ``attach()``: about 0.3 GB resident per small CPU rank plus 0.2 GB for torchrun, measured.
-    Anything the script does before ``attach()`` (opening a logger's run, writing files)
-    happens for the standby too. ``auto`` (the default): on, unless this machine has NVIDIA
-    GPUs the job can see: there the standby would also hold a CUDA context per rank and any
-    model already on the device, beside the training attempt, and that has not been measured
-    yet; ``true`` turns it on there too, ``false`` off everywhere. Single-node runs of scripts
-    that call ``attach()`` only; multi-node runs and a fixed ``rdzv_endpoint`` relaunch cold."""
+    crash) skips most of a cold start (docs/recovery.md). Once an attempt has trained a few
+    seconds, babysit starts the next one's torchrun and its rendezvous. ``true``: its ranks run
+    the script up to ``attach()`` and wait there; a relaunch then costs about a checkpoint load
+    and a step. The cost: a second set of rank processes with torch imported and whatever the
+    script built before ``attach()`` (about 0.3 GB resident per small CPU rank plus 0.2 GB for
+    torchrun; on a GPU a CUDA context per rank and any model already on the device: 1.2 GB for
+    two small ranks on an H200). Anything the script does before ``attach()`` (opening a
+    logger's run, writing files) happens for the standby too. ``imports``: its ranks import
+    torch and wait before the script starts: no CUDA context, no GPU memory, nothing of the
+    script run twice; a relaunch still runs the script's own start (its imports, the model
+    build, CUDA and NCCL set-up, the checkpoint load). ``auto`` (the default): ``true``, or
+    ``imports`` where the job can see NVIDIA GPUs. ``false``: every relaunch cold.
+    Single-node runs of scripts that call ``attach()`` only (``imports`` needs a Python script:
+    not ``no_python``); multi-node runs and a fixed ``rdzv_endpoint`` relaunch cold."""
     max_restarts: int | None = Field(None, ge=0)
     """Relaunches allowed after crashes; overrides the policy's crash budget when set. babysit
     owns restarts, so torchrun itself always runs with ``--max-restarts 0``."""

@@ -147,6 +147,10 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+PREWARM = "babysit.supervisor.rank.prewarm"
+"""The module an import standby's ranks run before the script (``rank/prewarm.py``)."""
+
+
 def torchrun_command(
     launch: LaunchConfig,
     script: Path | None,
@@ -155,8 +159,11 @@ def torchrun_command(
     rdzv_id: str,
     rdzv_endpoint: str,
     log_dir: Path,
+    prewarm: bool = False,
 ) -> list[str]:
-    """The torchrun command line for one attempt. Pure: builds a list, starts nothing."""
+    """The torchrun command line for one attempt. Pure: builds a list, starts nothing.
+    ``prewarm``: the ranks run ``rank.prewarm`` with the script and its arguments (an import
+    standby's)."""
     cmd = [python, "-m", "torch.distributed.run",
            "--nproc-per-node", str(launch.nproc_per_node),
            "--nnodes", launch.nnodes,
@@ -179,7 +186,10 @@ def torchrun_command(
     if launch.no_python:
         cmd.append("--no-python")
     cmd += launch.torchrun_args
-    if launch.module is not None:
+    if prewarm:
+        cmd += ["-m", PREWARM]
+        cmd += ["-m", launch.module] if launch.module is not None else [str(script)]
+    elif launch.module is not None:
         cmd += ["-m", launch.module]
     else:
         cmd.append(str(script))

@@ -10,11 +10,11 @@ and ``BABYSIT_STANDBY`` set. Each of its ranks runs the script up to ``attach()`
 it is ready (a file per rank) and waits there, before it reads the directive or connects to
 the telemetry socket, so it sends nothing and judges nothing. The states::
 
-    off        launch.warm_standby is false (or auto, on a machine whose GPUs the job can
-               see: not measured there yet), the run is multi-node, its rendezvous endpoint
+    off        launch.warm_standby is false, the run is multi-node, its rendezvous endpoint
                is fixed, or its script never attached (stdout mode): every relaunch is cold
-    starting   torchrun and the ranks are up to attach(); no rank said ready yet
-    ready      every rank waits in attach() (``Standby.ready_at``)
+    starting   torchrun and the ranks are up to attach() (up to the script: ``imports``); no
+               rank said ready yet
+    ready      every rank waits in attach() (``Standby.ready_at``), or before the script
     promoted   the relaunch wrote the attempt's directive, then the ``go`` file: the ranks
                read it and go on exactly as a fresh attempt's do; it is the attempt now
     exited     it ended on its own (an import error, say): journaled, never used, never the
@@ -22,10 +22,17 @@ the telemetry socket, so it sends nothing and judges nothing. The states::
     stopped    every rank of the running attempt closed its run (no attempt follows), the
                run ended, or babysit stops: its whole process tree goes too
 
-The cost: a second torchrun and set of rank processes with torch imported and whatever the
-script built before ``attach()`` (on a GPU, their CUDA contexts and any model already on the
-device); for 2 CPU ranks of ``tests/workers/tiny_train.py``, about 0.8 GB resident (0.57 GB
-unique) and about 6 CPU-seconds to get ready (docs/recovery.md).
+Two kinds (``kind``). ``full`` is the above. ``imports`` (``auto``'s choice where the job sees
+NVIDIA GPUs) starts the same torchrun and rendezvous, but its ranks run ``rank/prewarm.py``:
+import torch, say ready, wait for ``go`` and only then run the script. A relaunch through it
+still pays the script's own start and the checkpoint load, but holds no CUDA context and runs
+nothing of the script twice.
+
+The cost of a full standby: a second torchrun and set of rank processes with torch imported
+and whatever the script built before ``attach()`` (on a GPU, their CUDA contexts and any model
+already on the device: 1.2 GB for 2 small ranks on an H200, docs/gpu.md); for 2 CPU ranks
+of ``tests/workers/tiny_train.py``, about 0.8 GB resident (0.57 GB unique) and about 6
+CPU-seconds to get ready (docs/recovery.md).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from babysit.supervisor.config.schema import LaunchConfig
 from babysit.supervisor.contract import protocol
@@ -51,16 +58,29 @@ READY = protocol.STANDBY_READY
 
 CONFIGURED_OFF = "launch.warm_standby is false"
 
+Kind = Literal["full", "imports"]
+"""Where a standby's ranks wait: in ``attach()`` (the script's start done) or before the script
+(torch imported: ``rank/prewarm.py``)."""
+
+
+def kind(launch: LaunchConfig, gpus: bool) -> Kind:
+    """The standby this run gets when ``off_reason`` is None: ``imports`` when asked for, or
+    with ``auto`` where the job can see NVIDIA GPUs (a full standby there holds a CUDA context
+    and whatever the script put on the device, beside the training attempt); else ``full``."""
+    if launch.warm_standby == "imports" or (launch.warm_standby == "auto" and gpus):
+        return "imports"
+    return "full"
+
 
 def off_reason(launch: LaunchConfig, gpus: bool) -> str | None:
     """Why this run's relaunches are cold whatever happens, or None when a standby may run.
     ``gpus``: the job can see NVIDIA GPUs (``gpus_visible``). Pure."""
     if launch.warm_standby is False:
         return CONFIGURED_OFF
-    if launch.warm_standby == "auto" and gpus:
-        return ("launch.warm_standby is auto and the job can see NVIDIA GPUs: a standby there "
-                "would hold CUDA contexts beside the training attempt (not measured yet); set "
-                "it to true to use one anyway")
+    if kind(launch, gpus) == "imports" and launch.no_python:
+        return ("launch.no_python is set: an import standby runs the script with Python, after "
+                "importing torch; set launch.warm_standby to true (it waits in attach()) or "
+                "false")
     if launch.multinode:
         return "multi-node runs relaunch cold: a standby would need a rendezvous across nodes"
     if launch.rdzv_endpoint is not None or launch.master_port is not None:
@@ -146,6 +166,7 @@ class Standby:
     folder: Path
     """``attempts/<attempt>/standby``: the ranks' ready files and the go file."""
     rdzv_endpoint: str
+    kind: Kind = "full"
     started: float = field(default_factory=time.time)
     """Wall time torchrun was started."""
     paused: bool = False
@@ -185,7 +206,7 @@ class Standby:
         how long every rank had been waiting (None: some were still starting; they go on as
         soon as they reach ``attach()``)."""
         ready = self.ready_at()
-        return {"standby": True, "rdzv_endpoint": self.rdzv_endpoint,
+        return {"standby": True, "standby_kind": self.kind, "rdzv_endpoint": self.rdzv_endpoint,
                 "standby_age_s": round(now - self.started, 3),
                 "standby_ready_s": None if ready is None else round(max(0.0, now - ready), 3)}
 

@@ -153,14 +153,18 @@ class NodeWorkers:
         attempt_dir = self.attempt_dir(attempt)
         folder = attempt_dir / standby.FOLDER
         folder.mkdir(parents=True, exist_ok=True)
+        launch = self.plan.config.launch
+        kind = standby.kind(launch, standby.gpus_visible(launch))
         command = launcher.torchrun_command(
-            self.plan.config.launch, self.plan.script, python=self.plan.python,
-            rdzv_id=rdzv_id, rdzv_endpoint=rdzv_endpoint, log_dir=attempt_dir / "torchrun")
+            launch, self.plan.script, python=self.plan.python, rdzv_id=rdzv_id,
+            rdzv_endpoint=rdzv_endpoint, log_dir=attempt_dir / "torchrun",
+            prewarm=kind == "imports")
         group = self._group(command, attempt_dir, attempt, queue.Queue(maxsize=10_000),
                             standby.environment(folder))
-        self.standby = standby.Standby(attempt, group, folder, rdzv_endpoint)
+        self.standby = standby.Standby(attempt, group, folder, rdzv_endpoint, kind)
         self.standby_entries.append(("standby_started", {
-            "for_attempt": attempt, "pid": group.pid, "rdzv_endpoint": rdzv_endpoint}))
+            "for_attempt": attempt, "pid": group.pid, "rdzv_endpoint": rdzv_endpoint,
+            "kind": kind}))
 
     def hold_standby(self, hold: bool) -> None:
         """Pause a standby that is still starting while ``hold`` (a stall is looming or being

@@ -99,6 +99,54 @@ def test_a_standby_waits_silent_until_promoted_and_one_that_fails_is_journaled(
     assert not [p for p in psutil.process_iter() if _of_run(p, tmp_path / "run")]
 
 
+IMPORTS_SCRIPT = """\
+import sys, time
+from pathlib import Path
+Path(__file__).with_name("started").write_text(str(time.time()))  # its first line
+from babysit import attach
+run = attach()
+print("attempt", run.directive.attempt, "argv", sys.argv[1:], "main", __name__)
+run.close()
+"""
+
+
+def test_an_import_standby_waits_before_the_script_and_runs_it_once_promoted(
+        tmp_path: Path) -> None:
+    """``warm_standby: imports`` (auto's choice on GPUs): the standby's rank imports torch and
+    waits before the script's first line; promoted, it runs the script as ``python train.py``
+    would (its arguments, ``__main__``) and attaches to the attempt."""
+    (tmp_path / "train.py").write_text(IMPORTS_SCRIPT)
+    (tmp_path / "run.yaml").write_text(
+        f"launch: {{script: train.py, nproc-per-node: 1, args: [--lr, '3'], "
+        f"warm_standby: imports}}\nrun_dir: {tmp_path / 'run'}\n")
+    (tmp_path / "run").mkdir(mode=0o700)
+    workers = NodeWorkers(plan_mod.from_file(tmp_path / "run.yaml"), tmp_path / "run")
+    workers.open()
+    try:
+        workers.start_standby(1, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="t-1")
+        spare = workers.standby
+        assert spare is not None and spare.kind == "imports"
+        wait_for(spare.ready_at)
+        rank = next(p for p in spare.group.processes() if "--lr" in p.cmdline()
+                    and "torch.distributed.run" not in p.cmdline())
+        assert "babysit.supervisor.rank.prewarm" in rank.cmdline()
+        assert "torch" in {Path(m.path).parts[-2] for m in rank.memory_maps()
+                           if len(Path(m.path).parts) > 1}  # torch is loaded
+        time.sleep(0.3)
+        assert not (tmp_path / "started").exists()  # nothing of the script ran
+        promoted = time.time()
+        assert workers.promote(1, Directive(attempt=1)) is spare
+        wait_for(lambda: workers.poll() is not None)
+        assert workers.poll() == 0
+        assert float((tmp_path / "started").read_text()) >= promoted
+        assert "attempt 1 argv ['--lr', '3'] main __main__" in "\n".join(workers.output())
+        hello = [m for m in workers.telemetry() if getattr(m, "type", None) == "hello"]
+        assert len(hello) == 1
+    finally:
+        workers.close()
+    assert not [p for p in psutil.process_iter() if _of_run(p, tmp_path / "run")]
+
+
 def _of_run(proc: psutil.Process, run_dir: Path) -> bool:
     try:
         return proc.environ().get("BABYSIT_RUN_DIR") == str(run_dir)

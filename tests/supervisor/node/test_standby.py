@@ -30,9 +30,30 @@ def test_single_node_runs_get_a_standby_unless_turned_off_or_pinned() -> None:
     assert "multi-node" in str(standby.off_reason(launch(nnodes="2"), gpus=False))
     assert "fixed" in str(standby.off_reason(launch(rdzv_endpoint="10.0.0.1:29500"),
                                              gpus=False))
-    # On a machine whose GPUs the job sees, only when asked for (not measured there yet).
-    assert "GPUs" in str(standby.off_reason(launch(), gpus=True))
-    assert standby.off_reason(launch(warm_standby=True), gpus=True) is None
+    # Where the job sees GPUs, auto's standby waits before the script: no CUDA context.
+    assert standby.off_reason(launch(), gpus=True) is None
+    assert standby.kind(launch(), gpus=True) == "imports"
+    assert standby.kind(launch(), gpus=False) == "full"
+    assert standby.kind(launch(warm_standby=True), gpus=True) == "full"
+    assert standby.kind(launch(warm_standby="imports"), gpus=False) == "imports"
+    # An import standby runs the script with Python: not with no_python.
+    assert "no_python" in str(standby.off_reason(launch(no_python=True), gpus=True))
+    assert standby.off_reason(launch(no_python=True, warm_standby=True), gpus=True) is None
+
+
+def test_an_import_standby_runs_the_prewarm_module_with_the_script_or_module() -> None:
+    from babysit.supervisor.node.launcher import PREWARM, torchrun_command
+    from babysit.supervisor.rank import prewarm
+
+    assert PREWARM == prewarm.MODULE
+    common = {"python": "python", "rdzv_id": "r", "rdzv_endpoint": "127.0.0.1:1",
+              "log_dir": Path("/tmp/logs")}
+    script = torchrun_command(launch(args=["--lr", "3"]), Path("/p/train.py"), prewarm=True,
+                              **common)  # type: ignore[arg-type]
+    assert script[-5:] == ["-m", PREWARM, "/p/train.py", "--lr", "3"]
+    module = torchrun_command(LaunchConfig.model_validate({"module": "pkg.train"}), None,
+                              prewarm=True, **common)  # type: ignore[arg-type]
+    assert module[-4:] == ["-m", PREWARM, "-m", "pkg.train"]
 
 
 def test_gpus_are_visible_when_the_driver_lists_one_the_job_is_not_hidden_from(
@@ -86,7 +107,8 @@ def test_ready_once_every_rank_said_so(tmp_path: Path) -> None:
     assert spare.ready_at() is None
     (ready / "1").write_text(json.dumps({"world_size": 2, "time": 104.5}))
     assert spare.ready_at() == 104.5
-    assert spare.launch_fields(110.0) == {"standby": True, "rdzv_endpoint": "127.0.0.1:1",
+    assert spare.launch_fields(110.0) == {"standby": True, "standby_kind": "full",
+                                          "rdzv_endpoint": "127.0.0.1:1",
                                           "standby_age_s": 10.0, "standby_ready_s": 5.5}
 
 
