@@ -126,11 +126,20 @@ class Trigger:
     attaches would not wait, it would train a second time) and made its first step ``after_s``
     seconds ago (so its own start-up does not compete with the standby's), at most once per
     attempt: one that exited on its own is not started again for the same attempt.
+
+    Or sooner, at a stall: once a stall is half-way to a hang suspicion (``looming``), a
+    relaunch may be a second away, and the attempt's ranks are idle. With ``at_stall`` (the
+    machine has a core per rank: ``spare_cores``) the standby starts then, so a hang in the
+    first seconds of an attempt is not relaunched fully cold. Where the ranks outnumber the
+    cores its start-up would take the CPU the hang's confirmation needs (at 24 ranks on 2
+    cores, 40 s instead of 3), so it waits for ``after_s`` as before.
     """
 
-    def __init__(self, off: str | None, after_s: float = AFTER_S) -> None:
+    def __init__(self, off: str | None, after_s: float = AFTER_S,
+                 at_stall: bool = False) -> None:
         self.off = off
         self.after_s = after_s
+        self.at_stall = at_stall
         self.attempt = -1
         self._attached = False
         self._first_step: float | None = None
@@ -145,16 +154,24 @@ class Trigger:
         if stepped and self._first_step is None:
             self._first_step = now
 
-    def due(self, now: float, running: bool, have: int | None) -> int | None:
+    def due(self, now: float, running: bool, have: int | None,
+            looming: bool = False) -> int | None:
         """The attempt to start a standby for now, or None. ``running``: the attempt runs and
-        the loop watches it; ``have``: the attempt the standby already there is for."""
+        the loop watches it; ``have``: the attempt the standby already there is for;
+        ``looming``: a stall is half-way to a hang suspicion."""
         target = self.attempt + 1
+        waited = self._first_step is not None and (
+            now - self._first_step >= self.after_s or (looming and self.at_stall))
         if (self.off is not None or not running or self.attempt < 0 or not self._attached
-                or self._first_step is None or now - self._first_step < self.after_s
-                or have == target or target in self._tried):
+                or not waited or have == target or target in self._tried):
             return None
         self._tried.add(target)
         return target
+
+
+def spare_cores(ranks: int, cores: int | None = None) -> bool:
+    """This machine has a core for every rank of the job (``Trigger.at_stall``)."""
+    return ranks <= (cores if cores is not None else os.cpu_count() or 1)
 
 
 @dataclass
@@ -171,6 +188,9 @@ class Standby:
     """Wall time torchrun was started."""
     paused: bool = False
     """Its processes are stopped (``NodeWorkers.hold_standby``): a hang is being confirmed."""
+    at_stall: bool = False
+    """Started at a stall (``Trigger.at_stall``): it is never paused for that stall's
+    confirmation, which it was started to be ready for."""
     _ready: float | None = None
 
     def ready_at(self) -> float | None:

@@ -147,7 +147,8 @@ class NodeWorkers:
 
     # -- the warm standby (node.standby) ------------------------------------------------------
 
-    def start_standby(self, attempt: int, *, rdzv_endpoint: str, rdzv_id: str) -> None:
+    def start_standby(self, attempt: int, *, rdzv_endpoint: str, rdzv_id: str,
+                      at_stall: bool = False) -> None:
         """Start ``attempt``'s workers now, to wait in ``attach()`` until ``promote``. Only for
         a run whose ``standby.off_reason`` is None (single node, its own rendezvous)."""
         attempt_dir = self.attempt_dir(attempt)
@@ -161,19 +162,20 @@ class NodeWorkers:
             prewarm=kind == "imports")
         group = self._group(command, attempt_dir, attempt, queue.Queue(maxsize=10_000),
                             standby.environment(folder))
-        self.standby = standby.Standby(attempt, group, folder, rdzv_endpoint, kind)
+        self.standby = standby.Standby(attempt, group, folder, rdzv_endpoint, kind,
+                                       at_stall=at_stall)
         self.standby_entries.append(("standby_started", {
             "for_attempt": attempt, "pid": group.pid, "rdzv_endpoint": rdzv_endpoint,
-            "kind": kind}))
+            "kind": kind, "at_stall": at_stall}))
 
     def hold_standby(self, hold: bool) -> None:
         """Pause a standby that is still starting while ``hold`` (a stall is looming or being
         confirmed), and continue it once not. Its start-up (every rank importing torch) takes
         the CPU the confirmation needs: with 24 ranks on 2 cores the stack reads took 20 s
         beside it, 1 s without it. A standby that is ready, or has warmed for
-        ``standby.WARMING_MAX_S``, is never paused."""
+        ``standby.WARMING_MAX_S``, is never paused, nor one started at this stall."""
         spare = self.standby
-        if spare is None:
+        if spare is None or spare.at_stall:
             return
         pause = hold and spare.warming(time.time())
         if pause != spare.paused:

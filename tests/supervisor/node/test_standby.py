@@ -92,6 +92,24 @@ def test_a_standby_starts_only_after_an_attached_attempt_stepped_and_trained_a_w
     assert trigger.due(16.0, True, None) == 2
 
 
+def test_a_stall_in_the_first_seconds_starts_the_standby_where_cores_allow() -> None:
+    # The attempt stepped at t=10 and stalls at t=11: half-way to a hang suspicion, a standby
+    # starts at once where every rank has a core; else after after_s as before.
+    eager = started(standby.Trigger(None, after_s=5.0, at_stall=True))
+    assert eager.due(11.0, True, None) is None  # no stall: wait as before
+    assert eager.due(11.0, True, None, looming=True) == 1
+    patient = started(standby.Trigger(None, after_s=5.0, at_stall=False))
+    assert patient.due(11.0, True, None, looming=True) is None
+    assert patient.due(15.0, True, None, looming=True) == 1
+    # Never before the attempt attached and stepped, nor when off.
+    unattached = standby.Trigger(None, after_s=5.0, at_stall=True)
+    unattached.new_attempt(0)
+    assert unattached.due(11.0, True, None, looming=True) is None
+    off = started(standby.Trigger("launch.warm_standby is false", at_stall=True))
+    assert off.due(11.0, True, None, looming=True) is None
+    assert standby.spare_cores(2, cores=2) and not standby.spare_cores(24, cores=2)
+
+
 def test_no_standby_when_off() -> None:
     trigger = started(standby.Trigger("launch.warm_standby is false", after_s=0.0))
     assert trigger.due(100.0, True, None) is None
