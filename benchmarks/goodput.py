@@ -16,8 +16,10 @@ four faults placed at fractions of its steps:
 babysit runs with its default policy and a checkpoint every 25 steps (synchronous unless
 ``--async-save``); goodput is its ledger's
 (``babysit status --json``: productive step time / wall time), the final loss its last metrics
-row's. Each fault strikes once: babysit's attempts are numbered, so the hang is placed in the
-attempt after the spike's rollback and the crash in the one after the hang's relaunch.
+row's. Each fault strikes once: babysit's attempts are numbered, so the hang is placed in
+attempt 2 (the spike takes two relaunches: the rerun of the same batches, then the rollback
+that skips them) and the crash in attempt 3, after the hang's relaunch. A scheduled fault
+babysit never met stops the script with an error rather than a flattering figure.
 
 torchrun (``python -m torch.distributed.run --standalone``) gets the same faults, all in its
 only attempt. It trains through the spike, then hangs: gloo would wait 30 minutes before its
@@ -92,7 +94,7 @@ def under_babysit(workdir: Path, steps: int, at: dict[str, int],
     config = workdir / "run.yaml"
     config.write_text(
         f"launch:\n  script: {WORKER}\n  nproc-per-node: 2\n"
-        f"  args: {json.dumps(job(steps, at, hang_attempt=1, crash_attempt=2))}\n"
+        f"  args: {json.dumps(job(steps, at, hang_attempt=2, crash_attempt=3))}\n"
         f"run_dir: {run_dir}\ncheckpoints: {{every_steps: 25, probation_steps: 5, "
         f"async_save: {str(async_save).lower()}}}\n")
     started = time.time()
@@ -103,6 +105,11 @@ def under_babysit(workdir: Path, steps: int, at: dict[str, int],
                             cwd=workdir, env=env(), capture_output=True, text=True, check=True)
     snap = json.loads(status.stdout)
     remedies = [f"{i['incident']} -> {i['action']}" for i in snap["incidents"]]
+    met = {i["incident"] for i in snap["incidents"]}
+    missed = [incident for incident in ("hang", "crash") if incident not in met]
+    if missed:
+        raise SystemExit(f"babysit never met the scheduled {' and '.join(missed)} "
+                         f"(attempt numbering changed?); its remedies: {remedies}")
     return {"exit": done.returncode, "wall_s": wall, "ledger": snap["goodput"],
             "step": snap["step"], "loss": snap["loss"], "remedies": remedies,
             "tail": done.stdout[-1500:]}
