@@ -131,6 +131,8 @@ class OwnNode(Generic[Out]):
         self._death_told = False
         self._teardown: teardown.Teardown | None = None
         self._confirmer = hang.Confirmer()
+        self.looming = False
+        """This tick saw a stall half-way to a hang suspicion (every rank alive)."""
 
     def launch(self, attempt: int, directive: Directive, now: float,
                start: Callable[[], list[str]]) -> list[str]:
@@ -151,6 +153,7 @@ class OwnNode(Generic[Out]):
         """Everything since the last tick. ``watching``: also notice torchrun's exit and hangs
         (off while the caller is replacing the workers: what they do then judges nothing)."""
         out: NodeTick[Out] = NodeTick()
+        self.looming = False
         self._drain(now, out)
         if not (watching and self.running):
             return out
@@ -170,9 +173,9 @@ class OwnNode(Generic[Out]):
                     "idle_s": idle_s, "processes": seen}))
         elif self.workers.group is not None:
             if stall.all_alive(self.workers.rank_pids.values()):
-                looming = self.judge.looming(now)
-                self.workers.hold_standby(looming)  # the look needs the CPU (NodeWorkers)
-                self._confirmer.ahead(self.workers.rank_pids, looming)
+                self.looming = self.judge.looming(now)
+                self.workers.hold_standby(self.looming)  # the look needs the CPU (NodeWorkers)
+                self._confirmer.ahead(self.workers.rank_pids, self.looming)
                 for finding in self.judge.check(now):
                     self.workers.hold_standby(True)
                     self._confirm(finding, now, out)

@@ -147,18 +147,17 @@ class NodeWorkers:
 
     # -- the warm standby (node.standby) ------------------------------------------------------
 
-    def start_standby(self, attempt: int, *, rdzv_endpoint: str, rdzv_id: str,
-                      at_stall: bool = False) -> None:
-        """Start ``attempt``'s workers now, to wait in ``attach()`` until ``promote``. Only for
-        a run whose ``standby.off_reason`` is None (single node, its own rendezvous)."""
+    def start_standby(self, attempt: int, kind: standby.Kind = "full", *, rdzv_endpoint: str,
+                      rdzv_id: str, at_stall: bool = False) -> None:
+        """Start ``attempt``'s workers now, to wait in ``attach()`` (``kind`` full) or before
+        the script (imports) until ``promote``. Only for a run whose ``standby.off_reason`` is
+        None (single node, its own rendezvous)."""
         attempt_dir = self.attempt_dir(attempt)
         folder = attempt_dir / standby.FOLDER
         folder.mkdir(parents=True, exist_ok=True)
-        launch = self.plan.config.launch
-        kind = standby.kind(launch, standby.gpus_visible(launch))
         command = launcher.torchrun_command(
-            launch, self.plan.script, python=self.plan.python, rdzv_id=rdzv_id,
-            rdzv_endpoint=rdzv_endpoint, log_dir=attempt_dir / "torchrun",
+            self.plan.config.launch, self.plan.script, python=self.plan.python,
+            rdzv_id=rdzv_id, rdzv_endpoint=rdzv_endpoint, log_dir=attempt_dir / "torchrun",
             prewarm=kind == "imports")
         group = self._group(command, attempt_dir, attempt, queue.Queue(maxsize=10_000),
                             standby.environment(folder))

@@ -243,9 +243,11 @@ class LocalMembers(OnThisNode):
         self.node: OwnNode[list[StepRecord]] = OwnNode(self.workers, self.judge,
                                                         flush_on_exit=False)
         launch = plan.config.launch
-        self.standby = standby.Trigger(standby.off_reason(launch, standby.gpus_visible(launch)),
+        gpus = standby.gpus_visible(launch)
+        self.standby = standby.Trigger(standby.off_reason(launch, gpus),
                                        at_stall=standby.spare_cores(plan.world_size or 1))
         """When to start the next attempt's warm standby (``node.standby``)."""
+        self.standby_kind = standby.kind(launch, gpus)
 
     def ready(self, voice: Voice) -> None:
         return None
@@ -287,11 +289,12 @@ class LocalMembers(OnThisNode):
         self.standby.observe(now, hello=any(e.type == "hello" and e.data.get("source") != SOURCE
                                             for e in tick.events), stepped=any(tick.outputs))
         have = self.workers.standby.attempt if self.workers.standby is not None else None
-        looming = self.judge.looming(now)
+        looming = self.node.looming
         target = self.standby.due(now, watching and self.node.running, have, looming)
         if target is not None:
             self.workers.drop_standby(f"attempt {target} needs one")
-            self.workers.start_standby(target, rdzv_endpoint=self._endpoint(),
+            self.workers.start_standby(target, self.standby_kind,
+                                       rdzv_endpoint=self._endpoint(),
                                        rdzv_id=self._rdzv_id(target), at_stall=looming)
         waiting = self.workers.standby
         # Its start-up (interpreters, import torch) competes with the training ranks for the

@@ -37,18 +37,25 @@ def wait_for(condition: Callable[[], object], timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_standby_waits_silent_until_promoted_and_one_that_fails_is_journaled(
-        tmp_path: Path) -> None:
-    """Real torchrun: the standby's rank waits in attach() and sends nothing (paused and
-    continued while it starts); promoted, it reads
-    the directive written then and reports; one that exits on its own is never used; one still
-    waiting when the run ends is stopped with it."""
-    (tmp_path / "train.py").write_text(STANDBY_SCRIPT)
-    (tmp_path / "run.yaml").write_text(f"launch: {{script: train.py, nproc-per-node: 1}}\n"
-                                       f"run_dir: {tmp_path / 'run'}\n")
+def open_workers(tmp_path: Path, script: str, launch: str = "") -> NodeWorkers:
+    """A single node's workers (opened) for ``script`` as ``train.py``, with ``launch`` added
+    to the launch section (flow style)."""
+    (tmp_path / "train.py").write_text(script)
+    (tmp_path / "run.yaml").write_text(f"launch: {{script: train.py, nproc-per-node: 1{launch}}}"
+                                       f"\nrun_dir: {tmp_path / 'run'}\n")
     (tmp_path / "run").mkdir(mode=0o700)
     workers = NodeWorkers(plan_mod.from_file(tmp_path / "run.yaml"), tmp_path / "run")
     workers.open()
+    return workers
+
+
+def test_a_standby_waits_silent_until_promoted_and_one_that_fails_is_journaled(
+        tmp_path: Path) -> None:
+    """Real torchrun: the standby's rank waits in attach() and sends nothing (paused and
+    continued while it starts); promoted, it reads the directive written then and reports; one
+    that exits on its own is never used; one still waiting when the run ends is stopped with
+    it."""
+    workers = open_workers(tmp_path, STANDBY_SCRIPT)
     try:
         workers.start_standby(1, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="t-1")
         spare = workers.standby
@@ -115,15 +122,10 @@ def test_an_import_standby_waits_before_the_script_and_runs_it_once_promoted(
     """``warm_standby: imports`` (auto's choice on GPUs): the standby's rank imports torch and
     waits before the script's first line; promoted, it runs the script as ``python train.py``
     would (its arguments, ``__main__``) and attaches to the attempt."""
-    (tmp_path / "train.py").write_text(IMPORTS_SCRIPT)
-    (tmp_path / "run.yaml").write_text(
-        f"launch: {{script: train.py, nproc-per-node: 1, args: [--lr, '3'], "
-        f"warm_standby: imports}}\nrun_dir: {tmp_path / 'run'}\n")
-    (tmp_path / "run").mkdir(mode=0o700)
-    workers = NodeWorkers(plan_mod.from_file(tmp_path / "run.yaml"), tmp_path / "run")
-    workers.open()
+    workers = open_workers(tmp_path, IMPORTS_SCRIPT, ", args: [--lr, '3'], warm_standby: imports")
     try:
-        workers.start_standby(1, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="t-1")
+        workers.start_standby(1, "imports", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                              rdzv_id="t-1")
         spare = workers.standby
         assert spare is not None and spare.kind == "imports"
         wait_for(spare.ready_at)
