@@ -238,6 +238,7 @@ class LocalMembers(OnThisNode):
 
     def __init__(self, plan: RunPlan, watch: Watch) -> None:
         self.plan = plan
+        self.watch = watch
         self.workers = NodeWorkers(plan, plan.run_dir)
         self.judge = LocalJudge(watch, plan.world_size or 1)
         self.node: OwnNode[list[StepRecord]] = OwnNode(self.workers, self.judge,
@@ -268,7 +269,8 @@ class LocalMembers(OnThisNode):
                                        rdzv_id=self._rdzv_id(attempt))
 
         command = self.node.launch(attempt, directive, now, start)
-        self.standby.new_attempt(attempt)
+        # A rerun that reproduces ends in the skip's relaunch within seconds: warm it too.
+        self.standby.new_attempt(attempt, soon=self.watch.rerun is not None)
         assert self.workers.group is not None
         return {"pid": self.workers.group.pid, "command": command, **fields}
 
