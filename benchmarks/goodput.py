@@ -1,6 +1,7 @@
 """Goodput under a fault schedule: babysit (default policy) beside plain torchrun, same job.
 
-    .venv/bin/python benchmarks/goodput.py [--minutes 2] [--stall-s 30] [--async-save]
+    .venv/bin/python benchmarks/goodput.py [--minutes 2] [--stall-s 30]
+                                           [--saves default|sync|async]
                                            [--no-torchrun] [--keep DIR]
 
 The job is ``tests/workers/tiny_train.py``, 2 gloo ranks on this CPU, 0.05 s of sleep per
@@ -13,13 +14,18 @@ four faults placed at fractions of its steps:
 - 60%: a crash: rank 0 killed by SIGKILL (``--at ...:SIGKILL``), as the OOM killer would;
 - 75-85%: a straggler: rank 1's loader waits 0.05 s for each batch (``--slow-data``).
 
-babysit runs with its default policy and a checkpoint every 25 steps (synchronous unless
-``--async-save``); goodput is its ledger's
+babysit runs with its default policy and a checkpoint every 25 steps (``checkpoints.async_save``
+at its default unless ``--saves`` says otherwise); goodput is its ledger's
 (``babysit status --json``: productive step time / wall time), the final loss its last metrics
 row's. Each fault strikes once: babysit's attempts are numbered, so the hang is placed in
 attempt 2 (the spike takes two relaunches: the rerun of the same batches, then the rollback
 that skips them) and the crash in attempt 3, after the hang's relaunch. A scheduled fault
 babysit never met stops the script with an error rather than a flattering figure.
+
+babysit's own badput is its ledger's badput less the job's own delays, which the same job pays
+under any launcher: the injected slow loader (the ``straggler`` category) and the job's start-up
+and exit as plain torchrun measures them on the calibration run (never more than the ledger's
+``startup`` and ``shutdown``). The gross figures are printed beside it.
 
 torchrun (``python -m torch.distributed.run --standalone``) gets the same faults, all in its
 only attempt. It trains through the spike, then hangs: gloo would wait 30 minutes before its
@@ -55,16 +61,22 @@ def env() -> dict[str, str]:
             "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
 
 
-def step_time(workdir: Path) -> float:
+def calibrate(workdir: Path) -> tuple[float, float, float]:
     """The job's fault-free step time on this machine (0.05 s of sleep, the compute, the
     collectives): the median of 60 steps under plain torchrun, so that ``--minutes`` is what
-    the fault-free run takes here."""
+    the fault-free run takes here. Also what the same job pays under plain torchrun to start
+    (the command to its first step done) and to end (its last step to torchrun's exit), the
+    job's own start-up and exit that babysit's ledger counts as ``startup`` and ``shutdown``."""
     log = workdir / "calibrate-steps.log"
+    started = time.time()
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc-per-node", "2", str(WORKER), "--steps", "60", "--step-sleep", "0.05",
                     "--step-log", str(log)], cwd=workdir, env=env(), capture_output=True,
                    check=True, timeout=300)
-    return statistics.median(b - a for a, b in itertools.pairwise(step_log(log)[10:]))
+    ended = time.time()
+    times = step_log(log)
+    step_s = statistics.median(b - a for a, b in itertools.pairwise(times[10:]))
+    return step_s, times[0] - started, ended - times[-1]
 
 
 def step_log(log: Path) -> list[float]:
@@ -89,14 +101,14 @@ def job(steps: int, at: dict[str, int], hang_attempt: int, crash_attempt: int) -
 
 
 def under_babysit(workdir: Path, steps: int, at: dict[str, int],
-                  async_save: bool = False) -> dict[str, Any]:
+                  saves: str = "default") -> dict[str, Any]:
     run_dir = workdir / "babysit"
     config = workdir / "run.yaml"
+    how = {"default": "", "sync": ", async_save: false", "async": ", async_save: true"}[saves]
     config.write_text(
         f"launch:\n  script: {WORKER}\n  nproc-per-node: 2\n"
         f"  args: {json.dumps(job(steps, at, hang_attempt=2, crash_attempt=3))}\n"
-        f"run_dir: {run_dir}\ncheckpoints: {{every_steps: 25, probation_steps: 5, "
-        f"async_save: {str(async_save).lower()}}}\n")
+        f"run_dir: {run_dir}\ncheckpoints: {{every_steps: 25, probation_steps: 5{how}}}\n")
     started = time.time()
     done = subprocess.run([sys.executable, "-m", "babysit", "run", str(config)], cwd=workdir,
                           env=env(), capture_output=True, text=True, timeout=6 * 3600)
@@ -155,8 +167,9 @@ def main() -> None:
                    help="fault-free training time the job is sized to (the issue: 10)")
     p.add_argument("--stall-s", type=float, default=30.0,
                    help="stop torchrun after this long without a step")
-    p.add_argument("--async-save", action="store_true",
-                   help="babysit saves its checkpoints asynchronously (checkpoints.async_save)")
+    p.add_argument("--saves", choices=("default", "sync", "async"), default="default",
+                   help="checkpoints.async_save: babysit's default (auto: asynchronous for this "
+                        "guarded script), false or true")
     p.add_argument("--no-torchrun", action="store_true", help="run only the babysit half")
     p.add_argument("--keep", type=Path, metavar="DIR",
                    help="run in DIR and keep it (babysit's run directory: DIR/babysit) instead "
@@ -169,14 +182,14 @@ def main() -> None:
         else:
             workdir = Path(stack.enter_context(
                 tempfile.TemporaryDirectory(prefix="babysit-goodput-")))
-        step_s = step_time(workdir)
+        step_s, job_start_s, job_exit_s = calibrate(workdir)
         steps = int(args.minutes * 60 / step_s)
         at = schedule(steps)
         print(f"job: {steps} steps of {1000 * step_s:.1f} ms (~{args.minutes:g} min "
               f"fault-free here); spike at batch {at['spike']}, hang at step {at['hang']}, "
               f"crash at step {at['crash']}, slow loader batches {at['slow_start']}-"
               f"{at['slow_end'] - 1}", flush=True)
-        b = under_babysit(workdir, steps, at, async_save=args.async_save)
+        b = under_babysit(workdir, steps, at, saves=args.saves)
         ledger = b["ledger"]
         bad = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(
             ledger["seconds"].items(), key=lambda kv: -kv[1]) if k != "productive" and v >= 0.05)
@@ -191,6 +204,16 @@ def main() -> None:
             print(f"          without the straggler's own delay: goodput "
                   f"{100 * ledger['seconds']['productive'] / (ledger['wall_s'] - straggler):.1f}%",
                   flush=True)
+        # babysit's own: its badput less the job's own delays, which the same job pays under
+        # plain torchrun (the slow loader; starting and ending its processes, measured above).
+        sec = ledger["seconds"]
+        gross = sum(v for k, v in sec.items() if k != "productive")
+        own = gross - straggler - min(sec.get("startup", 0.0), job_start_s) \
+            - min(sec.get("shutdown", 0.0), job_exit_s)
+        print(f"          babysit's own badput: {own:.1f} s, {100 * own / ledger['wall_s']:.1f}% "
+              f"of the wall time (its badput {gross:.1f} s, less the straggler {straggler:.1f} s "
+              f"and the job's own start {job_start_s:.1f} s and exit {job_exit_s:.1f} s under "
+              f"plain torchrun)", flush=True)
         if args.no_torchrun:
             return
         t = under_torchrun(workdir, steps, at, args.stall_s)

@@ -77,8 +77,14 @@ FAST_POLICY = ROOT / "tests" / "fast_policy.yaml"
 """The default policy with its waits shortened, so end-to-end tests take seconds."""
 
 
+SYNC_SAVES = "{every_steps: 5, probation_steps: 5, async_save: false}"
+"""The e2e tests' checkpoints: every save committed before the next step, so a test can say
+which checkpoint a relaunch resumes from. The default (``auto``: asynchronous for these guarded
+scripts, an in-flight save not yet resumable) runs where a test passes its own section."""
+
+
 def babysat(tmp_path: Path, name: str, *args: str, nproc: int = 2,
-            checkpoints: str = "{every_steps: 5, probation_steps: 5}",
+            checkpoints: str = SYNC_SAVES,
             policy: str = f"{{name: {FAST_POLICY}}}", launch_extra: str = "", extra: str = "",
             script: Path = WORKERS / "tiny_train.py",
             ) -> tuple[subprocess.CompletedProcess[str], Path]:

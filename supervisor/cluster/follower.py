@@ -73,8 +73,8 @@ from babysit.supervisor.run import journal as journal_mod
 from babysit.supervisor.run.console import Console
 
 TICK_S = 0.1
-FORWARDED = ("hello", "close", "skip", "checkpoint", "checkpoint_failed", "cadence",
-             "fingerprint")
+FORWARDED = ("hello", "close", "skip", "checkpoint", "checkpoint_failed", "checkpoint_sync",
+             "cadence", "fingerprint")
 """Rank events the leader needs: the run's record, checkpoints, cadence and SDC checks."""
 
 

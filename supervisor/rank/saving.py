@@ -59,6 +59,8 @@ class Checkpointer:
         """The step the ranks agreed to save the final checkpoint at."""
         self._final_counted = False
         """This rank counted itself in as having read the final request (``_final_target``)."""
+        self._background: bool | None = None
+        """Async saves, decided by every rank together at the first save (``_in_background``)."""
         self._cadence: list[tuple[int, int]] = [(0, directive.checkpoint_every)]
         """``(from_step, every)`` pieces in step order: the directive's cadence, then each
         change the control file made. Pieces wholly in the past are dropped as steps go by."""
@@ -113,7 +115,7 @@ class Checkpointer:
                 self._finish_pending()
                 handle = checkpoints.save(
                     str(self.directive.checkpoint_dir), step, cursor, lr_scale, self.model,
-                    self.optimizer, self.scheduler, async_save=self.directive.checkpoint_async)
+                    self.optimizer, self.scheduler, async_save=self._in_background())
         except checkpoints.CheckpointError as exc:
             # Every rank raises together (the save is collective), so every rank trains on: a
             # full disk must cost a checkpoint, never the run. The last good one still stands.
@@ -134,6 +136,28 @@ class Checkpointer:
             self._announce(handle, blocking)
         else:
             self._pending, self._pending_blocking = handle, blocking
+
+    def _in_background(self) -> bool:
+        """Save asynchronously: the directive allows it and, checked once at the first save,
+        every node's ranks can hold a copy of their state in half their host's free memory
+        (DCP stages the state there and keeps the copy for later saves). One rank short of it
+        makes every rank save synchronously: the save is collective, and a host run out of
+        memory would cost more than the stalls."""
+        if not self.directive.checkpoint_async:
+            return False
+        if self._background is None:
+            import psutil
+
+            need = _state_bytes(self.model, self.optimizer) * _local_ranks()
+            free = psutil.virtual_memory().available
+            self._background = _every_rank(need <= free / 2)
+            if not self._background and self.rank == 0:
+                self._emit("checkpoint_sync", reason=(
+                    f"the ranks' copies of the state for asynchronous saves (about "
+                    f"{need / 2**30:.1f} GiB on a host, rank 0's) do not fit in half the free "
+                    f"host memory on every node ({free / 2**30:.1f} GiB free here): saving "
+                    "synchronously"))
+        return self._background
 
     def every(self, step: int) -> int:
         """The cadence in force at ``step``: a save at each step that is a multiple of it."""
@@ -324,3 +348,35 @@ def _barrier() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _state_bytes(model: Any, optimizer: Any) -> int:
+    """This rank's bytes of model and optimizer state (a DTensor's local shard only)."""
+    import torch
+
+    def local(t: Any) -> int:
+        t = getattr(t, "_local_tensor", t)
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    total = sum(local(t) for t in model.state_dict().values())
+    if optimizer is not None:
+        total += sum(local(t) for state in optimizer.state.values() for t in state.values())
+    return total
+
+
+def _local_ranks() -> int:
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _every_rank(yes: bool) -> bool:
+    """``yes`` on every rank (a collective where a process group is up)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return yes
+    answers: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(answers, yes)
+    return all(bool(a) for a in answers)

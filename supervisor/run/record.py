@@ -116,6 +116,10 @@ class Record:
         elif kind == "checkpoint":
             self.write("checkpoint_saved", step=int(data.get("step", 0)), rank=event.rank,
                        data=data)
+        elif kind == "checkpoint_sync":  # asynchronous saves asked for, but no room for them
+            reason = str(data.get("reason", ""))
+            self.write("checkpoint_sync", rank=event.rank, reason=reason)
+            self._warn(f"checkpoints: {reason}")
         elif kind == "checkpoint_failed":
             step, error = int(data.get("step", 0)), str(data.get("error", ""))
             self.write("checkpoint_failed", step=step, error=error)

@@ -61,7 +61,8 @@ class Nodes:
             f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
             f"  nnodes: '{nnodes}'\n{where}"
             f"  args: {json.dumps(['--steps', str(steps), '--step-sleep', '0.05', *args])}\n"
-            f"run_dir: {self.run_dir}\ncheckpoints: {{every_steps: 5, probation_steps: 5}}\n"
+            f"run_dir: {self.run_dir}\n"
+            f"checkpoints: {{every_steps: 5, probation_steps: 5, async_save: false}}\n"
             f"policy: {{name: {FAST_POLICY}}}\n"
             f"nodes: {{{leader}heartbeat_s: 0.5, lost_after_s: 3,"
             f" settle_s: 2, join_timeout_s: 60{nodes}}}\n")

@@ -481,6 +481,22 @@ def test_async_saves_report_the_staging_stall_and_none_is_lost(tmp_path: Path) -
     assert rank.saved_steps() == [1, 2, 3, 4, 5]
 
 
+def test_async_saves_fall_back_to_synchronous_where_the_state_would_not_fit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    class Scarce:  # less free memory than twice the Linear(2, 2)'s 24 bytes and SGD's none
+        available = 40
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Scarce())
+    rank = Rank(tmp_path / "r0", every=1, control=None, async_save=True)
+    rank.run_to(2)
+    rank.ckpt.close()
+    assert [a["asynchronous"] for a in rank.announced()] == [False, False]
+    (why,) = rank.announced("checkpoint_sync")  # said once, by rank 0
+    assert "do not fit" in why["reason"] and "synchronously" in why["reason"]
+
+
 def test_an_external_checkpoint_carries_no_blocking_cost(tmp_path: Path) -> None:
     # The script's own save: babysit cannot know what it cost, so the journal rebuild skips it.
     entry = saved(10.0, 0, 5, None)
