@@ -3,9 +3,10 @@
 The hang detector only knows that no step arrived for a while. Before anything is stopped,
 ``confirm`` looks at every rank, in this order:
 
-    1. look     each rank's process state and CPU over ``stall.WINDOW_S`` and, inside that
-                window, the Python stacks of the ranks py-spy can dump (a stopped rank would
-                make it wait)
+    1. look     each rank's process state and CPU over ``stall.WINDOW_S`` (or since the early
+                look began, which is longer and waits for nothing) and, inside that window,
+                the Python stacks of the ranks py-spy can dump (a stopped rank would make it
+                wait)
     2. deepen   no collective in Python (DDP waits in C++): the native stacks of the busy
                 ranks and of a sample of each place (``stacks.deepen``), taken from the early
                 look if no rank moved since, else read now; skipped when a stopped rank or a
@@ -79,11 +80,14 @@ def confirm(finding: Finding, rank_pids: Mapping[int, int],
     A finding without ``evidence["confirm"]`` (a startup or phase allowance ran out, or a stall
     went on for ``busy_s``) is acted on whatever the processes show; they still name the rank.
     Takes the window plus the stack dumps: about 0.4 s, 1.3 s when native frames are needed
-    and ``early`` (an ``EarlyLook`` taken during the same stall) did not read them ahead."""
+    and ``early`` (an ``EarlyLook`` taken during the same stall) did not read them ahead, and
+    only the Python dumps (tens of ms) when the early look's window and native frames serve."""
     started = time.monotonic()
+    since = None
     if early is not None:
         early.wait()  # py-spy cannot attach to a rank another py-spy holds
-    seen = _look(rank_pids)
+        since = early.sample if early.rank_pids == dict(rank_pids) else None
+    seen = _look(rank_pids, since)
     dumps, verdict, read_ahead = _deepen(seen, early)
     judged = stall.judge(seen.procs, verdict)
     fields: dict[str, Any] = {
@@ -115,10 +119,13 @@ class _Seen:
         return [r for r, p in self.procs.items() if p.busy]
 
 
-def _look(rank_pids: Mapping[int, int]) -> _Seen:
+def _look(rank_pids: Mapping[int, int], since: stall.Sample | None = None) -> _Seen:
     """Step 1. The Python dumps pause each rank for milliseconds, so they fit inside the CPU
-    window; the native pass pauses longer and waits until the window closed."""
-    sampling = stall.Sample(rank_pids)
+    window; the native pass pauses longer and waits until the window closed. ``since``: the
+    early look's CPU sample, begun a second or so before; its window is already longer than
+    ``stall.WINDOW_S``, so nothing is waited for (a rank that worked for part of it counts
+    as working, which only defers the hang to the next confirmation)."""
+    sampling = since if since is not None else stall.Sample(rank_pids)
     states = sampling.states()
     readable = {r: pid for r, pid in rank_pids.items() if states[r] not in stall.STOPPED}
     dumps = stacks.dump_stacks(readable) if readable else {}
@@ -177,12 +184,15 @@ class EarlyLook:
         self.rank_pids = dict(rank_pids)
         self.python: dict[int, StackDump] = {}
         self.native: dict[int, StackDump] = {}
+        self.sample: stall.Sample | None = None
+        """Each rank's CPU time when the look began: the start of the confirmation's window."""
         self._thread = threading.Thread(target=self._look, name="babysit-early-look",
                                         daemon=True)
         self._thread.start()
 
     def _look(self) -> None:
-        seen = _look(self.rank_pids)
+        self.sample = stall.Sample(self.rank_pids)
+        seen = _look(self.rank_pids, self.sample)
         if not seen.dumps or seen.busy or seen.stopped:
             return
         deeper, _ = stacks.deepen(seen.readable, seen.dumps, stacks.odd_one_out(seen.dumps))

@@ -5,6 +5,8 @@ hang detector: ``tests/policies/detectors/test_detectors.py``; all of it for rea
 
 from __future__ import annotations
 
+from typing import Any
+
 from babysit.supervisor.node.stacks import StackVerdict
 from babysit.supervisor.node.stall import RankProcess, judge
 
@@ -60,3 +62,47 @@ def test_without_a_collective_or_stacks_cpu_decides() -> None:
     assert not judge({0: proc(0, cpu=0.5), 1: proc(1, cpu=0.6)}, None).hung
     idle = judge({0: proc(0), 1: proc(1)}, None)
     assert idle.hung and "no rank makes CPU progress" in idle.reason
+
+
+def test_a_confirmation_after_an_early_look_measures_cpu_from_that_look_and_waits_for_nothing(
+        monkeypatch) -> None:
+    # Two real idle processes stand in for ranks (real psutil, real py-spy). The early look
+    # began the CPU window; the confirmation a moment later reads the CPU since then instead
+    # of sampling its own 0.3 s window.
+    import subprocess
+    import sys
+    import time
+
+    from babysit.policies.types import Finding, Incident, Severity
+    from babysit.supervisor.node import hang, stall
+
+    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for _ in range(2)]
+    try:
+        time.sleep(0.5)  # past the interpreter's start-up
+        pids = {r: p.pid for r, p in enumerate(ranks)}
+        early = hang.EarlyLook(pids)
+        early.wait()
+        assert early.sample is not None
+        windows: list[float] = []  # each CPU window closed, in seconds
+        real_finish = stall.Sample.finish
+
+        def finish(self: stall.Sample, window_s: float = stall.WINDOW_S) -> Any:
+            out = real_finish(self, window_s)
+            windows.append(time.monotonic() - self._started)
+            return out
+
+        monkeypatch.setattr(stall.Sample, "finish", finish)
+        time.sleep(0.5)  # the rest of the way to the suspicion
+        finding = Finding(Incident.HANG, "hang", Severity.CRITICAL, 5, 5, "no step",
+                          evidence={"confirm": True})
+        confirmation = hang.confirm(finding, pids, early)
+        (window,) = windows
+        assert window >= 0.5  # the early look's window, not a new one of WINDOW_S
+        assert {p["state"] for p in confirmation.fields["processes"].values()} == {"sleeping"}
+        assert all(p["cpu"] < stall.BUSY_CPU for p in confirmation.fields["processes"].values())
+        assert confirmation.finding is not None  # idle and alone: nothing to tell them apart
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
