@@ -447,6 +447,16 @@ def rank_exits(launcher_output: str) -> dict[int, int]:
     return {int(rank): int(code) for rank, code in _RANK_EXIT.findall(launcher_output)}
 
 
+_SUMMARY_END = re.compile(r"Root Cause \(first observed failure\):\n.*?\n=+[ \t]*\n", re.S)
+
+
+def failure_summarized(launcher_output: str) -> bool:
+    """torchrun has printed its whole end-of-run failure summary (the root cause and the rule
+    of ``=`` under it). It does so only after stopping every rank; all that is left of it is
+    its own interpreter's exit."""
+    return _SUMMARY_END.search(launcher_output) is not None
+
+
 def root_cause_rank(launcher_output: str) -> int | None:
     """The global rank torchrun names as the first failure, from its end-of-run summary.
 

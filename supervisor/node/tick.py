@@ -6,6 +6,8 @@ things with the ranks on their machine each tick, and this is the one place that
     drain the telemetry socket    each report to the node's judge, each event noted
     has torchrun exited?          the exit code; 0 if only the teardown crashed after every
                                   rank closed; else every rank's log tail and torchrun's root
+                                  (a rank died and torchrun printed its failure summary: as
+                                  good as exited, so it is stopped rather than waited for)
     every rank closed, still up?  a teardown with no CPU progress for
                                   ``launch.teardown_idle_s`` is stopped, counted as finished
     is anything hung?             the judge's hang timers, confirmed from the ranks' process
@@ -179,10 +181,16 @@ class OwnNode(Generic[Out]):
                 for finding in self.judge.check(now):
                     self.workers.hold_standby(True)
                     self._confirm(finding, now, out)
-            elif not self._death_told:
+            else:
                 # A rank whose process died is a crash in progress (torchrun reports it in a
                 # moment), not a hang: its peers wait on a connection that is already gone.
-                out.rank_died = self._death_told = True
+                out.rank_died = not self._death_told
+                self._death_told = True
+                if self.workers.failure_summarized(self.attempt):
+                    # torchrun stopped every rank and said who failed and how; its own exit
+                    # (its interpreter's teardown, about 0.5 s) tells nothing more.
+                    self.workers.end_reported()
+                    self._end(now, out, self._exit(1))
         return out
 
     def _drain(self, now: float, out: NodeTick[Out]) -> None:

@@ -285,6 +285,12 @@ class NodeWorkers:
         summary = launcher.tail(self.attempt_dir(attempt) / "launcher.log")
         return self.tails(attempt), launcher.root_cause_rank(summary)
 
+    def failure_summarized(self, attempt: int) -> bool:
+        """torchrun printed its failure summary for ``attempt`` (``launcher.failure_summarized``):
+        every rank is stopped and what failed is on record, though torchrun has not exited."""
+        return launcher.failure_summarized(
+            launcher.tail(self.attempt_dir(attempt) / "launcher.log", 8192))
+
     def rank_exits(self, attempt: int) -> dict[int, int]:
         """Global rank -> exit code of each rank torchrun reported failed in ``attempt``
         (``launcher.rank_exits``); empty when torchrun printed no summary (it was killed)."""
@@ -311,6 +317,13 @@ class NodeWorkers:
         self._stopping = True
         return self.group.stop(self.plan.config.launch.stop_grace_s,
                                launcher_grace_s=0.0 if replacing else None)
+
+    def end_reported(self) -> int | None:
+        """Stop a torchrun that already reported its failure (``failure_summarized``) instead
+        of waiting for its exit; unlike ``stop``, its summary still reaches the console."""
+        if self.group is None:
+            return None
+        return self.group.stop(self.plan.config.launch.stop_grace_s, launcher_grace_s=0.0)
 
     def output(self) -> Iterator[str]:
         """The lines printed since the last call, for the console, prefixed with the rank (or

@@ -47,6 +47,18 @@ def test_torchruns_summary_gives_each_failed_ranks_exit_code() -> None:
     assert launcher.rank_exits("torchrun exited cleanly") == {}
 
 
+def test_a_failure_summary_counts_once_torchrun_has_printed_all_of_it() -> None:
+    # torchrun prints it after stopping every rank; babysit acts on it rather than waiting
+    # for torchrun's own exit.
+    rule = "=" * 54 + "\n"
+    whole = f"{rule}/w/train.py FAILED\n------\n{SUMMARY}{rule}"
+    assert launcher.failure_summarized(whole)
+    assert launcher.failure_summarized(whole + "W1126 Received SIGTERM death signal\n")
+    assert not launcher.failure_summarized(whole[:-len(rule)])  # the root cause still printing
+    assert not launcher.failure_summarized(SUMMARY.split("Root Cause")[0] + rule)
+    assert not launcher.failure_summarized("torchrun exited cleanly")
+
+
 def test_a_segfaulted_rank_is_blamed_not_the_peer_that_lost_its_connection() -> None:
     # torchrun noticed rank 0 first (it names it the root cause): the exits still say rank 1.
     finding = watch().classify_crash(1, {0: RESET, 1: "step 5\n"}, 5, root_rank=0,
