@@ -13,6 +13,10 @@ its signature. Held against the faults before it in the run:
   schedule at step N. That is the code's, and nothing babysit can skip: the run stops.
 - anything else has not shown what it follows (a first fault, one that moved): the machine's
   or a transient glitch until it repeats; the ladders answer it.
+- where no batches are known (stdout mode, or no ``run.batches()``), a hang on the same
+  rank(s) at the same step follows **the step** (``at_step``): the data's or the code's,
+  which cannot be told apart without a cursor nor skipped; a relaunch would meet it again, so
+  the run stops and says so.
 
 A fault is placed only when the script reads its data through ``run.batches()`` (the cursor
 moved): without a cursor, every fault would sit at "batch 0" and look like the data's.
@@ -48,6 +52,10 @@ class Follows(enum.Enum):
     DATA = "data"
     CODE = "code"
     NOTHING_YET = "nothing yet"
+    THE_STEP = "the step"
+    """Back at the same step on the same rank where no batches are known (stdout mode, or a
+    script that does not read through ``run.batches()``): the data's or the code's, which
+    babysit cannot tell apart and cannot skip; a relaunch would meet it again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +72,11 @@ class Fault:
     """One past its last batch (``start`` plus the batches a step draws)."""
     signature: str = ""
     """A crash's normalised error (``detectors.crash``); empty for a hang."""
+
+    @property
+    def placed(self) -> bool:
+        """Its batches are known (``start`` and ``end`` are -1 when not: ``at_step``)."""
+        return self.start >= 0
 
     def batches(self) -> str:
         """The batches in words: "batch 150", "batches 150-153"."""
@@ -110,11 +123,30 @@ def place(finding: Finding, cursor_at: Mapping[int, int],
                  signature)
 
 
+def at_step(finding: Finding) -> Fault | None:
+    """Where a hang struck when ``place`` cannot say which batches: its step alone (a fault
+    with no batches, ``start = end = -1``). None before any step, and while a rank waited for
+    its start-up or first step (which a slow file system or node explains as well as any
+    data). A crash needs no such place: the same error at the same step is already
+    ``deterministic`` (``detectors.crash``), which stops the run."""
+    if finding.incident is not Incident.HANG or finding.step <= 0:
+        return None
+    stalled = finding.evidence.get("stalled") or {}
+    if any(isinstance(v, Mapping) and v.get("waiting_in") != "step" for v in stalled.values()):
+        return None
+    return Fault(finding.incident.value, finding.ranks, finding.step, -1, -1)
+
+
 def follows(fault: Fault, earlier: Sequence[Fault]) -> tuple[Follows, Fault | None]:
     """What ``fault`` follows, held against the ``earlier`` faults of the run (oldest first),
     and the earlier fault that shows it (None: nothing yet)."""
     for old in reversed(earlier):
         if old.incident != fault.incident or old.signature != fault.signature:
+            continue
+        if not (old.placed and fault.placed):
+            if not old.placed and not fault.placed and old.step == fault.step \
+                    and _same_ranks(old, fault):
+                return Follows.THE_STEP, old
             continue
         if (old.start, old.end) == (fault.start, fault.end) and _same_ranks(old, fault):
             return Follows.DATA, old

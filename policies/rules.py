@@ -154,7 +154,7 @@ class Rules:
     def _cause(self, finding: Finding, known: Known) -> tuple[Remedy, Plan | None] | None:
         """A hang or a crash held against the earlier ones (``policies/cause.py``): the remedy
         when it follows the data or the code, None when it has not shown what it follows."""
-        fault = cause.place(finding, known.cursor_at, known.skips)
+        fault = cause.place(finding, known.cursor_at, known.skips) or cause.at_step(finding)
         if fault is None or not self.policy.rollback.skip_repeated_faults:
             return None
         follows, earlier = cause.follows(fault, self._faults)
@@ -167,6 +167,14 @@ class Rules:
                             f"and {fault.batches()} skipped, the LR unchanged",
                             skip_before=size - 1, skip_after=0)
             return remedy, rollback.for_remedy(remedy, known)
+        if follows is Follows.THE_STEP:
+            ranks = ", ".join(map(str, fault.ranks)) if fault.ranks else "every rank"
+            stuck = replace(finding, evidence={**finding.evidence, "follows": "step"})
+            return Remedy(Action.STOP, stuck, f"same {name} at step {fault.step} on rank "
+                          f"{ranks} twice: a relaunch would meet it again, and with no data "
+                          "cursor babysit can neither tell the data's fault from the code's "
+                          "nor skip the batch (read the data through run.batches() for that)"
+                          ), None
         if follows is Follows.CODE:
             assert earlier is not None
             code = replace(finding, evidence={**finding.evidence, "follows": "code"})

@@ -197,6 +197,10 @@ class CrashLimits(Section):
     """Xid, ECC, illegal memory access: a relaunch may land on healthy hardware."""
     user_code: int = Field(default=0, ge=0)
     """A Python exception in the script: a retry replays the same bug."""
+    data: int = Field(default=1, ge=0)
+    """A Python exception from the data loader (raised as ``run.batches()`` drew a batch): one
+    relaunch shows whether it comes back at the same batch, the data's (that batch is then
+    skipped, ``rollback.skip_repeated_faults``), or follows the step, the code's (stop)."""
     signal: int = Field(default=3, ge=0)
     """Killed by a signal with nothing in the log (preemption, OOM killer, a person)."""
     unknown: int = Field(default=2, ge=0)

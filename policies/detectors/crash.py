@@ -29,6 +29,10 @@ class CrashClass(str, enum.Enum):
     NUMERICAL = "numerical"
     HARDWARE = "hardware"
     USER_CODE = "user_code"
+    DATA = "data"
+    """A Python exception raised by the data loader as ``run.batches()`` drew a batch (a
+    corrupt sample, an unreadable file): relaunched to see whether it comes back at the same
+    batch (then that batch is skipped, ``policies.cause``)."""
     KILLED = "signal"
     """Killed by a signal with nothing in the log to say why (preemption, the OOM killer, a
     person)."""
@@ -109,6 +113,9 @@ _PATTERNS: list[tuple[CrashClass, re.Pattern[str], str]] = [
 ]
 
 _TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
+_LOADER_FRAME = re.compile(r"supervisor[/\\]rank[/\\]api\.py\", line \d+, in _draw_batch\b")
+"""The frame ``run.batches()`` draws each batch in (``rank.api._draw_batch``): an exception
+whose traceback passes through it was raised by the data loader."""
 # The exception line that ends a traceback: "pkg.mod.SomeError: message" or a bare "SomeError".
 _EXC_LINE = re.compile(r"^(?:\[rank\d+\]:?\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|"
                        r"Warning|Failure|Timeout))\b:?\s*(.*)$")
@@ -190,6 +197,12 @@ def _raised(log_tail: str) -> _Raised:
     return _Raised(own, own_traceback, child, "\n".join(own_lines), "\n".join(child_lines))
 
 
+def _last_traceback(text: str) -> str:
+    """The last traceback of ``text`` and what follows it (a chained exception's own)."""
+    starts = [m.start() for m in _TRACEBACK.finditer(text)]
+    return text[starts[-1]:] if starts else ""
+
+
 def classify(
     exit_code: int | None,
     signal: int | None,
@@ -214,6 +227,8 @@ def classify(
     matched = _matching(raised.own_text)
     if matched is not None:
         cls, reason = matched
+    elif raised.own_traceback and _LOADER_FRAME.search(_last_traceback(raised.own_text)):
+        cls, reason = CrashClass.DATA, "Python exception in the data loader (run.batches())"
     elif raised.own is not None or raised.own_traceback:
         cls, reason = CrashClass.USER_CODE, "Python exception in the training script"
     elif signal is not None:

@@ -150,7 +150,7 @@ class Run:
                 self.cursor = skip.end
             t0 = _perf()
             try:
-                batch = next(it)
+                batch = _draw_batch(it)
             except StopIteration:
                 return
             self._data_wait += _perf() - t0
@@ -560,3 +560,10 @@ def _grad_guard(settings: dict[str, Any]) -> Any:
     from babysit.policies.detectors.grad_norm import GradNormConfig, GradNormDetector
 
     return GradNormDetector(GradNormConfig(**settings))
+
+
+def _draw_batch(it: Iterator[T]) -> T:
+    """The loader's next batch. Its own function so that a traceback through this frame says
+    the data loader raised (``policies.detectors.crash``: a ``data`` crash, relaunched to see
+    whether it comes back at the same batch)."""
+    return next(it)

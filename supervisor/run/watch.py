@@ -66,8 +66,8 @@ class SdcCheck:
         return self.last_agreeing_step == self.step
 
 
-_SPECIFICITY = [CrashClass.USER_CODE, CrashClass.OOM, CrashClass.HARDWARE, CrashClass.NUMERICAL,
-                CrashClass.KILLED, CrashClass.NETWORK, CrashClass.UNKNOWN]
+_SPECIFICITY = [CrashClass.DATA, CrashClass.USER_CODE, CrashClass.OOM, CrashClass.HARDWARE,
+                CrashClass.NUMERICAL, CrashClass.KILLED, CrashClass.NETWORK, CrashClass.UNKNOWN]
 """Which rank to blame: a cause of its own before a peer's network error (usually the
 consequence), and a fatal signal (SIGSEGV, SIGKILL) before that too."""
 
@@ -151,7 +151,8 @@ class Watch:
         restarts = plan.config.launch.max_restarts
         if restarts is not None:
             # torchrun's --max-restarts counts every failure alike; so does this override.
-            classes = ("oom", "network", "numerical", "hardware", "user_code", "signal", "unknown")
+            classes = ("oom", "network", "numerical", "hardware", "user_code", "data", "signal",
+                       "unknown")
             crash = dict(overrides.get("crash", {}))
             crash["max_relaunches"] = dict.fromkeys(classes, restarts)
             overrides["crash"] = crash

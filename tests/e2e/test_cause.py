@@ -76,7 +76,10 @@ def test_a_spike_the_rerun_does_not_meet_is_transient_and_costs_no_data(
     assert "not reproduced on the rerun" in status.stdout and "rank 1 moved first" in status.stdout
 
 
-@pytest.mark.parametrize("fault, incident", [("--stuck-batch", "hang"), ("--bad-batch", "crash")])
+# A loader's segfault (--bad-batch) takes the same path as its Python exception, once classified
+# (tests/policies/test_cause.py); the exception is what a corrupt file usually raises.
+@pytest.mark.parametrize("fault, incident", [("--stuck-batch", "hang"),
+                                             ("--raise-batch", "crash")])
 def test_a_fault_at_the_same_batch_twice_is_the_datas_and_that_batch_is_skipped(
         tmp_path: Path, fixed: float, fault: str, incident: str) -> None:
     # Checkpoints every 5 steps: the one at step 10 is saved right before batch 10 is drawn, so
@@ -94,6 +97,11 @@ def test_a_fault_at_the_same_batch_twice_is_the_datas_and_that_batch_is_skipped(
         stalled = findings[1]["finding"]["evidence"]["stalled"]
         assert {v["waiting_in"] for v in stalled.values()} == {"first step"}
         assert all(v["allowance_s"] < 60.0 for v in stalled.values())
+    else:  # raised by the loader: relaunched once (never, as user code), then placed
+        first = findings[0]["finding"]
+        assert first["evidence"]["class"] == "data" and first["ranks"] == [1]
+        assert "ValueError: corrupt sample in global batch 10" in first["message"]
+        assert "data crash 1/1: relaunch at once" in findings[0]["remedy"]["reason"]
     data = findings[1]["remedy"]["reason"]
     assert f"same {incident} at global batch 10 on rank 1" in data
     assert "the data's: rolled back and batch 10 skipped, the LR unchanged" in data

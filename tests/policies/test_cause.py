@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+from dataclasses import replace
 
 from babysit.policies import cause, rollback
 from babysit.policies.cause import Fault, Follows
@@ -25,9 +26,9 @@ def hang(step: int = 12, ranks: tuple[int, ...] = (1,)) -> Finding:
 
 
 def crash(step: int = 12, rank: int = 1, again: bool = False) -> Finding:
-    """A native decoder's segfault on a corrupt sample (a Python exception would be user code,
-    which the default policy never relaunches: nothing would repeat). ``again``: the watch has
-    seen the same crash at this step before (``deterministic``)."""
+    """A native decoder's segfault on a corrupt sample (a Python exception from the loader is a
+    ``data`` crash, below). ``again``: the watch has seen the same crash at this step before
+    (``deterministic``)."""
     previous = [classify(None, signal.SIGSEGV, "", step=step).key()] if again else []
     return classify(None, signal.SIGSEGV, "", step=step, previous=previous).to_finding(
         ranks=(rank,))
@@ -98,6 +99,55 @@ def test_a_crash_that_follows_the_data_is_skipped_and_one_that_follows_the_step_
     code, _ = rules.judge(crash(), 2.0, Known(Shelf(), CURSORS, skips=[Span(12, 13)]))
     assert code.action is Action.STOP
     assert "follows the step count, not the data -> the code's" in code.reason
+
+
+LOADER_ERROR = ('Traceback (most recent call last):\n  File "train.py", line 40, in <module>\n'
+                '  File "/x/babysit/supervisor/rank/api.py", line 153, in batches\n'
+                '  File "/x/babysit/supervisor/rank/api.py", line 581, in _draw_batch\n'
+                '  File "/data/shards.py", line 9, in __iter__\n'
+                "ValueError: corrupt sample in shard-00042.tar\n")
+
+
+def test_a_loader_exception_is_relaunched_once_and_skipped_when_it_comes_back() -> None:
+    # A user-code exception is never relaunched; one the data loader raised is, once, so that
+    # it can show what it follows.
+    def loader_crash(again: bool = False) -> Finding:
+        previous = [classify(1, None, LOADER_ERROR, step=12).key()] if again else []
+        return classify(1, None, LOADER_ERROR, step=12, previous=previous).to_finding(
+            ranks=(1,))
+
+    rules = Rules(load_policy("default"))
+    known = Known(Shelf(), CURSORS)
+    first = rules.judge(loader_crash(), 0.0, known)[0]
+    assert first.action is Action.RELAUNCH and first.finding.evidence["class"] == "data"
+    again, plan = rules.judge(loader_crash(again=True), 1.0, known)
+    assert again.action is Action.ROLLBACK and "the data's" in again.reason
+    assert plan is not None and plan.skip == Span(12, 13)
+    # A bug in the loop itself stays user code: stopped at once, as before.
+    bug = classify(1, None, LOADER_ERROR.replace("_draw_batch", "step"), step=12)
+    assert rules.judge(bug.to_finding(ranks=(1,)), 2.0, Known(Shelf(), {}))[0].action \
+        is Action.STOP
+
+
+def test_a_hang_back_at_the_same_step_without_a_cursor_stops_rather_than_loops() -> None:
+    # stdout mode (no run.batches()): no batches to place it on or skip; the hang ladder would
+    # relaunch into it again.
+    def stuck(step: int, waiting_in: str = "step") -> Finding:
+        return replace(hang(step), evidence={
+            "stalled": {"1": {"last_step": step, "waiting_in": waiting_in}}})
+
+    rules = Rules(load_policy("default"))
+    blind = Known(Shelf())
+    assert rules.judge(stuck(12), 0.0, blind)[0].action is Action.RELAUNCH
+    assert rules.judge(stuck(15), 1.0, blind)[0].action is Action.RELAUNCH  # it moved
+    again, _ = rules.judge(stuck(15), 2.0, blind)
+    assert again.action is Action.STOP and again.finding.evidence["follows"] == "step"
+    assert "same hang at step 15 on rank 1 twice" in again.reason
+    assert "run.batches()" in again.reason
+    # Waiting for the first step after a resume is the start-up's business: never placed.
+    fresh = Rules(load_policy("default"))
+    fresh.judge(stuck(20, "first step"), 0.0, blind)
+    assert fresh.judge(stuck(20, "first step"), 1.0, blind)[0].action is Action.RELAUNCH
 
 
 def test_off_repeats_follow_the_ladders_and_the_memory_survives_a_takeover() -> None:

@@ -32,6 +32,8 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
                            attempt: a file it deadlocks on (the data's fault, not the machine's)
     --bad-batch RANK:CURSOR  that rank's loader segfaults on that global batch, in every
                            attempt: a native decoder meeting a corrupt sample
+    --raise-batch RANK:CURSOR  that rank's loader raises ValueError on that global batch, in
+                           every attempt: a Python decoder meeting a corrupt sample
     --drop-batch CURSOR    the data set without that global batch (what a person's fix of a bad
                            batch trains on), for a reference run
     --reinit-after-attach  on a resume, re-initialise the model right after attach() restored
@@ -131,11 +133,13 @@ class Batches:
                 y = y * 40.0  # poisoned labels: the loss jumps by orders of magnitude
             if self.args.nan_at == i:
                 x = x * float("nan")
-            for fault in (self.args.stuck_batch, self.args.bad_batch):
+            for fault in (self.args.stuck_batch, self.args.bad_batch, self.args.raise_batch):
                 if fault and fault == (self.rank, i):
                     print(f"rank {self.rank}: the loader meets global batch {i}", flush=True)
                     if fault is self.args.stuck_batch:
                         threading.Event().wait()
+                    if fault is self.args.raise_batch:
+                        raise ValueError(f"corrupt sample in global batch {i}")
                     os.kill(os.getpid(), signal.SIGSEGV)
             slow = self.args.slow_data
             if slow and slow[0] == self.rank and (len(slow) == 2 or slow[2] <= i < slow[3]):
@@ -161,6 +165,7 @@ def main() -> None:
     p.add_argument("--nan-at", type=int)
     p.add_argument("--stuck-batch", type=pair)
     p.add_argument("--bad-batch", type=pair)
+    p.add_argument("--raise-batch", type=pair)
     p.add_argument("--drop-batch", type=int)
     p.add_argument("--reinit-after-attach", action="store_true")
     p.add_argument("--slow-data", type=lambda t: [float(x) if "." in x else int(x)

@@ -8,6 +8,11 @@ from babysit.policies.detectors import CrashClass, classify
 from babysit.policies.types import Incident
 
 TB = 'Traceback (most recent call last):\n  File "train.py", line 42, in <module>\n'
+LOADER_TB = (TB + '  File "/site-packages/babysit/supervisor/rank/api.py", line 153, in batches\n'
+             '    batch = _draw_batch(it)\n'
+             '  File "/site-packages/babysit/supervisor/rank/api.py", line 581, in _draw_batch\n'
+             '    return next(it)\n'
+             '  File "/data/my_loader.py", line 9, in __iter__\n')
 
 CASES = [
     (1, None, TB + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB "
@@ -44,6 +49,18 @@ CASES = [
     (-15, None, TB + "RuntimeError: uploading the final model failed", CrashClass.USER_CODE),
     (-9, None, TB + "MemoryError", CrashClass.OOM),  # what the log says still counts
     (3, None, "", CrashClass.UNKNOWN),
+    # Raised by the data loader as run.batches() drew a batch: the data's until shown otherwise.
+    (1, None, LOADER_TB + "ValueError: corrupt sample in shard-00042.tar", CrashClass.DATA),
+    # ...through a DataLoader worker, re-raised in the rank: the same.
+    (1, None, LOADER_TB.replace("my_loader.py", "torch/utils/data/_utils/__init__.py")
+     + "ValueError: Caught ValueError in DataLoader worker process 0.", CrashClass.DATA),
+    # The loop's own code, after the batch was drawn (no loader frame in the traceback).
+    (1, None, TB + "ValueError: corrupt sample in shard-00042.tar", CrashClass.USER_CODE),
+    # An OOM while loading is an OOM.
+    (1, None, LOADER_TB + "MemoryError", CrashClass.OOM),
+    # The loader's frame in an earlier traceback, handled; the last one is the training's.
+    (1, None, LOADER_TB + "OSError: retrying\n" + TB + "KeyError: 'input_ids'",
+     CrashClass.USER_CODE),
 ]
 
 
