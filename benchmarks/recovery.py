@@ -1,7 +1,8 @@
 """Hang -> first step of the next attempt: babysit's default policy beside NVIDIA's ft_launcher.
 
-    .venv/bin/python benchmarks/recovery.py [--repeats 3] [--cold] [--nvrx-venv PATH] [--no-nvrx]
-                                            [--device cuda] [--hang-step 20]
+    .venv/bin/python benchmarks/recovery.py [--repeats 3] [--cold] [--imports] [--no-nvrx]
+                                            [--nvrx-venv PATH] [--device cuda]
+                                            [--hang-step 20 300] [--ranks 2 16]
 
 The same job both ways: ``tests/workers/tiny_train.py``, 2 gloo ranks on this CPU, 0.05 s steps,
 rank 1 sleeping forever at step 300 of the first attempt (some 15 s in), outside the all-reduce
@@ -29,7 +30,9 @@ next one.
 
 ``--device cuda`` puts the model on the GPU (both ranks on one GPU, gloo over CUDA tensors) and
 adds the standby's GPU memory, read from ``nvidia-smi``. ``--hang-step 20`` hangs about 1 s in,
-before the warm standby is ready: the cold path a hang in the first seconds takes.
+before the warm standby is ready: the cold path a hang in the first seconds takes. Several
+``--hang-step`` and ``--ranks`` values run every combination (interleaved within each), each
+with its own table, then one summary table of the medians and their ratios to NVRx.
 
 torchrun alone notices a rank stuck in a collective only when the process group times out
 (``default_pg_timeout``, 30 minutes for gloo): printed for reference, not waited for.
@@ -88,13 +91,14 @@ def gap(log: Path) -> float:
     return min(times[1]) - max(times[0])
 
 
-def babysit_run(workdir: Path, job: list[str], standby: str = "true") -> dict[str, float]:
+def babysit_run(workdir: Path, job: list[str], standby: str = "true",
+                ranks: int = 2) -> dict[str, float]:
     """One babysit run with ``launch.warm_standby: <standby>`` (true, false or imports)."""
     warm = standby != "false"
     log = workdir / "steps.log"
     config = workdir / "run.yaml"
     config.write_text(
-        f"launch:\n  script: {WORKER}\n  nproc-per-node: 2\n"
+        f"launch:\n  script: {WORKER}\n  nproc-per-node: {ranks}\n"
         f"  args: {json.dumps([*job, '--step-log', str(log)])}\n"
         f"  warm_standby: {standby}\n"
         f"run_dir: {workdir / 'run'}\n"
@@ -102,7 +106,7 @@ def babysit_run(workdir: Path, job: list[str], standby: str = "true") -> dict[st
     with open(workdir / "babysit.out", "w+") as out:
         proc = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
                                 cwd=workdir, env=env(), stdout=out, stderr=subprocess.STDOUT)
-        cost = standby_cost(workdir / "run", proc) if warm else {}
+        cost = standby_cost(workdir / "run", proc, ranks) if warm else {}
         if proc.wait(timeout=600) != 0:
             out.seek(0)
             raise SystemExit(f"babysit failed:\n{out.read()[-6000:]}")
@@ -136,7 +140,8 @@ def babysit_run(workdir: Path, job: list[str], standby: str = "true") -> dict[st
     }
 
 
-def standby_cost(run_dir: Path, babysit: subprocess.Popen[bytes]) -> dict[str, float]:
+def standby_cost(run_dir: Path, babysit: subprocess.Popen[bytes],
+                 ranks: int = 2) -> dict[str, float]:
     """The first standby's processes (torchrun and its ranks) once every rank waits in
     ``attach()``: resident and unique memory (MB) and the CPU time it took to get there."""
     import psutil
@@ -147,7 +152,7 @@ def standby_cost(run_dir: Path, babysit: subprocess.Popen[bytes]) -> dict[str, f
         started = [e for e in read(run_dir / "events.jsonl")
                    if e["event"] == "standby_started"] if (run_dir / "events.jsonl").exists() \
             else []
-        if not started or len([p for p in ready.glob("*") if p.name.isdigit()]) < 2:
+        if not started or len([p for p in ready.glob("*") if p.name.isdigit()]) < ranks:
             continue
         try:
             root = psutil.Process(started[0]["pid"])
@@ -193,9 +198,10 @@ def nvrx_python(path: Path) -> Path:
     return python
 
 
-def nvrx_run(workdir: Path, job: list[str], python: Path, port: int) -> dict[str, float]:
+def nvrx_run(workdir: Path, job: list[str], python: Path, port: int,
+             ranks: int = 2) -> dict[str, float]:
     log = workdir / "steps.log"
-    command = [str(python.parent / "ft_launcher"), "--nproc-per-node", "2",
+    command = [str(python.parent / "ft_launcher"), "--nproc-per-node", str(ranks),
                "--max-restarts", "3", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--ft-param-initial_rank_heartbeat_timeout", "60",
@@ -224,15 +230,12 @@ def main() -> None:
                         help="also run babysit with launch.warm_standby: imports")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the model lives (cuda: both ranks on one GPU, gloo)")
-    parser.add_argument("--hang-step", type=int, default=300,
+    parser.add_argument("--hang-step", type=int, nargs="+", default=[300],
                         help="the step rank 1 hangs at (300: ~15 s in, after the standby is "
-                        "ready; 20: ~1 s in, before it)")
+                        "ready; 20: ~1 s in, before it); several: each in turn")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2],
+                        help="ranks of the job (one node); several: each in turn")
     args = parser.parse_args()
-    work = job(args.hang_step, args.device)
-    from torch.distributed.constants import default_pg_timeout
-
-    from babysit.supervisor.node.launcher import free_port
-
     python: Path | None = None
     nvrx_error = "not run (--no-nvrx)" if args.no_nvrx else None
     if not args.no_nvrx:
@@ -243,16 +246,50 @@ def main() -> None:
     # babysit's columns: warm_standby's value -> its runs.
     columns = {"babysit": "true", **({"imports": "imports"} if args.imports else {}),
                **({"cold": "false"} if args.cold else {})}
+    summary: list[tuple[int, int, dict[str, float | None]]] = []
+    for ranks in args.ranks:
+        for hang_step in args.hang_step:
+            print(f"\n## {ranks} ranks, rank 1 hangs at step {hang_step}\n", flush=True)
+            medians, nvrx_error = case(args, columns, ranks, hang_step, python, nvrx_error)
+            summary.append((ranks, hang_step, medians))
+    key = "hang -> first step of the next attempt"
+    print(f"\n## Summary: {key}, seconds (median of {args.repeats}) and x NVRx\n")
+    names = [*columns, "NVRx"]
+    print("| ranks | hang at step | " + " | ".join(names) + " | " +
+          " | ".join(f"{n} / NVRx" for n in columns) + " |")
+    print("| ---: | ---: | " + " | ".join("---:" for _ in names) + " | " +
+          " | ".join("---:" for _ in columns) + " |")
+    for ranks, hang_step, medians in summary:
+        theirs = medians.get("NVRx")
+        cells = [f"{v:.2f}" if (v := medians.get(n)) is not None else "" for n in names]
+        ratios = [f"{v / theirs:.2f}x" if theirs and (v := medians.get(n)) is not None
+                  else "" for n in columns]
+        print(f"| {ranks} | {hang_step} | " + " | ".join(cells) + " | " + " | ".join(ratios)
+              + " |")
+    if nvrx_error is not None:
+        print(f"\nNVRx was not measured: {nvrx_error}")
+
+
+def case(args: argparse.Namespace, columns: dict[str, str], ranks: int, hang_step: int,
+         python: Path | None, nvrx_error: str | None
+         ) -> tuple[dict[str, float | None], str | None]:
+    """One job size and hang step: every column ``args.repeats`` times, interleaved; prints its
+    table; returns each column's median of the headline figure (and NVRx's error, if any)."""
+    work = job(hang_step, args.device)
+    from torch.distributed.constants import default_pg_timeout
+
+    from babysit.supervisor.node.launcher import free_port
+
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in columns}
     theirs: list[dict[str, float]] = []
     for i in range(args.repeats):  # interleaved: the machine's load falls on all alike
         for name, standby in columns.items():
             with tempfile.TemporaryDirectory(prefix=f"babysit-bench-{name}-") as tmp:
-                runs[name].append(babysit_run(Path(tmp), work, standby))
+                runs[name].append(babysit_run(Path(tmp), work, standby, ranks))
         if python is not None and nvrx_error is None:
             with tempfile.TemporaryDirectory(prefix="nvrx-bench-") as tmp:
                 try:
-                    theirs.append(nvrx_run(Path(tmp), work, python, free_port()))
+                    theirs.append(nvrx_run(Path(tmp), work, python, free_port(), ranks))
                 except RuntimeError as exc:
                     nvrx_error = str(exc)
         print(f"repeat {i + 1}/{args.repeats} done", file=sys.stderr)
@@ -275,9 +312,14 @@ def main() -> None:
           f"launch.warm_standby imports; cold: false). NVRx: ft_launcher with "
           f"rank_heartbeat_timeout={HEARTBEAT_S:g} s, workload_check_interval 1 s and "
           f"monitor-interval 0.3 s set by hand. torchrun: torch's default "
-          f"gloo process-group timeout ({timeout:.0f} s), not waited for.")
-    if nvrx_error is not None:
-        print(f"\nNVRx was not measured: {nvrx_error}")
+          f"gloo process-group timeout ({timeout:.0f} s), not waited for.", flush=True)
+    headline = "hang -> first step of the next attempt"
+
+    def median(rs: list[dict[str, float]]) -> float | None:
+        return statistics.median(r[headline] for r in rs) if rs else None
+
+    return {**{name: median(runs[name]) for name in columns}, "NVRx": median(theirs)}, \
+        nvrx_error
 
 
 if __name__ == "__main__":
