@@ -9,7 +9,9 @@ counts against that node when its cause is the machine's, not the job's:
 ``nodes.evict_after`` such faults on the same node (2 by default; 0 never evicts) make it
 *evictable*: the next attempt runs without it, if ``launch.nnodes`` allows the nodes left. The
 job's own faults (a Python exception, an OOM, a NaN) never count: a relaunch elsewhere would
-meet them again. Pure: what to do with the verdict is the leader's.
+meet them again. Nor does a native crash the rules traced to the data (the same batch on the
+same rank twice, ``policies.cause``: a decoder meeting a corrupt sample): ``forgive`` takes it
+back before the next launch. Pure: what to do with the verdict is the leader's.
 """
 
 from __future__ import annotations
@@ -52,7 +54,22 @@ class NodeFaults:
         if what is None or not isinstance(node, int) or self.evict_after <= 0:
             return None
         faults = self.seen.setdefault(node, [])
-        faults.append(f"{what} at step {finding.step}")
+        faults.append(_fault(what, finding))
         if len(faults) != self.evict_after:
             return None
         return f"{len(faults)} machine faults on it: {', '.join(faults)}"
+
+    def forgive(self, node: int, finding: Finding) -> bool:
+        """``finding`` followed the data after all (``policies.cause``: the same batch twice):
+        it and the faults like it at the same step no longer count against ``node``. True when
+        one was counted."""
+        what = machine_fault(finding)
+        faults = self.seen.get(node, [])
+        if what is None or _fault(what, finding) not in faults:
+            return False
+        self.seen[node] = [f for f in faults if f != _fault(what, finding)]
+        return True
+
+
+def _fault(what: str, finding: Finding) -> str:
+    return f"{what} at step {finding.step}"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from babysit.policies.types import Finding, Incident, Severity
+from babysit.policies.types import Finding, Incident, Remedy, Severity
 from babysit.supervisor.cluster import leadership
 from babysit.supervisor.cluster.eviction import NodeFaults
 from babysit.supervisor.cluster.leadership import Lease, LeaseWatch, Term
@@ -242,6 +242,15 @@ class ClusterMembers(OnThisNode):
         if why is not None:
             self._evictable[node] = why
         return placed
+
+    def prepare(self, remedy: Remedy | None, attempt: int) -> list[Entry]:
+        """A fault the rules traced to the data (the same batch twice: skipped) was not the
+        machine's after all: it no longer counts against its node, which stays in."""
+        if remedy is not None and remedy.finding.evidence.get("follows") == "data":
+            node = remedy.finding.evidence.get("node")
+            if isinstance(node, int) and self.faults.forgive(node, remedy.finding):
+                self._evictable.pop(node, None)
+        return []
 
     def close(self, code: int | None) -> list[Entry]:
         if self.fenced is not None:  # another leads: command nobody, keep nothing running

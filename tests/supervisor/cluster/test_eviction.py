@@ -43,3 +43,17 @@ def test_the_second_fault_on_the_same_node_makes_it_evictable_once() -> None:
 def test_evict_after_zero_never_evicts() -> None:
     faults = NodeFaults(evict_after=0)
     assert all(faults.add(crash(1, s, **SEGV)) is None for s in range(5))
+
+
+def test_a_fault_that_followed_the_data_is_forgiven() -> None:
+    # A decoder that segfaults on one corrupt sample, at the same batch (and step) twice: the
+    # rules skip the batch (the data's); the node it ran on is not to blame.
+    faults = NodeFaults(evict_after=2)
+    assert faults.add(crash(1, 10, **SEGV)) is None
+    assert faults.add(crash(1, 10, **SEGV)) is not None
+    assert faults.forgive(1, crash(1, 10, **SEGV, follows="data"))
+    assert faults.seen[1] == []
+    assert not faults.forgive(1, crash(1, 10, **SEGV))  # nothing left to forgive
+    assert not faults.forgive(1, crash(1, 12, **{"class": "user_code"}))  # never counted
+    # Counting starts again from nothing: one more machine fault does not evict.
+    assert faults.add(crash(1, 30, **SEGV)) is None

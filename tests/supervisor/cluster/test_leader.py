@@ -11,6 +11,7 @@ a real process, started and stopped, without torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import socket
 import threading
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 
 from babysit.policies.loader import load_policy
-from babysit.policies.types import Finding, Incident, RankStep, Severity
+from babysit.policies.types import Action, Finding, Incident, RankStep, Remedy, Severity
 from babysit.supervisor.cluster import leadership
 from babysit.supervisor.cluster.leader import ClusterMembers
 from babysit.supervisor.cluster.leadership import Lease
@@ -977,3 +978,23 @@ def test_a_node_the_run_cannot_do_without_is_kept_and_said_so(members: ClusterMe
     kept = [fields for event, fields in said.journal if event == "node_kept"]
     assert len(kept) == 1 and "below the minimum 2" in kept[0]["kept"]
     assert not members.cluster.evicted and members.cluster.present() == [0, 1]
+
+
+def test_a_native_crash_that_followed_the_data_does_not_make_its_node_evictable(
+        members: ClusterMembers) -> None:
+    """Node 1's decoder segfaults on the same corrupt batch twice: the rules skip the batch,
+    and the prepare of that rollback takes the node's count back before the launch."""
+    said = Said()
+    join(members, said)
+    members.launch(0, Directive(), time.monotonic())
+    members.cluster.rank_node[2] = 1
+    placed = []
+    for _ in range(2):
+        segv = Finding(incident=Incident.CRASH, detector="crash", severity=Severity.CRITICAL,
+                       step=10, onset_step=10, message="m", ranks=(2,),
+                       evidence={"class": "signal", "signal": 11})
+        placed.append(members.locate(segv))
+    assert members._evictable  # two machine faults on node 1, as counted
+    data = dataclasses.replace(placed[1], evidence={**placed[1].evidence, "follows": "data"})
+    members.prepare(Remedy(Action.ROLLBACK, data, "same crash twice -> the data's"), 1)
+    assert not members._evictable and members.faults.seen[1] == []
