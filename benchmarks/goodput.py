@@ -168,8 +168,8 @@ def main() -> None:
     p.add_argument("--stall-s", type=float, default=30.0,
                    help="stop torchrun after this long without a step")
     p.add_argument("--saves", choices=("default", "sync", "async"), default="default",
-                   help="checkpoints.async_save: babysit's default (auto: asynchronous for this "
-                        "guarded script), false or true")
+                   help="checkpoints.async_save: babysit's default (true: asynchronous), "
+                        "false or true")
     p.add_argument("--no-torchrun", action="store_true", help="run only the babysit half")
     p.add_argument("--keep", type=Path, metavar="DIR",
                    help="run in DIR and keep it (babysit's run directory: DIR/babysit) instead "

@@ -79,8 +79,8 @@ FAST_POLICY = ROOT / "tests" / "fast_policy.yaml"
 
 SYNC_SAVES = "{every_steps: 5, probation_steps: 5, async_save: false}"
 """The e2e tests' checkpoints: every save committed before the next step, so a test can say
-which checkpoint a relaunch resumes from. The default (``auto``: asynchronous for these guarded
-scripts, an in-flight save not yet resumable) runs where a test passes its own section."""
+which checkpoint a relaunch resumes from. The default (asynchronous: an in-flight save is not
+yet resumable) runs where a test passes its own section."""
 
 
 def babysat(tmp_path: Path, name: str, *args: str, nproc: int = 2,

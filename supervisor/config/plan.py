@@ -6,7 +6,6 @@ validate`` and ``babysit run`` report the same problems in the same words.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import os
 import sys
@@ -49,37 +48,6 @@ class RunPlan:
             raise cfg.ConfigError("a multi-node run needs nodes.leader or launch.rdzv_endpoint")
         host, port = parse_address(endpoint)
         return format_address(host, port + 1)
-
-    def async_saves(self) -> tuple[bool, str | None]:
-        """Whether the worker API saves in the background (``checkpoints.async_save``), and why
-        not when ``auto`` decided against it. The ranks still fall back to synchronous saves
-        where the state's copy would not fit in host memory (``rank.saving``)."""
-        choice = self.config.checkpoints.async_save
-        if choice is not True and choice is not False:
-            entry = self.entry_file()
-            if entry is None:
-                return False, ("checkpoints.async_save is auto and the entry module's file was "
-                               "not found, so babysit cannot see an if __name__ == '__main__' "
-                               "guard: saves are synchronous (set it to true if there is one)")
-            if entry.name != "__main__.py" and not main_guarded(_read(entry)):
-                return False, (f"checkpoints.async_save is auto and {entry} trains outside an "
-                               "if __name__ == '__main__': guard, which the background writer's "
-                               "process would run again: saves are synchronous (add the guard)")
-            return True, None
-        return choice, None
-
-    def entry_file(self) -> Path | None:
-        """The file the ranks run as ``__main__``: the script, or the module's file found
-        under the config's folder, the current one or ``sys.path`` (None if not found)."""
-        if self.script is not None:
-            return self.script
-        parts = str(self.config.launch.module).split(".")
-        for root in [self.base, Path.cwd(), *(Path(p) for p in sys.path if p)]:
-            for candidate in (root.joinpath(*parts).with_suffix(".py"),
-                              root.joinpath(*parts, "__main__.py")):
-                if candidate.is_file():
-                    return candidate
-        return None
 
     def following(self) -> RunPlan:
         """This plan for a node that follows: its own folder, ``nodes/<node rank>/``."""
@@ -181,30 +149,6 @@ def resolve(config: cfg.RunConfig, base: Path, source: str, stem: str,
         python=config.launch.python or sys.executable, checkpoint_dir=checkpoint_dir,
         shared_dir=shared_dir,
     )
-
-
-def main_guarded(source: str) -> bool:
-    """``source`` (a Python file's text) has a module-level ``if __name__ == "__main__":``."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return False
-    for node in tree.body:
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) \
-                and len(node.test.ops) == 1 and isinstance(node.test.ops[0], ast.Eq):
-            sides = [node.test.left, *node.test.comparators]
-            names = {s.id for s in sides if isinstance(s, ast.Name)}
-            values = {s.value for s in sides if isinstance(s, ast.Constant)}
-            if names == {"__name__"} and values == {"__main__"}:
-                return True
-    return False
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
 
 
 def _check_multinode(config: cfg.RunConfig, source: str,

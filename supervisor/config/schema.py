@@ -207,14 +207,11 @@ class CheckpointConfig(DashedSection):
     probation_steps: int = Field(50, ge=1)
     """Healthy steps after a checkpoint before it counts as *good*; until then it is *pending*,
     and an anomaly whose onset falls within this many steps of it makes it *suspect*."""
-    async_save: bool | Literal["auto"] = "auto"
-    """Save in the background with ``torch.distributed.checkpoint.async_save``: training stalls
-    only for the copy of the state to host memory, not for the write. ``auto``: where that is
-    safe, which is when the entry script (or module) keeps its training under an ``if __name__
-    == "__main__":`` guard (DCP writes from a spawned process, which imports the script again)
-    and the ranks' copies fit in half the host's free memory at the first save; otherwise
-    synchronously, and the launch entry says why. ``true``: always (the guard is then the
-    script's business; the memory check still applies); ``false``: never."""
+    async_save: bool = True
+    """Save in the background (``torch.distributed.checkpoint.async_save``, a writer thread per
+    rank with a gloo process group of its own): training stalls only for the copy of the state
+    into host memory, not for the write. Falls back to synchronous saves, and says so, where
+    the ranks' copies would not fit in half the host's free memory at the first save."""
     final_grace_s: float = Field(120.0, ge=0)
     """On SIGTERM (what a scheduler sends before reclaiming the node), seconds babysit waits for
     the workers to save a final checkpoint before stopping them; 0 stops at once. The next

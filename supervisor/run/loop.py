@@ -308,15 +308,11 @@ class Supervisor:
         first, self._launched = not self._launched, True
         if restored is not None:  # where the attempt really resumes: the script restores itself
             fields["script_resume"] = {"step": restored}
-        sync_why = self.plan.async_saves()[1] if directive.checkpoint_every else None
-        if sync_why:
-            fields["checkpoint_sync"] = sync_why
         self._journal("launch", directive=directive.to_json(), **fields)
         off = fields.get("standby_off")
         if first and off and off != standby.CONFIGURED_OFF:  # the user's own choice needs no word
             self.console.log(f"babysit: relaunches will start cold: {off}")
-        if first and sync_why:
-            self.console.log(f"babysit: {sync_why}")
+
 
     def _stop_workers(self, reason: str, replacing: bool = False) -> None:
         if not self._launched:

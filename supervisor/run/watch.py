@@ -158,8 +158,7 @@ class Watch:
             overrides["crash"] = crash
         c = plan.config.checkpoints
         watch = cls(load_policy(name, overrides), c.every_steps,
-                    str(plan.checkpoint_dir), plan.async_saves()[0], plan.config.sdc.every_steps,
-                    scope)
+                    str(plan.checkpoint_dir), c.async_save, plan.config.sdc.every_steps, scope)
         low, high = plan.config.launch.node_range
         watch.reshard = low < high
         return watch

@@ -141,7 +141,7 @@ def checkpoint_io(plan: RunPlan, ctx: Context) -> CheckResult:
     except OSError as exc:
         return CheckResult(name, Status.FAIL, f"cannot create a scratch folder in {where} "
                            f"({exc.strerror})", "Fix checkpoints.dir first (see above).")
-    mode = "async" if plan.async_saves()[0] else "sync"
+    mode = "async" if plan.config.checkpoints.async_save else "sync"
     try:
         out = probe(plan, ctx, "roundtrip", {"dir": str(scratch), "fallback_path":
                     str(BABYSIT_ROOT), "async_save": mode == "async"}, timeout_s=180)

@@ -187,35 +187,3 @@ def test_torchrun_style_runs_checkpoint_by_default_and_the_flag_overrides(
     assert (from_file.every_steps, from_file.keep) == (20, 9)
     assert main(["run", "--checkpoint-every", "-1", script]) == 2
 
-
-def test_async_saves_by_default_only_where_the_script_keeps_training_under_a_main_guard(
-        write_config, tmp_path: Path) -> None:
-    (tmp_path / "guarded.py").write_text("import os\n\ndef main():\n    pass\n\n"
-                                         "if __name__ == '__main__':\n    main()\n")
-    (tmp_path / "bare.py").write_text("import os\nprint('training at import')\n"
-                                      "if '__main__' != __name__: pass\n")
-    guarded = plan.from_file(write_config("launch: {script: guarded.py}\n"))
-    assert guarded.config.checkpoints.async_save == "auto"
-    assert guarded.async_saves() == (True, None)
-    bare = plan.from_file(write_config("launch: {script: bare.py}\n"))
-    on, why = bare.async_saves()
-    assert not on and why is not None and "bare.py" in why and "guard" in why
-    forced = plan.from_file(write_config("launch: {script: bare.py}\n"
-                                         "checkpoints: {async_save: true}\n"))
-    assert forced.async_saves() == (True, None)
-    off = plan.from_file(write_config("launch: {script: guarded.py}\n"
-                                      "checkpoints: {async_save: false}\n"))
-    assert off.async_saves() == (False, None)
-    # A module is found under the config's folder; a package's __main__.py needs no guard
-    # (multiprocessing's spawn does not run it again).
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "__init__.py").write_text("")
-    (tmp_path / "pkg" / "__main__.py").write_text("print('train')\n")
-    (tmp_path / "pkg" / "train.py").write_text("print('train')\n")
-    assert plan.from_file(write_config("launch: {module: pkg}\n")).async_saves()[0]
-    assert not plan.from_file(write_config("launch: {module: pkg.train}\n")).async_saves()[0]
-    missing = plan.from_file(write_config("launch: {module: nowhere.to.be.found}\n"))
-    assert "not found" in str(missing.async_saves()[1])
-    assert not plan.main_guarded("if __name__ == '__main__' and x:\n    pass\n")
-    assert plan.main_guarded('if "__main__" == __name__:\n    pass\n')
-    assert not plan.main_guarded("def broken(:\n")
