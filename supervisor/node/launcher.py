@@ -110,7 +110,7 @@ class Placement:
         in; ``env`` is the environment the workers would get."""
         update: dict[str, object] = {}
         conf = launch.rdzv_conf or ""
-        if self.rdzv_host is not None and launch.rdzv_backend == "c10d" and \
+        if self.rdzv_host is not None and launch.rendezvous == "c10d" and \
                 "is_host" not in conf:
             update["rdzv_conf"] = ",".join(filter(None, [conf, f"is_host={int(self.rdzv_host)}"]))
         extra: dict[str, str] = {}
@@ -169,7 +169,7 @@ def torchrun_command(
            "--nnodes", launch.nnodes,
            "--node-rank", str(launch.node_rank),
            "--max-restarts", "0",
-           "--rdzv-backend", launch.rdzv_backend,
+           "--rdzv-backend", launch.rendezvous,
            "--rdzv-endpoint", rdzv_endpoint,
            "--rdzv-id", rdzv_id,
            # Per-rank stdout/stderr files under the attempt folder, and tee'd to the console.

@@ -157,7 +157,7 @@ def rendezvous(plan: RunPlan, ctx: Context) -> CheckResult:
     name = "rendezvous"
     launch = plan.config.launch
     endpoint = launch.rdzv_endpoint
-    if endpoint is None and launch.rdzv_backend == "static" and launch.master_addr:
+    if endpoint is None and launch.rendezvous == "static" and launch.master_addr:
         endpoint = f"{launch.master_addr}:{launch.master_port or _TORCHRUN_DEFAULT_RDZV_PORT}"
     if endpoint is None and launch.multinode and plan.config.nodes.leader:
         leader, leader_port = parse_address(plan.config.nodes.leader)

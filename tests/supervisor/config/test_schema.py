@@ -187,3 +187,20 @@ def test_torchrun_style_runs_checkpoint_by_default_and_the_flag_overrides(
     assert (from_file.every_steps, from_file.keep) == (20, 9)
     assert main(["run", "--checkpoint-every", "-1", script]) == 2
 
+
+
+def test_one_node_rendezvous_is_static_several_are_c10d_and_a_choice_is_kept(
+        write_config, tmp_path: Path) -> None:
+    # torchrun's static rendezvous on one node: its store without c10d's join protocol.
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    one = plan.from_file(write_config("launch: {script: train.py}\n"))
+    assert one.config.launch.rdzv_backend is None and one.config.launch.rendezvous == "static"
+    many = config.LaunchConfig(script="train.py", nnodes="1:4")
+    assert many.rendezvous == "c10d"
+    chosen = config.LaunchConfig(script="train.py", rdzv_backend="c10d")
+    assert chosen.rendezvous == "c10d"
+    from babysit.supervisor.node.launcher import torchrun_command
+
+    cmd = torchrun_command(one.config.launch, one.script, python="python", rdzv_id="r-0",
+                           rdzv_endpoint="127.0.0.1:29500", log_dir=tmp_path)
+    assert cmd[cmd.index("--rdzv-backend") + 1] == "static"
