@@ -313,7 +313,6 @@ class Supervisor:
         if first and off and off != standby.CONFIGURED_OFF:  # the user's own choice needs no word
             self.console.log(f"babysit: relaunches will start cold: {off}")
 
-
     def _stop_workers(self, reason: str, replacing: bool = False) -> None:
         if not self._launched:
             return

@@ -151,10 +151,8 @@ class Watch:
         restarts = plan.config.launch.max_restarts
         if restarts is not None:
             # torchrun's --max-restarts counts every failure alike; so does this override.
-            classes = ("oom", "network", "numerical", "hardware", "user_code", "data", "signal",
-                       "unknown")
             crash = dict(overrides.get("crash", {}))
-            crash["max_relaunches"] = dict.fromkeys(classes, restarts)
+            crash["max_relaunches"] = dict.fromkeys((c.value for c in CrashClass), restarts)
             overrides["crash"] = crash
         c = plan.config.checkpoints
         watch = cls(load_policy(name, overrides), c.every_steps,
