@@ -246,9 +246,11 @@ class Services:
                      f"babysit: scheduled job {message.job} failed: {message.error}")]
         return []
 
-    def stop(self, say: Callable[[str], None] = print) -> None:
+    def stop(self, say: Callable[[str], None] = print,
+             asked: Callable[[], bool] = lambda: False) -> None:
         """Stop the jobs; keep the final metrics up for ``prometheus.linger_s`` (SIGINT or
-        SIGTERM ends the wait), then stop the endpoint. Call on the main thread."""
+        SIGTERM ends the wait; so does ``asked()``, true when one came after the run's last
+        look at its signals), then stop the endpoint. Call on the main thread."""
         self._jobs.shutdown()
         for line in self.dashboards.stop():
             say(line)
@@ -259,10 +261,10 @@ class Services:
         if linger > 0 and self.exporter.port is not None:
             say(f"babysit: serving the final metrics on port {self.exporter.port} for "
                 f"{linger:g} s (prometheus.linger_s; Ctrl-C ends it)")
-            self._linger(linger)
+            self._linger(linger, asked)
         self.exporter.stop()
 
-    def _linger(self, seconds: float) -> None:
+    def _linger(self, seconds: float, asked: Callable[[], bool]) -> None:
         def cut(signum: int, frame: FrameType | None) -> None:
             self._linger_cut.set()
 
@@ -270,6 +272,8 @@ class Services:
             previous = {sig: signal.signal(sig, cut) for sig in (signal.SIGINT, signal.SIGTERM)}
         except ValueError:  # not the main thread: no signals to take, wait the time out
             previous = {}
+        if asked():  # a Ctrl-C before this handler: the run's own handler kept it
+            self._linger_cut.set()
         try:
             self._linger_cut.wait(seconds)
         finally:

@@ -168,7 +168,7 @@ class Supervisor:
 
     def _teardown(self) -> None:
         self._journal_all(self.members.close(self._exit_code))
-        self.services.stop(self.console.log)
+        self.services.stop(self.console.log, asked=lambda: self._signal is not None)
         self.alerts.close()
         self.record.close()
         self.console.close()
