@@ -138,8 +138,10 @@ class ClusterMembers(OnThisNode):
             want = len({self.cluster.me, *self.expect})
             timeout = 2 * self.plan.config.nodes.lost_after_s
             self._took_over(voice)
+        spares = self.plan.config.nodes.spares
         voice.log(f"babysit: leading {low if low == high else f'{low} to {high}'} nodes "
-                  f"({self.term.describe()}); waiting for the others at "
+                  + (f"and {spares} spare(s) " if spares else "")
+                  + f"({self.term.describe()}); waiting for the others at "
                   f"{self.plan.leader_address}")
         if not self._await_nodes(want, timeout)[0] and \
                 (len(self.cluster.present()) < low or voice.stopping()):
@@ -179,12 +181,15 @@ class ClusterMembers(OnThisNode):
         command = self.node.launch(attempt, directive, now, lambda: self.workers.launch(
             attempt, directive, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
             nnodes=str(len(nodes)), node_rank=0, place=place))
+        spares = [n for n in self.cluster.present() if n not in nodes]
+        waiting = f"; spare(s) waiting: {', '.join(map(str, spares))}" if spares else ""
         self.voice.log(f"babysit: attempt {attempt} on {len(nodes)} node(s): "
-                       f"{', '.join(self.cluster.describe(n) for n in nodes)}")
+                       f"{', '.join(self.cluster.describe(n) for n in nodes)}{waiting}")
         assert self.workers.group is not None
         return {"pid": self.workers.group.pid, "command": command, "rdzv_endpoint": endpoint,
                 "standby": False, "standby_off": self._standby_off, "nodes": nodes,
-                "hosts": {str(n): self.cluster.hosts.get(n, self.view.host) for n in nodes}}
+                "hosts": {str(n): self.cluster.hosts.get(n, self.view.host) for n in nodes},
+                "spares": {str(n): self.cluster.hosts.get(n, "?") for n in spares}}
 
     def stop(self, reason: str, *, replacing: bool = False) -> int | None:
         self.cluster.attempt.done = True  # what the nodes say of its end is moot now
@@ -284,7 +289,19 @@ class ClusterMembers(OnThisNode):
             run_dir.exclude_hosts(self.plan.shared_dir, [host])
             self.voice.journal("node_evicted", node=node, host=host, why=why, nodes_left=left)
             self.voice.alert(Severity.CRITICAL, f"node {node} ({host}) evicted: {why}; "
-                             f"continuing on {len(left)} node(s)")
+                             f"{self._going_on(node)}")
+
+    def _going_on(self, without: int) -> str:
+        """How the next attempt goes on without node ``without``: at full size with a spare in
+        its place, or on fewer nodes."""
+        attempt = self.cluster.attempt.nodes
+        present = [n for n in self.cluster.present() if n != without]
+        taking = present[:self.cluster.high]
+        spare = [n for n in taking if n not in attempt]
+        if without in attempt and spare and len(taking) >= len(attempt):
+            return (f"spare {self.cluster.describe(spare[0])} takes its place; continuing on "
+                    f"{len(taking)} node(s)")
+        return f"continuing on {len(taking)} node(s)"
 
     # -- the term ---------------------------------------------------------------------------------
 

@@ -137,6 +137,8 @@ class Cluster:
         nodes = plan.config.nodes
         self.config = nodes
         self.low, self.high = plan.config.launch.node_range
+        self.ranks = self.high + nodes.spares
+        """Node ranks 0..ranks-1 may join: the job's MAX, then the hot spares."""
         _, port = parse_address(plan.leader_address)
         # Every interface: the followers reach this host by the name in nodes.leader.
         self.leader_host = parse_address(plan.leader_address)[0]
@@ -174,10 +176,10 @@ class Cluster:
         for peer in self.listener.accept():
             node, host = peer.info.get("node_rank"), str(peer.info.get("host", "?"))
             old = self.peers.get(node) if isinstance(node, int) else None
-            if not isinstance(node, int) or not 0 <= node < self.high or node == self.me:
+            if not isinstance(node, int) or not 0 <= node < self.ranks or node == self.me:
                 # Never going to work: another config, or a typo in --node-rank.
-                why = (f"node rank {node!r} is not in 0..{self.high - 1} (launch.nnodes) or is "
-                       f"the leader's own ({self.me})")
+                why = (f"node rank {node!r} is not in 0..{self.ranks - 1} (launch.nnodes and "
+                       f"nodes.spares) or is the leader's own ({self.me})")
                 final = True
             elif node in self.evicted:
                 why, final = f"node {node} was evicted from this run: {self.evicted[node]}", True
@@ -207,6 +209,12 @@ class Cluster:
         return [self.me, *sorted(n for n, p in self.peers.items()
                                  if not p.closed and n not in self.evicted)]
 
+    def chosen(self) -> tuple[list[int], list[int]]:
+        """The nodes the next attempt takes (the leader, then the lowest node ranks present, up
+        to ``launch.nnodes``' most) and the rest, which wait as spares."""
+        present = self.present()
+        return present[:self.high], present[self.high:]
+
     def describe(self, node: int) -> str:
         return f"node {node} ({self.hosts.get(node, '?')})"
 
@@ -214,9 +222,10 @@ class Cluster:
 
     def launch(self, attempt: int, directive: Directive, rdzv_id: str,
                endpoint: str | None) -> tuple[list[int], str]:
-        """Tell every present follower to start ``attempt``; returns the nodes taking part and
-        the rendezvous endpoint. The leader's own node is node index 0 of the attempt."""
-        nodes = self.present()
+        """Tell the followers the attempt takes (``chosen``) to start ``attempt``; returns the
+        nodes taking part and the rendezvous endpoint. The leader's own node is node index 0 of
+        the attempt."""
+        nodes, _ = self.chosen()
         endpoint = endpoint or format_address(self.leader_host, free_port(""))
         self.attempt = _Attempt(nodes, peers={n: self.peers[n] for n in nodes if n != self.me})
         for index, node in enumerate(nodes):

@@ -85,12 +85,22 @@ def for_term(plan: RunPlan, term: Term) -> RunPlan:
 
 
 def survivors(plan: RunPlan, term: Term) -> list[int]:
-    """The nodes of the lost leader's last attempt, but for it and this node: those the new
-    leader waits for (briefly) before its first relaunch."""
-    launches = [e for e in journal.read(plan.shared_dir / "events.jsonl")
-                if e.get("event") == "launch" and isinstance(e.get("nodes"), list)]
-    if not launches:
+    """The nodes the lost leader had, but for it and this node: its last attempt's, its spares
+    and those that joined since, less those it lost or evicted since. The new leader waits for
+    them (briefly) before its first relaunch."""
+    events = list(journal.read(plan.shared_dir / "events.jsonl"))
+    last = next((i for i in range(len(events) - 1, -1, -1) if events[i].get("event") == "launch"
+                 and isinstance(events[i].get("nodes"), list)), None)
+    if last is None:
         return []
+    launch = events[last]
+    spares = launch.get("spares")
+    had = {int(n) for n in [*launch["nodes"], *(spares if isinstance(spares, dict) else {})]}
+    for e in events[last + 1:]:
+        if isinstance(e.get("node"), int):
+            if e.get("event") == "node_joined":
+                had.add(e["node"])
+            elif e.get("event") in ("node_lost", "node_evicted"):
+                had.discard(e["node"])
     lost = leadership.read(plan.shared_dir, term.epoch - 1)
-    return [int(n) for n in launches[-1]["nodes"]
-            if int(n) != term.node and (lost is None or int(n) != lost.node)]
+    return sorted(n for n in had if n != term.node and (lost is None or n != lost.node))

@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--name", help="name of the run (alerts, default run directory)")
     run.add_argument("--leader", metavar="HOST:PORT",
                      help="multi-node runs: where node 0's babysitter listens (nodes.leader)")
+    run.add_argument("--spares", type=int, metavar="K", default=None,
+                     help="multi-node runs: K hot-spare nodes beyond the MAX of --nnodes, at "
+                          "node ranks MAX to MAX+K-1; a lost or evicted node's place goes to "
+                          "one (nodes.spares)")
     run.add_argument("--skip-doctor", action="store_true",
                      help="start even if the fast pre-flight checks fail")
     torchrun = run.add_argument_group("torchrun options (both dash and underscore spellings)")
@@ -215,7 +219,9 @@ def _plan(args: argparse.Namespace) -> Any:
     if args.policy:  # the file's overrides were written for the file's policy
         extra["policy"] = {"name": args.policy, "overrides": {}}
     if args.leader:
-        extra["nodes"] = {"leader": args.leader}
+        extra.setdefault("nodes", {})["leader"] = args.leader
+    if args.spares is not None:
+        extra.setdefault("nodes", {})["spares"] = args.spares
     if args.name:
         extra["name"] = args.name
     if args.checkpoint_every is not None:

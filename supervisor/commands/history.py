@@ -353,8 +353,8 @@ def cadence(h: History) -> dict[str, Any] | None:
 
 
 def nodes(h: History) -> dict[str, Any] | None:
-    """Which nodes the newest attempt of a multi-node run has, which were lost, and which
-    were evicted (and why)."""
+    """Which nodes the newest attempt of a multi-node run has, which wait as its spares, which
+    were lost, and which were evicted (and why)."""
     launch = next((e for e in reversed(h.events)
                    if e.get("event") == "launch" and isinstance(e.get("hosts"), dict)), None)
     if launch is None:
@@ -363,8 +363,9 @@ def nodes(h: History) -> dict[str, Any] | None:
              "why": e.get("why")} for e in h.events if e.get("event") == "node_lost"]
     evicted = [{"time": e.get("time"), "node": e.get("node"), "host": e.get("host"),
                 "why": e.get("why")} for e in h.events if e.get("event") == "node_evicted"]
-    return {"attempt": launch.get("attempt"), "nodes": launch["hosts"], "lost": lost[-5:],
-            "evicted": evicted}
+    spares = launch.get("spares") if isinstance(launch.get("spares"), dict) else {}
+    return {"attempt": launch.get("attempt"), "nodes": launch["hosts"], "spares": spares,
+            "lost": lost[-5:], "evicted": evicted}
 
 
 LEDGER_MAX_BYTES = 16 << 20

@@ -113,6 +113,9 @@ def render(s: dict[str, Any], now: float | None = None) -> str:
                          for e in n["lost"])
         row("nodes", f"{len(n['nodes'])} in attempt {_fmt(n['attempt'])}: {text}"
             + (f"; lost {lost}" if lost else ""))
+        if n.get("spares"):
+            row("spares", ", ".join(f"{node} ({host})" for node, host in n["spares"].items())
+                + " waiting")
         for e in n.get("evicted", []):
             row("evicted", f"node {e['node']} ({e['host']}) at {_clock(e['time'])}: {e['why']}")
     if s["cadence"] is not None:

@@ -170,9 +170,6 @@ class LaunchConfig(DashedSection):
             raise ValueError(
                 "set exactly one of launch.script (a path) or launch.module (a module name)"
             )
-        if self.node_rank >= self.node_range[1]:
-            raise ValueError(f"node_rank {self.node_rank} is not below nnodes "
-                             f"{self.node_range[1]}: node ranks count from 0")
         return self
 
 
@@ -265,6 +262,11 @@ class NodesConfig(DashedSection):
     """Machine faults traced to one node (a hardware-class crash, a rank's SIGSEGV, SIGBUS or
     SIGILL) after which the next attempt runs without that node, when ``launch.nnodes`` allows
     the nodes left; it goes on ``RUN_DIR/exclude_hosts`` too. 0: never evict."""
+    spares: int = Field(0, ge=0)
+    """Hot spares: babysitters beyond the job's size (the MAX of ``launch.nnodes``), at node
+    ranks MAX to MAX+spares-1. They join the leader and wait, running nothing; when a node is
+    lost or evicted, the next attempt takes a spare in its place and the job keeps its size. A
+    spare can be elected leader like any node. A node that comes back waits as a spare."""
     settle_s: float = Field(3.0, ge=0)
     """After the first node reports a crash or hang, how long the leader waits for the other
     nodes' view of it before choosing the most telling one (the node with the failing rank
@@ -389,6 +391,19 @@ class RunConfig(DashedSection):
     wandb: WandbConfig = WandbConfig()
     """The opt-in Weights & Biases sink: babysit's metrics and incidents in a run of their own,
     beside the script's."""
+
+    @model_validator(mode="after")
+    def _node_rank_in_range(self) -> RunConfig:
+        node_rank, most, spares = self.launch.node_rank, self.launch.node_range[1], \
+            self.nodes.spares
+        if spares and most < 2:
+            raise ValueError("nodes.spares needs a multi-node run (launch.nnodes 2 or more); "
+                             "a one-node job with spare nodes is not supported yet")
+        if node_rank >= most + spares:
+            spare = f" plus nodes.spares ({spares})" if spares else ""
+            raise ValueError(f"launch.node_rank {node_rank} is not below launch.nnodes' most "
+                             f"({most}){spare}: node ranks count from 0")
+        return self
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

@@ -22,7 +22,15 @@ import pytest
 from babysit.supervisor.cluster import leadership
 from babysit.supervisor.node.launcher import free_port
 from tests import netns
-from tests.conftest import FAST_POLICY, ROOT, WORKERS, babysit_env, read_jsonl, run_babysit
+from tests.conftest import (
+    FAST_POLICY,
+    ROOT,
+    WORKERS,
+    babysat,
+    babysit_env,
+    read_jsonl,
+    run_babysit,
+)
 from tests.netns import Network
 
 pytestmark = pytest.mark.e2e  # every test here runs several babysitters and torchruns
@@ -48,7 +56,7 @@ class Nodes:
     """The babysitters of one multi-node run, started as separate processes."""
 
     def __init__(self, tmp_path: Path, *args: str, nnodes: str = "2", nodes: str = "",
-                 steps: int = 40, net: Network | None = None) -> None:
+                 steps: int = 40, net: Network | None = None, nproc: int = 2) -> None:
         """``net``: each node in its own network namespace, with its own address; the config
         then names only the rendezvous endpoint, on node 0's address, as a user's would."""
         self.tmp_path = tmp_path
@@ -58,7 +66,7 @@ class Nodes:
         where = (f"  rdzv-endpoint: '{net.address(0)}:29400'\n" if net is not None else "")
         leader = "" if net is not None else f"leader: '127.0.0.1:{free_port()}', "
         self.config.write_text(
-            f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
+            f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: {nproc}\n"
             f"  nnodes: '{nnodes}'\n{where}"
             f"  args: {json.dumps(['--steps', str(steps), '--step-sleep', '0.05', *args])}\n"
             f"run_dir: {self.run_dir}\n"
@@ -373,3 +381,57 @@ def test_a_node_whose_ranks_keep_segfaulting_is_evicted_and_the_run_goes_on(
     assert run.events("run_finished")[-1]["state"] == "succeeded"
     status = run_babysit("status", str(run.run_dir), cwd=tmp_path).stdout
     assert "evicted     node 1" in status
+
+
+@pytest.fixture
+def net4() -> Iterator[Network]:
+    """Four "nodes" with their own addresses (10.77.0.1 to .4) on one bridge."""
+    if NO_NETNS is not None:
+        pytest.skip(NO_NETNS)
+    with netns.network(4) as made:
+        yield made
+
+
+def _final_eval(events: list[dict[str, Any]], step: int) -> float:
+    """The held-out loss at ``step`` (every rank holds the same model: one value)."""
+    [value] = {e["data"]["values"]["eval_loss"] for e in events
+               if e["event"] == "worker_scalars" and e["data"]["step"] == step}
+    return float(value)
+
+
+def test_a_hot_spare_takes_the_lost_leaders_place_and_the_job_keeps_its_size(
+        tmp_path: Path, net4: Network) -> None:
+    """3 nodes and 1 spare (`--nnodes 3`, `nodes.spares: 1`), one rank each, each node on its
+    own address. Node 0's babysitter and rank are SIGKILLed mid-run (a dead host): a follower
+    is elected, and the next attempt runs on the two nodes left and the spare, 3 nodes as
+    before, from the newest good checkpoint, with nobody's help. Its final evaluation matches
+    an uninterrupted run of the same 3 ranks (on one node here)."""
+    steps = 60
+    run = Nodes(tmp_path, "--eval-every", "10", nnodes="3", steps=steps, net=net4, nproc=1,
+                nodes=", spares: 1, rejoin_timeout_s: 5")
+    for node in range(3):
+        run.start(node)
+    run.until("step 10", lambda: _step(run) >= 10)
+    run.start(3)  # the spare joins a running attempt: it waits
+    run.until("the spare to join", lambda: [e for e in run.events("node_joined")
+                                            if e["node"] == 3])
+    assert run.events("launch")[0]["nodes"] == [0, 1, 2]
+    assert not run.events("launch", node=3)  # the spare ran nothing
+    run.kill(0)
+    codes = run.wait()
+    assert [codes[n] for n in (1, 2, 3)] == [0, 0, 0], run.logs()
+    [elected] = [e for n in (1, 2, 3) for e in run.events("leader_elected", node=n)]
+    relaunch = run.events("launch")[-1]
+    assert relaunch["attempt"] >= 1 and relaunch["directive"]["resume"] is not None
+    assert sorted(relaunch["nodes"]) == [1, 2, 3], relaunch  # full size, the spare in
+    assert not run.events("waiting_for_nodes")  # nobody paged and waited: the spare was there
+    assert run.events("run_finished")[-1]["state"] == "succeeded"
+    status = run_babysit("status", str(run.run_dir), cwd=tmp_path).stdout
+    assert "3 in attempt" in status and "lost node 0" in status, status
+
+    _, clean_dir = babysat(tmp_path, "clean", "--steps", str(steps), "--step-sleep", "0.05",
+                           "--eval-every", "10", nproc=3)
+    clean = _final_eval(read_jsonl(clean_dir / "events.jsonl"), steps)
+    spared = _final_eval(run.journal(), steps)
+    assert spared == pytest.approx(clean, rel=0.01), (spared, clean)  # bit-exact, on CPU
+    assert elected["term"] == 1

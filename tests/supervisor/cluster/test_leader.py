@@ -54,6 +54,7 @@ from babysit.supervisor.cluster.messages import (
 from babysit.supervisor.cluster.node_view import NodeView, located
 from babysit.supervisor.cluster.wire import AuthError, Peer, connect, parse_address
 from babysit.supervisor.config.plan import SECRET_ENV, RunPlan, from_mapping
+from babysit.supervisor.config.schema import ConfigError
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node.launcher import free_port
@@ -108,11 +109,12 @@ def collect(peer: Peer, count: int, beats: bool = False, timeout: float = 2.0
                 keep=lambda m: beats or not isinstance(m, Beat))
 
 
-def make_plan(tmp_path: Path, **nodes: Any) -> RunPlan:
+def make_plan(tmp_path: Path, node_rank: int = 0, **nodes: Any) -> RunPlan:
     script = tmp_path / "train.py"
     script.write_text("print('training')\n")
     config = {
-        "launch": {"script": str(script), "nproc_per_node": 2, "nnodes": "2:3"},
+        "launch": {"script": str(script), "nproc_per_node": 2, "nnodes": "2:3",
+                   "node_rank": node_rank},
         "nodes": {"leader": f"127.0.0.1:{free_port()}", "heartbeat_s": 0.2,
                   "lost_after_s": LOST_AFTER_S, "settle_s": SETTLE_S, **nodes},
     }
@@ -230,11 +232,56 @@ def test_a_node_rank_outside_nnodes_is_refused(cluster: Cluster, follow: Follow,
 
     assert kind == "node_refused"
     assert entry["node"] == node_rank
-    assert "is not in 0..2 (launch.nnodes) or is the leader's own (0)" in entry["reason"]
+    assert ("is not in 0..2 (launch.nnodes and nodes.spares) or is the leader's own (0)"
+            in entry["reason"])
     # Final: another config or a typo in --node-rank never gets better by retrying.
     assert collect(peer, 1) == [Refused(entry["reason"], final=True)]
     wait_for(lambda: peer.closed)
     assert cluster.present() == [LEADER]
+
+
+def test_a_spare_joins_beyond_nnodes_waits_and_takes_a_lost_nodes_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock) -> None:
+    """nnodes 2:3 and one spare (node rank 3): the first attempt takes nodes 0-2 and tells the
+    spare nothing; once node 1 is lost, the next attempt takes the spare and keeps 3 nodes."""
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    plan = make_plan(tmp_path, spares=1)
+    cluster = Cluster(plan, plan.secret(), clock)
+    cluster.open()
+    address = f"127.0.0.1:{cluster.listener.port}"
+    peers = {n: connect(address, SECRET.encode(), {"node_rank": n, "host": f"gpu-{n}"},
+                        timeout_s=2.0) for n in (1, 2, 3)}
+    for peer in peers.values():
+        peer.keep_alive(0.2, encode(Beat()))
+    try:
+        assert [kind for kind, _ in accepted(cluster, 3)] == ["node_joined"] * 3
+        assert cluster.chosen() == ([0, 1, 2], [3])
+        nodes, _ = cluster.launch(0, Directive(), "t-0", None)
+        assert nodes == [0, 1, 2]
+        assert [m.node_rank for n in (1, 2) for m in collect(peers[n], 1)
+                if isinstance(m, Launch)] == [1, 2]
+        cluster.tell(Stop("a rollback"))  # the attempt's nodes only
+        time.sleep(0.3)
+        assert [m for m in map(from_leader, peers[3].receive()) if not isinstance(m, Beat)] == []
+
+        peers[1].close()
+        assert poll(cluster.receive, 1, keep=lambda h: not isinstance(h[1], Beat)) == [
+            (1, Lost("its connection closed (eof)"))]
+        nodes, _ = cluster.launch(1, Directive(), "t-1", None)
+        assert nodes == [0, 2, 3]
+        [launch] = [m for m in collect(peers[3], 1) if isinstance(m, Launch)]
+        assert (launch.nnodes, launch.node_rank, launch.attempt) == (3, 2, 1)
+    finally:
+        for peer in peers.values():
+            peer.close()
+        cluster.close()
+
+
+def test_a_spare_must_come_after_nnodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    with pytest.raises(ConfigError, match=r"launch.node_rank 5 is not below launch.nnodes' "
+                                          r"most \(3\) plus nodes.spares \(2\)"):
+        make_plan(tmp_path, spares=2, node_rank=5)
 
 
 def test_a_follower_whose_connection_closed_rejoins_under_its_node_rank(

@@ -7,8 +7,12 @@ import json
 import threading
 from pathlib import Path
 
+import pytest
+
 from babysit.supervisor.cluster import leadership
 from babysit.supervisor.cluster.leadership import Lease, LeaseWatch
+from babysit.supervisor.cluster.roles import survivors
+from babysit.supervisor.config.plan import SECRET_ENV, from_mapping
 
 
 def test_one_claim_of_a_term_wins_and_the_newest_term_is_in_force(tmp_path: Path) -> None:
@@ -98,3 +102,22 @@ def test_wait_alive_tells_a_live_lease_from_a_dead_ones_last_beat(tmp_path: Path
         assert not leadership.wait_alive(LeaseWatch(tmp_path, 1, 0.3), 0.02, lambda: False)
     finally:
         live.leave()
+
+
+def test_a_new_leader_waits_for_every_node_the_lost_one_had_spares_and_late_joiners_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lost leader (node 0) launched nodes 0-2 with spare 4, then node 3 joined and node 2
+    was lost: node 1, elected, waits for 3 and 4 (not for 0, nor 2, nor itself)."""
+    monkeypatch.setenv(SECRET_ENV, "a-secret-of-sixteen-chars")
+    (tmp_path / "train.py").write_text("")
+    plan = from_mapping({"launch": {"script": "train.py", "nnodes": "2:3", "node_rank": 1},
+                         "nodes": {"leader": "127.0.0.1:29401", "spares": 2}},
+                        "t", tmp_path, "t", run_dir=str(tmp_path / "run"))
+    plan.shared_dir.mkdir(parents=True)
+    entries = [{"event": "launch", "nodes": [0, 1, 2], "spares": {"4": "gpu-4"}},
+               {"event": "node_joined", "node": 3}, {"event": "node_lost", "node": 2}]
+    (plan.shared_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+    leadership.claim(plan.shared_dir, 0, 0, "gpu-0", "127.0.0.1:29401")
+    term = leadership.claim(plan.shared_dir, 1, 1, "gpu-1", "127.0.0.1:29402")
+    assert term is not None
+    assert survivors(plan, term) == [3, 4]
