@@ -187,32 +187,57 @@ def test_a_hang_on_one_node_is_named_with_its_host_and_rank(tmp_path: Path) -> N
     assert [e["attempt"] for e in run.events("launch", node=1)] == [0, 1]
 
 
-def test_losing_a_node_relaunches_on_the_nodes_left_when_nnodes_allows(tmp_path: Path) -> None:
-    run = Nodes(tmp_path, nnodes="2:3", steps=60)
+def test_an_fsdp2_job_that_loses_a_node_goes_on_resharded_when_nnodes_allows(
+        tmp_path: Path) -> None:
+    """An FSDP2 (``fully_shard``) job on 3 nodes, one rank each: every rank holds a third of
+    each layer. Node 2 is killed; `--nnodes 2:3` lets the relaunch go on with 2 ranks, which
+    load the 3-rank checkpoint resharded in halves (DCP), model and optimizer, and finish. The
+    final evaluation stays close to an uninterrupted 3-rank run's: the data after the loss is
+    another split (2 ranks' global batches), the same amount of it per step for each rank."""
+    steps = 60
+    run = Nodes(tmp_path, "--fsdp", "--eval-every", "10", nnodes="2:3", steps=steps, nproc=1)
     for node in range(3):
         run.start(node)
-    run.until("step 10", lambda: _step(run) >= 10)
+    run.until("step 12", lambda: _step(run) >= 12)
     run.kill(2)
     codes = run.wait()
     assert codes[0] == 0 and codes[1] == 0, run.logs()
-    lost = run.events("node_lost")
-    assert lost and lost[0]["node"] == 2
+    relaunch = run.events("launch")[-1]
+    assert relaunch["nodes"] == [0, 1] and relaunch["directive"]["resume"] is not None
+    resumed = relaunch["directive"]["resume"]["step"]
+    worlds = {e["attempt"]: e["data"]["world_size"] for e in run.events("worker_hello")}
+    assert worlds == {0: 3, relaunch["attempt"]: 2}, worlds
+    saved = {e["attempt"] for e in run.events("checkpoint_saved") if e["step"] == resumed}
+    assert saved == {0} and relaunch["directive"]["reshard"]  # saved by 3 ranks, loaded by 2
+    assert run.events("run_finished")[-1]["state"] == "succeeded"
+
+    # The restore took on every rank (its first forward computed with the restored shards),
+    # and the resumed losses stayed where the checkpoint's were (no "restore did not take").
+    checks = [e["data"] for e in run.events("resume_check") if e["attempt"] == relaunch["attempt"]]
+    assert checks and all(c["took"] for c in checks), checks
+    assert not [e for e in run.events("finding") if e["finding"]["incident"] == "resume"]
+    # The loss is told as the node's: a finding naming it, and babysit status reading the
+    # leader's record (a reader of a node's folder is sent there).
+    assert [e["node"] for e in run.events("node_lost")] == [2]
     findings = [e["finding"] for e in run.events("finding")
                 if e["finding"]["incident"] == "node_lost"]
     assert findings and findings[0]["evidence"]["node"] == 2
-    relaunch = next(e for e in run.events("launch") if e["attempt"] == 1)
-    assert relaunch["nodes"] == [0, 1]
-    assert relaunch["directive"]["resume"] is not None  # from the newest good checkpoint
-    worlds = {e["data"]["world_size"] for e in run.events("worker_hello") if e["attempt"] == 1}
-    assert worlds == {4}
-    assert run.events("run_finished")[-1]["state"] == "succeeded"
-    # babysit status reads the leader's record, and sends a reader of a node's folder there.
     status = json.loads(run_babysit("status", "--json", str(run.run_dir), cwd=tmp_path).stdout)
-    assert sorted(status["nodes"]["nodes"]) == ["0", "1"] and status["nodes"]["attempt"] == 1
+    assert sorted(status["nodes"]["nodes"]) == ["0", "1"]
+    assert status["nodes"]["attempt"] == relaunch["attempt"]
     assert [e["node"] for e in status["nodes"]["lost"]] == [2]
     node = json.loads(run_babysit("status", "--json", str(run.run_dir / "nodes" / "1"),
                                   cwd=tmp_path).stdout)
     assert node["record"] == str(run.run_dir) and node["exit_code"] == 0
+    # Its final evaluation lies between an uninterrupted 3-rank run's and a 2-rank run's: 10
+    # steps on 3 ranks, the rest on 2, from the resharded state.
+    clean = {}
+    for ranks in (3, 2):
+        _, clean_dir = babysat(tmp_path, f"clean{ranks}", "--fsdp", "--steps", str(steps),
+                               "--step-sleep", "0.05", "--eval-every", "10", nproc=ranks)
+        clean[ranks] = _final_eval(read_jsonl(clean_dir / "events.jsonl"), steps)
+    resharded = _final_eval(run.journal(), steps)
+    assert clean[3] < resharded < clean[2], (resharded, clean)
 
 
 def test_a_stranger_without_the_secret_can_neither_join_nor_stall_the_run(

@@ -181,6 +181,7 @@ def main() -> None:
     p.add_argument("--at", action="append", default=[], type=lambda t: t.split(":", 3))
     p.add_argument("--nvrx", action="store_true")
     p.add_argument("--step-log")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard)")
     args = p.parse_args()
 
     device = torch.device("cpu")
@@ -196,8 +197,17 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(32, 1)).to(device)
-    ddp = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.fsdp:  # FSDP2: every rank holds a shard of each layer's parameters (DTensors)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for layer in (model[0], model[3]):
+            fully_shard(layer, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     run = attach(model=model, optimizer=opt, scheduler=sched,
