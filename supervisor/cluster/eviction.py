@@ -6,12 +6,18 @@ counts against that node when its cause is the machine's, not the job's:
     hardware                a GPU fallen off the bus, an uncorrectable ECC error, an Xid ...
     SIGSEGV, SIGBUS, SIGILL native code that died of the machine it ran on (or of a driver)
 
+So does a spike that the rerun did not reproduce (``policies.rerun``: a transient fault of the
+machine), against the node of the rank whose loss moved first (``transient``).
+
 ``nodes.evict_after`` such faults on the same node (2 by default; 0 never evicts) make it
-*evictable*: the next attempt runs without it, if ``launch.nnodes`` allows the nodes left. The
-job's own faults (a Python exception, an OOM, a NaN) never count: a relaunch elsewhere would
-meet them again. Nor does a native crash the rules traced to the data (the same batch on the
-same rank twice, ``policies.cause``: a decoder meeting a corrupt sample): ``forgive`` takes it
-back before the next launch. Pure: what to do with the verdict is the leader's.
+*evictable*: the next attempt runs without it, if ``launch.nnodes`` allows the nodes left. A
+silent data corruption the SDC vote placed on ranks of one node makes it evictable at once:
+ranks that must compute the same bits did not, and the majority says whose are wrong (a vote
+with no majority, two ranks on two nodes, blames nobody). The job's own faults (a Python
+exception, an OOM, a NaN) never count: a relaunch elsewhere would meet them again. Nor does a
+native crash the rules traced to the data (the same batch on the same rank twice,
+``policies.cause``: a decoder meeting a corrupt sample): ``forgive`` takes it back before the
+next launch. Pure: what to do with the verdict is the leader's.
 """
 
 from __future__ import annotations
@@ -23,14 +29,18 @@ from babysit.policies.types import Finding, Incident
 
 NATIVE_SIGNALS = {int(signal.SIGSEGV): "SIGSEGV", int(signal.SIGBUS): "SIGBUS",
                   int(signal.SIGILL): "SIGILL"}
+SDC = "silent data corruption"
+TRANSIENT = "transient fault"
 
 
 def machine_fault(finding: Finding) -> str | None:
-    """What makes ``finding`` a fault of its node's machine (``SIGSEGV``, ``hardware crash``),
-    or None when it is not one."""
+    """What makes ``finding`` a fault of its node's machine (``SIGSEGV``, ``hardware crash``,
+    ``silent data corruption``), or None when it is not one."""
+    ev = finding.evidence
+    if finding.incident is Incident.SDC:
+        return None if "no_majority" in (ev.get("rules") or ()) else SDC
     if finding.incident is not Incident.CRASH:
         return None
-    ev = finding.evidence
     if ev.get("class") == "hardware":
         return "hardware crash"
     sig = ev.get("signal")
@@ -53,8 +63,20 @@ class NodeFaults:
         what = machine_fault(finding)
         if what is None or not isinstance(node, int) or self.evict_after <= 0:
             return None
+        return self._count(node, what, _fault(what, finding))
+
+    def transient(self, node: int, step: int) -> str | None:
+        """A spike of ``step`` that its rerun did not reproduce, first seen on a rank of
+        ``node``: as ``add``."""
+        if self.evict_after <= 0:
+            return None
+        return self._count(node, TRANSIENT, f"{TRANSIENT} at step {step}")
+
+    def _count(self, node: int, what: str, fault: str) -> str | None:
         faults = self.seen.setdefault(node, [])
-        faults.append(_fault(what, finding))
+        faults.append(fault)
+        if what == SDC:  # the vote already told whose bits are wrong: no second chance
+            return f"{fault} on its rank(s)"
         if len(faults) != self.evict_after:
             return None
         return f"{len(faults)} machine faults on it: {', '.join(faults)}"

@@ -19,8 +19,10 @@ loop's call::
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
+from babysit.policies.rerun import TRANSIENT as TRANSIENT_VERDICT
 from babysit.policies.types import Finding, Incident, Remedy, Severity
 from babysit.supervisor.cluster import leadership
 from babysit.supervisor.cluster.eviction import NodeFaults
@@ -238,15 +240,31 @@ class ClusterMembers(OnThisNode):
 
     def locate(self, finding: Finding) -> Finding:
         """The finding with its node and host; a machine fault is also counted against that
-        node (``cluster.eviction``), for the next launch to act on."""
-        if not finding.ranks:
+        node (``cluster.eviction``), for the next launch to act on. Ranks on several nodes (an
+        SDC vote that could not tell which was wrong) place it on none."""
+        nodes = {self.cluster.rank_node.get(rank, self.cluster.me) for rank in finding.ranks}
+        if len(nodes) != 1:
             return finding
-        node = self.cluster.rank_node.get(finding.ranks[0], self.cluster.me)
+        node = nodes.pop()
         placed = located(finding, node, self.cluster.hosts.get(node, self.view.host))
-        why = self.faults.add(placed)
+        self._evictable_if(node, self.faults.add(placed))
+        return placed
+
+    def hear(self, entry: Mapping[str, Any]) -> None:
+        """A rerun that did not reproduce its spike: a transient fault of the machine of the
+        rank that moved first, counted against its node when the ranks that moved first are
+        on one node."""
+        if entry.get("verdict") != TRANSIENT_VERDICT or not entry.get("moved_first"):
+            return
+        nodes = {self.cluster.rank_node.get(int(rank)) for rank in entry["moved_first"]}
+        node = nodes.pop() if len(nodes) == 1 else None
+        if node is not None:
+            self._evictable_if(node, self.faults.transient(node, int(entry.get("detected_step")
+                                                                     or entry.get("step") or 0)))
+
+    def _evictable_if(self, node: int, why: str | None) -> None:
         if why is not None:
             self._evictable[node] = why
-        return placed
 
     def prepare(self, remedy: Remedy | None, attempt: int) -> list[Entry]:
         """A fault the rules traced to the data (the same batch twice: skipped) was not the

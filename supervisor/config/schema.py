@@ -260,8 +260,10 @@ class NodesConfig(DashedSection):
     lost leader elect another (docs/multinode.md, "Who leads")."""
     evict_after: int = Field(2, ge=0)
     """Machine faults traced to one node (a hardware-class crash, a rank's SIGSEGV, SIGBUS or
-    SIGILL) after which the next attempt runs without that node, when ``launch.nnodes`` allows
-    the nodes left; it goes on ``RUN_DIR/exclude_hosts`` too. 0: never evict."""
+    SIGILL, a spike its rerun did not reproduce whose first moving rank is there) after which
+    the next attempt runs without that node, when ``launch.nnodes`` allows the nodes left; it
+    goes on ``RUN_DIR/exclude_hosts`` too. A silent data corruption the SDC vote places on one
+    node's ranks evicts it at once. 0: never evict."""
     spares: int = Field(0, ge=0)
     """Hot spares: babysitters beyond the job's size (the MAX of ``launch.nnodes``), at node
     ranks MAX to MAX+spares-1. They join the leader and wait, running nothing; when a node is

@@ -40,6 +40,8 @@ class Judge:
     def finding(self, finding: Finding, attempt: int) -> Remedy:
         # Wall-clock time: the rules' cooldowns and budget windows span hours and must survive
         # a supervisor restart, even across a reboot (the monotonic clock restarts at boot).
+        # Which node and host its ranks are on; a machine's fault counts against that node.
+        finding = self.members.locate(finding)
         shelf = self.members.shelf(finding, self.recovery.shelf())
         remedy = self.members.shape_remedy(self.watch.judge(finding, time.time(), shelf))
         self.incident_dir = None
@@ -64,4 +66,4 @@ class Judge:
         if end.code == 0:
             return sm.Exited(0)
         crash = self.watch.classify_crash(end.code, end.tails, step, end.root, end.exits)
-        return sm.Exited(end.code, self.finding(self.members.locate(crash), attempt))
+        return sm.Exited(end.code, self.finding(crash, attempt))

@@ -41,6 +41,7 @@ from babysit.supervisor.run.cadence_live import LiveCadence
 from babysit.supervisor.run.console import Console
 from babysit.supervisor.run.judge import Judge
 from babysit.supervisor.run.members import (
+    HEARS,
     Fenced,
     Gathered,
     LocalMembers,
@@ -162,6 +163,7 @@ class Supervisor:
         journal.listen(self.cadence.hear, LiveCadence.EVENTS)
         journal.listen(self.progress.hear, ("finding",))
         journal.listen(self.preemption.hear, preemption.Preemption.EVENTS)
+        journal.listen(self.members.hear, HEARS)
         steps.listen(lambda record, row: self.progress.observe(record))
         steps.listen(lambda record, row: self.cadence.observe_step(record))
         steps.listen(self.services.observe_step)

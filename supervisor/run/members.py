@@ -11,7 +11,7 @@ the attempt's end. So one loop serves both, and a test can drive it with members
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -104,6 +104,11 @@ class Fenced(MembersMissing):
     follower (``exit_codes.REQUEUE``)."""
 
 
+HEARS = ("rerun",)
+"""The journal entries the members hear (``Members.hear``): a rerun's verdict, whose ranks a
+multi-node leader places on their nodes."""
+
+
 class Members(Protocol):
     """The loop's view of the processes that train. Calls come from the loop's one thread."""
 
@@ -154,6 +159,9 @@ class Members(Protocol):
 
     def locate(self, finding: Finding) -> Finding:
         """``finding``, saying which node and host its rank is on where that matters."""
+
+    def hear(self, entry: Mapping[str, Any]) -> None:
+        """A journal entry of one of the kinds in ``HEARS`` (the loop's journal listener)."""
 
     def pids(self) -> list[int]:
         """This node's processes of the attempt (torchrun and its ranks)."""
@@ -207,6 +215,9 @@ class OnThisNode:
 
     def pids(self) -> list[int]:
         return self.workers.pids()
+
+    def hear(self, entry: Mapping[str, Any]) -> None:
+        pass  # one node: nothing to place the journal's verdicts on
 
     def rank_pids(self) -> tuple[int, ...]:
         return tuple(self.workers.rank_pids.values())

@@ -56,7 +56,8 @@ class Nodes:
     """The babysitters of one multi-node run, started as separate processes."""
 
     def __init__(self, tmp_path: Path, *args: str, nnodes: str = "2", nodes: str = "",
-                 steps: int = 40, net: Network | None = None, nproc: int = 2) -> None:
+                 steps: int = 40, net: Network | None = None, nproc: int = 2,
+                 extra: str = "") -> None:
         """``net``: each node in its own network namespace, with its own address; the config
         then names only the rendezvous endpoint, on node 0's address, as a user's would."""
         self.tmp_path = tmp_path
@@ -73,7 +74,7 @@ class Nodes:
             f"checkpoints: {{every_steps: 5, probation_steps: 5, async_save: false}}\n"
             f"policy: {{name: {FAST_POLICY}}}\n"
             f"nodes: {{{leader}heartbeat_s: 0.5, lost_after_s: 3,"
-            f" settle_s: 2, join_timeout_s: 60{nodes}}}\n")
+            f" settle_s: 2, join_timeout_s: 60{nodes}}}\n{extra}")
         self.procs: dict[int, subprocess.Popen[str]] = {}
         _RUNS.append(self)
 
@@ -460,3 +461,24 @@ def test_a_hot_spare_takes_the_lost_leaders_place_and_the_job_keeps_its_size(
     spared = _final_eval(run.journal(), steps)
     assert spared == pytest.approx(clean, rel=0.01), (spared, clean)  # bit-exact, on CPU
     assert elected["term"] == 1
+
+
+def test_a_silent_data_corruption_on_one_nodes_rank_evicts_that_node(tmp_path: Path) -> None:
+    """Rank 2 (node 1) gets a flipped weight bit after step 12. The SDC vote at step 15 names
+    it (3 ranks against 1): node 1's machine is not to be trusted, so the rollback's relaunch
+    runs without it, as `--nnodes 1:2` allows; its babysitter exits 75 for the scheduler."""
+    run = Nodes(tmp_path, "--corrupt", "2:12", nnodes="1:2", steps=40,
+                extra="sdc: {every_steps: 5}\n")
+    run.start(0), run.start(1)
+    codes = run.wait()
+    assert codes == {0: 0, 1: 75}, run.logs()
+    [finding] = [e["finding"] for e in run.events("finding")
+                 if e["finding"]["incident"] == "sdc"]
+    assert finding["ranks"] == [2] and finding["evidence"]["node"] == 1
+    [evicted] = run.events("node_evicted")
+    assert evicted["node"] == 1 and evicted["why"] == \
+        "silent data corruption at step 15 on its rank(s)"
+    assert [e["nodes"] for e in run.events("launch")] == [[0, 1], [0]]
+    assert run.events("launch")[-1]["directive"]["resume"]["step"] <= 10  # before the flip
+    assert (run.run_dir / "exclude_hosts").read_text().split() == [evicted["host"]]
+    assert run.events("run_finished")[-1]["state"] == "succeeded"

@@ -57,3 +57,30 @@ def test_a_fault_that_followed_the_data_is_forgiven() -> None:
     assert not faults.forgive(1, crash(1, 12, **{"class": "user_code"}))  # never counted
     # Counting starts again from nothing: one more machine fault does not evict.
     assert faults.add(crash(1, 30, **SEGV)) is None
+
+
+def sdc(node: int, step: int, rules: list[str]) -> Finding:
+    return Finding(incident=Incident.SDC, detector="sdc", severity=Severity.CRITICAL, step=step,
+                   onset_step=step - 4, message="m", ranks=(3,),
+                   evidence={"node": node, "rules": rules, "check_step": step})
+
+
+def test_a_corruption_the_vote_placed_on_a_node_makes_it_evictable_at_once() -> None:
+    faults = NodeFaults(evict_after=2)
+    assert machine_fault(sdc(1, 20, ["majority"])) == "silent data corruption"
+    assert faults.add(sdc(1, 20, ["majority"])) == \
+        "silent data corruption at step 20 on its rank(s)"
+    # Two ranks that disagree with no majority: nobody can tell whose bits are wrong.
+    assert machine_fault(sdc(2, 20, ["no_majority"])) is None
+    assert faults.add(sdc(2, 20, ["no_majority"])) is None and 2 not in faults.seen
+    assert NodeFaults(evict_after=0).add(sdc(1, 20, ["majority"])) is None
+
+
+def test_transient_faults_on_the_same_node_count_like_crashes() -> None:
+    # A spike the rerun did not reproduce, first seen on a rank of node 1, twice.
+    faults = NodeFaults(evict_after=2)
+    assert faults.transient(1, 40) is None
+    assert faults.transient(2, 50) is None
+    assert faults.transient(1, 90) == \
+        "2 machine faults on it: transient fault at step 40, transient fault at step 90"
+    assert NodeFaults(evict_after=0).transient(1, 40) is None

@@ -1045,3 +1045,32 @@ def test_a_native_crash_that_followed_the_data_does_not_make_its_node_evictable(
     data = dataclasses.replace(placed[1], evidence={**placed[1].evidence, "follows": "data"})
     members.prepare(Remedy(Action.ROLLBACK, data, "same crash twice -> the data's"), 1)
     assert not members._evictable and members.faults.seen[1] == []
+
+
+def test_an_sdc_on_one_nodes_rank_and_transient_spikes_make_their_nodes_evictable(
+        members: ClusterMembers) -> None:
+    """The SDC vote names rank 2 (node 1): node 1 is evictable at once. A vote that named
+    ranks on two nodes places the finding on neither. Two reruns that did not reproduce their
+    spikes, rank 3 (node 2) moving first both times, make node 2 evictable."""
+    join(members, Said())
+    members.launch(0, Directive(), time.monotonic())
+    members.cluster.rank_node.update({0: 0, 1: 0, 2: 1, 3: 2})
+
+    def sdc(*ranks: int) -> Finding:
+        return Finding(incident=Incident.SDC, detector="sdc", severity=Severity.CRITICAL,
+                       step=20, onset_step=16, message="sdc", ranks=ranks,
+                       evidence={"rules": ["majority"]})
+
+    both = members.locate(sdc(2, 3))
+    assert "node" not in both.evidence and not members._evictable
+    placed = members.locate(sdc(2))
+    assert placed.evidence["node"] == 1 and "[node 1, host" in placed.message
+    assert members._evictable == {1: "silent data corruption at step 20 on its rank(s)"}
+
+    for step in (40, 90):
+        members.hear({"event": "rerun", "verdict": "transient", "detected_step": step,
+                      "moved_first": [3]})
+    members.hear({"event": "rerun", "verdict": "reproduced", "detected_step": 95,
+                  "moved_first": [3]})  # the data's: not the machine's
+    assert members._evictable[2] == ("2 machine faults on it: transient fault at step 40, "
+                                     "transient fault at step 90")

@@ -12,7 +12,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,9 @@ class ScriptedMembers:
 
     def locate(self, finding: Finding) -> Finding:
         return finding
+
+    def hear(self, entry: Mapping[str, Any]) -> None:
+        pass
 
     def shelf(self, finding: Finding, catalog: Shelf) -> Shelf | None:
         return catalog
