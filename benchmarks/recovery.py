@@ -1,6 +1,7 @@
 """Hang -> first step of the next attempt: babysit's default policy beside NVIDIA's ft_launcher.
 
-    .venv/bin/python benchmarks/recovery.py [--repeats 3] [--cold] [--imports] [--no-nvrx]
+    .venv/bin/python benchmarks/recovery.py [--repeats 3] [--cold] [--no-ahead] [--imports]
+                                            [--no-nvrx]
                                             [--nvrx-venv PATH] [--device cuda]
                                             [--hang-step 20 300] [--ranks 2 16]
 
@@ -16,7 +17,9 @@ next one.
   steps), by promoting the warm standby (``launch.warm_standby``, on by default: started 5 s
   after the first step, waiting in ``attach()``). The journal splits the time: suspicion,
   confirmation, stop, relaunch -> every rank attached (the checkpoint restored) -> first step.
-  ``--cold`` also runs babysit with ``warm_standby: false``, a column of its own, and
+  ``--cold`` also runs babysit with ``warm_standby: false`` (torchrun started ahead,
+  ``launch.torchrun_ahead``: the default), a column of its own, ``--no-ahead`` with
+  ``warm_standby: false`` and ``torchrun_ahead: false`` (torchrun started anew), and
   ``--imports`` with ``warm_standby: imports`` (the standby waits before the script, with torch
   imported: what ``auto`` picks on GPUs).
 - NVRx: ``ft_launcher`` from ``nvidia-resiliency-ext==0.4.1`` with a hand-set 5 s rank
@@ -92,15 +95,16 @@ def gap(log: Path) -> float:
 
 
 def babysit_run(workdir: Path, job: list[str], standby: str = "true",
-                ranks: int = 2) -> dict[str, float]:
-    """One babysit run with ``launch.warm_standby: <standby>`` (true, false or imports)."""
+                ranks: int = 2, ahead: bool = True) -> dict[str, float]:
+    """One babysit run with ``launch.warm_standby: <standby>`` (true, false or imports) and
+    ``launch.torchrun_ahead: <ahead>``."""
     warm = standby != "false"
     log = workdir / "steps.log"
     config = workdir / "run.yaml"
     config.write_text(
         f"launch:\n  script: {WORKER}\n  nproc-per-node: {ranks}\n"
         f"  args: {json.dumps([*job, '--step-log', str(log)])}\n"
-        f"  warm_standby: {standby}\n"
+        f"  warm_standby: {standby}\n  torchrun_ahead: {str(ahead).lower()}\n"
         f"run_dir: {workdir / 'run'}\n"
         f"checkpoints: {{every_steps: 10, probation_steps: 5}}\n")
     with open(workdir / "babysit.out", "w+") as out:
@@ -129,6 +133,8 @@ def babysit_run(workdir: Path, job: list[str], standby: str = "true",
         "hang -> first step of the next attempt": gap(log),
         # A hang before the standby is ready is relaunched cold even with the standby on.
         "  next attempt from the warm standby (1 = yes)": float(promoted),
+        "  next attempt's torchrun started ahead (1 = yes)": float(bool(launch.get(
+            "torchrun_ahead"))),
         "  last step -> stall suspected": suspected - last,
         "  confirmation (CPU window, stacks)": diagnosis["seconds"],
         "  stop workers": first("workers_stopped", 0)["time"] - confirmed,
@@ -226,6 +232,9 @@ def main() -> None:
     parser.add_argument("--no-nvrx", action="store_true", help="babysit's side only")
     parser.add_argument("--cold", action="store_true",
                         help="also run babysit with launch.warm_standby: false")
+    parser.add_argument("--no-ahead", action="store_true",
+                        help="also run babysit with warm_standby: false and "
+                             "launch.torchrun_ahead: false (torchrun started anew)")
     parser.add_argument("--imports", action="store_true",
                         help="also run babysit with launch.warm_standby: imports")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -244,8 +253,10 @@ def main() -> None:
         except (RuntimeError, OSError) as exc:
             nvrx_error = str(exc)
     # babysit's columns: warm_standby's value -> its runs.
-    columns = {"babysit": "true", **({"imports": "imports"} if args.imports else {}),
-               **({"cold": "false"} if args.cold else {})}
+    columns = {"babysit": ("true", True), **({"imports": ("imports", True)} if args.imports
+                                             else {}),
+               **({"cold": ("false", True)} if args.cold else {}),
+               **({"no ahead": ("false", False)} if args.no_ahead else {})}
     summary: list[tuple[int, int, dict[str, float | None]]] = []
     for ranks in args.ranks:
         for hang_step in args.hang_step:
@@ -270,7 +281,8 @@ def main() -> None:
         print(f"\nNVRx was not measured: {nvrx_error}")
 
 
-def case(args: argparse.Namespace, columns: dict[str, str], ranks: int, hang_step: int,
+def case(args: argparse.Namespace, columns: dict[str, tuple[str, bool]], ranks: int,
+         hang_step: int,
          python: Path | None, nvrx_error: str | None
          ) -> tuple[dict[str, float | None], str | None]:
     """One job size and hang step: every column ``args.repeats`` times, interleaved; prints its
@@ -283,9 +295,10 @@ def case(args: argparse.Namespace, columns: dict[str, str], ranks: int, hang_ste
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in columns}
     theirs: list[dict[str, float]] = []
     for i in range(args.repeats):  # interleaved: the machine's load falls on all alike
-        for name, standby in columns.items():
-            with tempfile.TemporaryDirectory(prefix=f"babysit-bench-{name}-") as tmp:
-                runs[name].append(babysit_run(Path(tmp), work, standby, ranks))
+        for name, (standby, ahead) in columns.items():
+            with tempfile.TemporaryDirectory(prefix=f"babysit-bench-{name.replace(' ', '-')}-"
+                                             ) as tmp:
+                runs[name].append(babysit_run(Path(tmp), work, standby, ranks, ahead))
         if python is not None and nvrx_error is None:
             with tempfile.TemporaryDirectory(prefix="nvrx-bench-") as tmp:
                 try:
@@ -309,7 +322,8 @@ def case(args: argparse.Namespace, columns: dict[str, str], ranks: int, hang_ste
         ours = " ".join(column(runs[name], key) for name in columns)
         print(f"{key:48s} {ours} {column(theirs, key)} {ref}")
     print(f"\nbabysit: the default policy, nothing hand-set, warm standby on (imports: "
-          f"launch.warm_standby imports; cold: false). NVRx: ft_launcher with "
+          f"launch.warm_standby imports; cold: false, torchrun started ahead; no ahead: "
+          f"false, and launch.torchrun_ahead false). NVRx: ft_launcher with "
           f"rank_heartbeat_timeout={HEARTBEAT_S:g} s, workload_check_interval 1 s and "
           f"monitor-interval 0.3 s set by hand. torchrun: torch's default "
           f"gloo process-group timeout ({timeout:.0f} s), not waited for.", flush=True)

@@ -357,7 +357,7 @@ class Follower:
             attempt, directive, rdzv_endpoint=message.rdzv_endpoint, rdzv_id=message.rdzv_id,
             nnodes=str(message.nnodes), node_rank=message.node_rank, place=place))
         self._journal("launch", command=command, rdzv_endpoint=message.rdzv_endpoint,
-                      directive=directive.to_json())
+                      directive=directive.to_json(), torchrun_ahead=self.workers.launched_ahead)
 
     def _stop_workers(self, reason: str, replacing: bool = False) -> None:
         if self.workers.group is not None and self.workers.group.processes():

@@ -189,7 +189,8 @@ class ClusterMembers(OnThisNode):
                        f"{', '.join(self.cluster.describe(n) for n in nodes)}{waiting}")
         assert self.workers.group is not None
         return {"pid": self.workers.group.pid, "command": command, "rdzv_endpoint": endpoint,
-                "standby": False, "standby_off": self._standby_off, "nodes": nodes,
+                "standby": False, "standby_off": self._standby_off,
+                "torchrun_ahead": self.workers.launched_ahead, "nodes": nodes,
                 "hosts": {str(n): self.cluster.hosts.get(n, self.view.host) for n in nodes},
                 "spares": {str(n): self.cluster.hosts.get(n, "?") for n in spares}}
 

@@ -216,10 +216,11 @@ class WorkerGroup:
 
     def __init__(self, command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
                  lines: queue.Queue[OutputLine], role: str | None = None,
-                 siblings: set[int] | None = None) -> None:
+                 siblings: set[int] | None = None, fed: bool = False) -> None:
         """``siblings``: the launcher pids of this node's other live groups (a warm standby
         beside the running attempt), shared and kept current by the caller: babysit's children
-        too, but never this group's to reap (their own ``Popen`` must see their exit)."""
+        too, but never this group's to reap (their own ``Popen`` must see their exit).
+        ``fed``: its standard input is a pipe, for ``feed`` (a torchrun started ahead)."""
         self.command = command
         self.siblings = siblings if siblings is not None else set()
         self._lines_lock = threading.Lock()
@@ -231,6 +232,7 @@ class WorkerGroup:
         self._proc: subprocess.Popen[bytes] | None = None
         self._reader: threading.Thread | None = None
         self._known: dict[int, psutil.Process] = {}
+        self._fed = fed
         self.dropped_lines = 0
 
     @property
@@ -239,7 +241,8 @@ class WorkerGroup:
 
     def start(self) -> None:
         self._proc = subprocess.Popen(
-            self.command, env=self._env, cwd=self._cwd, stdin=subprocess.DEVNULL,
+            self.command, env=self._env, cwd=self._cwd,
+            stdin=subprocess.PIPE if self._fed else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )
         self._reader = threading.Thread(target=self._pump, name="babysit-output", daemon=True)
@@ -257,6 +260,19 @@ class WorkerGroup:
                         self._lines.put_nowait(line)
                     except queue.Full:
                         self.dropped_lines += 1
+
+    def feed(self, data: bytes, command: list[str], env: dict[str, str]) -> bool:
+        """Write ``data`` to the process's standard input and close it; from now on the group
+        is ``command`` run with ``env`` (what it became: ``node.ahead``). False when the
+        process is gone (nothing became of it)."""
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(data)
+            self._proc.stdin.close()
+        except (BrokenPipeError, ValueError):
+            return False
+        self.command, self._env = command, env
+        return True
 
     def redirect(self, lines: queue.Queue[OutputLine]) -> None:
         """Send output to ``lines`` from now on, after what was queued so far (a standby's

@@ -159,6 +159,8 @@ class OwnNode(Generic[Out]):
         self._drain(now, out)
         if not (watching and self.running):
             return out
+        if out.newest is not None:  # stepping: its own start-up no longer needs the CPU
+            self.workers.keep_ahead(self.attempt + 1)
         code = self.workers.poll()
         if code is not None:
             self._end(now, out, self._exit(code))

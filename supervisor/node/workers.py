@@ -22,7 +22,7 @@ from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract import protocol
 from babysit.supervisor.contract.control import ControlFile
 from babysit.supervisor.contract.directive import Directive
-from babysit.supervisor.node import flight_recorder, launcher, standby, teardown
+from babysit.supervisor.node import ahead, flight_recorder, launcher, standby, teardown
 from babysit.supervisor.node.intake import Intake
 from babysit.supervisor.node.printed import Entry, PrintedProgress, rank_pids
 
@@ -57,6 +57,16 @@ class NodeWorkers:
         """Journal entries about the standby, for the caller to take."""
         self._launchers: set[int] = set()
         """The torchrun pids of the running attempt and the standby (``WorkerGroup.siblings``)."""
+        self.ahead: tuple[int, launcher.WorkerGroup] | None = None
+        """The next attempt's torchrun, started ahead (``node.ahead``), and that attempt."""
+        self.launched_ahead = False
+        """The running attempt's torchrun was started ahead."""
+        self._ahead_failed = False
+        """One started ahead exited on its own: this run starts none again."""
+        launch = plan.config.launch
+        self._ahead_on = launch.torchrun_ahead and \
+            standby.off_reason(launch, standby.gpus_visible(launch)) is not None
+        """torchrun is started ahead where no warm standby can serve a relaunch."""
 
     def open(self) -> None:
         self.intake.open()
@@ -87,6 +97,7 @@ class NodeWorkers:
         if self.group is not None and self.group.processes():
             self.group.stop(self.plan.config.launch.stop_grace_s)
         self.drop_standby("the run ended")
+        self._drop_ahead("the run ended")
         self.intake.close()
 
     def attempt_dir(self, attempt: int) -> Path:
@@ -119,8 +130,73 @@ class NodeWorkers:
             launch, self.plan.script, python=self.plan.python, rdzv_id=rdzv_id,
             rdzv_endpoint=rdzv_endpoint, log_dir=attempt_dir / "torchrun")
         self._new_attempt()
-        self.group = self._group(command, attempt_dir, attempt, self.lines, extra_env)
+        env = {**self._env(attempt_dir, attempt), **extra_env}
+        self.group = self._from_ahead(attempt, command, env)
+        self.launched_ahead = self.group is not None
+        if self.group is None:
+            self.group = self._group(command, attempt_dir, attempt, self.lines, env)
         return command
+
+    # -- torchrun started ahead (node.ahead) ---------------------------------------------------
+
+    def keep_ahead(self, attempt: int) -> None:
+        """Start attempt ``attempt``'s torchrun ahead, unless one is up for it already, it is
+        off (``launch.torchrun_ahead``), or a warm standby serves this run's relaunches.
+        Journal (``ahead_exited``) and forget one that ended on its own."""
+        if self.ahead is not None and self.ahead[1].poll() is not None:
+            self._drop_ahead("it exited on its own")
+        if not self._ahead_on or self._ahead_failed or \
+                (self.ahead is not None and self.ahead[0] == attempt):
+            return
+        self._drop_ahead(f"it was for attempt {self.ahead[0]}" if self.ahead else "")
+        attempt_dir = self.attempt_dir(attempt)
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        group = launcher.WorkerGroup(
+            ahead.command(self.plan.python), self._env(attempt_dir, attempt), Path.cwd(),
+            attempt_dir / "launcher.log", queue.Queue(maxsize=10_000),
+            self.plan.config.launch.role, siblings=self._launchers, fed=True)
+        group.start()
+        assert group.pid is not None
+        self._launchers.add(group.pid)
+        self.ahead = (attempt, group)
+
+    def _from_ahead(self, attempt: int, command: list[str], env: dict[str, str]
+                    ) -> launcher.WorkerGroup | None:
+        """The torchrun started ahead for ``attempt``, now running ``command``; None (and any
+        other stopped) when there is none fit for it."""
+        if self.ahead is None:
+            return None
+        if self.ahead[0] != attempt or self.ahead[1].poll() is not None:
+            self._drop_ahead(f"it was for attempt {self.ahead[0]}"
+                             if self.ahead[1].poll() is None else "it exited on its own")
+            return None
+        order = ahead.Order.of(command, env, str(Path.cwd()))
+        _, group = self.ahead
+        self.ahead = None
+        if order is None or not group.feed(order.encode(), command, env):
+            self._discard_group(group)
+            return None
+        group.redirect(self.lines)
+        return group
+
+    def _drop_ahead(self, reason: str) -> None:
+        if self.ahead is None:
+            return
+        attempt, group = self.ahead
+        self.ahead = None
+        exited = group.poll()
+        if exited is not None and reason == "it exited on its own":
+            # Not babysit's interpreter, or no babysit in it (launch.python): never again.
+            self._ahead_failed = True
+            self.standby_entries.append(("ahead_exited", {
+                "for_attempt": attempt, "exit_code": exited,
+                "tail": launcher.tail(group.log_path, 4096)}))
+        self._discard_group(group)
+
+    def _discard_group(self, group: launcher.WorkerGroup) -> None:
+        group.stop(standby.STOP_GRACE_S)
+        if group.pid is not None:
+            self._launchers.discard(group.pid)
 
     def _new_attempt(self) -> None:
         # Anything still queued belongs to the attempt being replaced.
@@ -135,9 +211,8 @@ class NodeWorkers:
 
     def _group(self, command: list[str], attempt_dir: Path, attempt: int,
                lines: queue.Queue[launcher.OutputLine],
-               extra_env: dict[str, str] | None = None) -> launcher.WorkerGroup:
-        group = launcher.WorkerGroup(command, {**self._env(attempt_dir, attempt),
-                                               **(extra_env or {})},
+               env: dict[str, str] | None = None) -> launcher.WorkerGroup:
+        group = launcher.WorkerGroup(command, env or self._env(attempt_dir, attempt),
                                      Path.cwd(), attempt_dir / "launcher.log", lines,
                                      self.plan.config.launch.role, siblings=self._launchers)
         group.start()
@@ -160,7 +235,7 @@ class NodeWorkers:
             rdzv_id=rdzv_id, rdzv_endpoint=rdzv_endpoint, log_dir=attempt_dir / "torchrun",
             prewarm=kind == "imports")
         group = self._group(command, attempt_dir, attempt, queue.Queue(maxsize=10_000),
-                            standby.environment(folder))
+                            {**self._env(attempt_dir, attempt), **standby.environment(folder)})
         self.standby = standby.Standby(attempt, group, folder, rdzv_endpoint, kind,
                                        at_stall=at_stall)
         self.standby_entries.append(("standby_started", {

@@ -276,8 +276,10 @@ class LocalMembers(OnThisNode):
             fields.update(standby=False, rdzv_endpoint=endpoint)
             if self.standby.off is not None:  # why no relaunch of this run is warm
                 fields["standby_off"] = self.standby.off
-            return self.workers.launch(attempt, directive, rdzv_endpoint=endpoint,
-                                       rdzv_id=self._rdzv_id(attempt))
+            command = self.workers.launch(attempt, directive, rdzv_endpoint=endpoint,
+                                          rdzv_id=self._rdzv_id(attempt))
+            fields["torchrun_ahead"] = self.workers.launched_ahead
+            return command
 
         command = self.node.launch(attempt, directive, now, start)
         # A rerun that reproduces ends in the skip's relaunch within seconds: warm it too.

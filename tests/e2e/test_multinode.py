@@ -164,6 +164,8 @@ def test_a_spike_on_one_nodes_rank_rolls_back_every_node_alike(tmp_path: Path) -
     assert any(s["start"] <= 20 <= s["end"] for s in directive["skip"])
     assert leader[0]["nodes"] == [0, 1]
     assert leader[0]["standby_off"].startswith("multi-node runs relaunch cold")
+    # ...but each node's torchrun was started ahead, once the attempt before made a step.
+    assert leader[0]["torchrun_ahead"] and follower[0]["torchrun_ahead"]
     assert leader[0]["rdzv_endpoint"] == follower[0]["rdzv_endpoint"]
     # The follower's own journal says what it did, the leader's is the run's record.
     assert run.events("follower_finished", node=1)[0]["exit_code"] == 0

@@ -201,12 +201,18 @@ def test_a_crash_relaunches_through_the_warm_standby(tmp_path: Path) -> None:
     final = max(m["time"] for m in read_jsonl(run_dir / "metrics.jsonl"))
     (ended,) = [e for e in journal(run_dir, "state") if e["new"] == "succeeded"]
     assert final <= stopped["time"] <= ended["time"]
-    leftovers = []  # nothing of the run outlives it (tests/e2e/test_standby.py: an unpromoted one)
+    # Nothing of the run outlives it (tests/e2e/test_standby.py: an unpromoted one).
+    assert leftovers(run_dir) == []
+
+
+def leftovers(run_dir: Path) -> list[list[str]]:
+    """The command lines of live processes started for ``run_dir``'s attempts."""
+    found = []
     for proc in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
             if proc.environ().get("BABYSIT_RUN_DIR") == str(run_dir):
-                leftovers.append(proc.cmdline())
-    assert leftovers == []
+                found.append(proc.cmdline())
+    return found
 
 
 def test_straggler_is_named_and_alerted(tmp_path: Path) -> None:
@@ -226,6 +232,8 @@ def test_straggler_is_named_and_alerted(tmp_path: Path) -> None:
     assert set(acted) <= {"crash"}, acted
     assert len(journal(run_dir, "launch")) == 1 + len(acted)
     assert "rank 1" in result.stdout
+    # No standby: the next attempt's torchrun was started ahead, and stopped with the run.
+    assert leftovers(run_dir) == []
 
 
 def test_bring_your_own_checkpoint_is_registered_and_resumed(tmp_path: Path) -> None:

@@ -20,10 +20,11 @@ pytestmark = pytest.mark.e2e
 
 
 STANDBY_SCRIPT = """\
-import os, sys
+import os, sys, time
 from babysit import attach
 if os.environ["BABYSIT_ATTEMPT"] == "2":
     sys.exit("cannot import the model code")  # only this standby: it fails on its own
+time.sleep(2)  # a model build: still starting when the test pauses it, whatever the disk cache
 run = attach()
 print("attempt", run.directive.attempt, "skips", [r.start for r in run.directive.skip])
 run.close()
@@ -154,3 +155,59 @@ def _of_run(proc: psutil.Process, run_dir: Path) -> bool:
         return proc.environ().get("BABYSIT_RUN_DIR") == str(run_dir)
     except psutil.Error:
         return False
+
+
+AHEAD_SCRIPT = """\
+import os
+print("attempt", os.environ["BABYSIT_ATTEMPT"], "run dir", os.environ["BABYSIT_RUN_DIR"],
+      "in", os.getcwd(), "world", os.environ["WORLD_SIZE"], flush=True)
+"""
+
+
+def test_torchrun_started_ahead_becomes_the_next_attempt_and_is_stopped_with_the_run(
+        tmp_path: Path) -> None:
+    """Real torchrun started ahead (``node.ahead``, the standby off): attempt 1's launch feeds
+    it the command line and environment, and it runs the attempt as a fresh torchrun would;
+    the one started for attempt 2 is stopped when the run ends; one that cannot start (no
+    babysit in ``launch.python``) is journaled once and never tried again."""
+    workers = open_workers(tmp_path, AHEAD_SCRIPT, ", warm_standby: false")
+    try:
+        workers.keep_ahead(1)
+        assert workers.ahead is not None
+        waiting = workers.ahead[1]
+        wait_for(lambda: any("torch" in m.path for p in waiting.processes()
+                             for m in p.memory_maps()), timeout_s=30)  # torch imported
+        workers.keep_ahead(1)  # already up for attempt 1: nothing new
+        assert workers.ahead is not None and workers.ahead[1] is waiting
+        workers.launch(1, Directive(attempt=1), rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                       rdzv_id="t-1")
+        assert workers.launched_ahead and workers.group is waiting and workers.ahead is None
+        wait_for(lambda: workers.poll() is not None)
+        assert workers.poll() == 0
+        printed = [line for line in workers.output() if "attempt" in line]
+        assert printed == [f"[r0] attempt 1 run dir {tmp_path / 'run'} in {Path.cwd()} world 1"]
+        assert "--nproc-per-node" in " ".join(waiting.command)  # the journal's command line
+
+        workers.keep_ahead(2)
+        assert workers.ahead is not None
+        pid = workers.ahead[1].pid
+    finally:
+        workers.close()
+    assert pid is not None and not psutil.pid_exists(pid)
+
+
+def test_torchrun_ahead_that_cannot_start_is_said_once_and_never_tried_again(
+        tmp_path: Path) -> None:
+    workers = open_workers(tmp_path, AHEAD_SCRIPT, ", warm_standby: false, python: /bin/false")
+    try:
+        workers.keep_ahead(1)
+        assert workers.ahead is not None
+        wait_for(lambda: workers.ahead is not None and workers.ahead[1].poll() is not None)
+        workers.keep_ahead(1)
+        assert workers.ahead is None
+        [(event, fields)] = workers.take_standby_entries()
+        assert event == "ahead_exited" and fields["for_attempt"] == 1
+        workers.keep_ahead(2)
+        assert workers.ahead is None  # not again in this run
+    finally:
+        workers.close()
