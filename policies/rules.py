@@ -19,7 +19,8 @@
    the anomaly back on the rerun is the data's and gets the skip and the cut without climbing
    the ladder again (nor being charged to the budget: it ends the same intervention);
 5. budget: a disruptive remedy (rollback, relaunch) that would exceed ``max_interventions`` in
-   ``window_s`` becomes STOP.
+   ``window_s`` becomes STOP; a relaunch that grows a multi-node job back (``node_joined``) is
+   not charged.
 
 ``Rules(policy).judge(finding, now, known) -> (Remedy, Plan | None)`` does the same and also
 returns the rollback's whole plan (skip range and LR orders placed with ``known``'s cursors
@@ -85,8 +86,8 @@ class Rules:
         if plan is not None and plan.region is not None:
             # Remembered even when the budget stops the run instead: the region did spike.
             self._rollbacks.append(plan.region)
-        if not reproduced:
-            remedy = self._charge(remedy, now)
+        if not reproduced and finding.incident is not Incident.NODE_JOINED:
+            remedy = self._charge(remedy, now)  # (growing the job back is no fault's remedy)
         return remedy, plan if remedy.action is Action.ROLLBACK else None
 
     # -- ladders ----------------------------------------------------------------------------

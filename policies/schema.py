@@ -125,6 +125,12 @@ class Incidents(Section):
     """A node's babysitter vanished (multi-node runs): relaunch from the newest good checkpoint
     on the nodes left when ``launch.nnodes`` (MIN:MAX) allows that few, else wait for the lost
     node to rejoin (``nodes.rejoin_timeout_s``), paging a human; stop to never relaunch."""
+    node_joined: Response = _ladder(A.RELAUNCH, act_on="warning")
+    """A node joined a multi-node run that runs on fewer nodes than ``launch.nnodes`` allows
+    (a lost node back, a new one): once the attempt has saved its next checkpoint, relaunch
+    from it on every node present, so the job grows back (the relaunch costs a cold start and
+    the steps since that checkpoint; it is not charged to the budget). ``alert`` (or
+    ``ignore``) keeps the job at its size until the next relaunch for another reason."""
     resume: Response = _ladder(A.ROLLBACK, A.STOP)
     """A resume that did not take (a rank's parameters at its first step are not the ones it
     restored, or the first steps' loss is far above the one recorded at the checkpoint): roll
@@ -134,7 +140,7 @@ class Incidents(Section):
     @model_validator(mode="after")
     def _skip_only_for_grad(self) -> Incidents:
         for name in ("loss_spike", "nonfinite", "hang", "straggler", "throughput",
-                     "rank_departure", "sdc", "node_lost", "resume"):
+                     "rank_departure", "sdc", "node_lost", "node_joined", "resume"):
             if Action.SKIP_STEP in getattr(self, name).ladder:
                 raise ValueError(
                     f"incidents.{name}.ladder: skip_step only makes sense for grad_spike (the "

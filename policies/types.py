@@ -195,6 +195,9 @@ class Incident(str, enum.Enum):
     fixed probe) disagree."""
     NODE_LOST = "node_lost"
     """A node of a multi-node run vanished: its babysitter's connection closed or fell silent."""
+    NODE_JOINED = "node_joined"
+    """A node joined (or came back to) a multi-node run that runs on fewer nodes than it may:
+    the job can grow back. Not trouble: an opportunity, taken at a checkpoint."""
     RESUME = "resume"
     """A resume that did not take: a rank's parameters at its first step are not the ones its
     checkpoint restored (weights loaded over them after ``attach()``)."""

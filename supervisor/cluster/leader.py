@@ -110,6 +110,8 @@ class ClusterMembers(OnThisNode):
         self.faults = NodeFaults(plan.config.nodes.evict_after)
         self._evictable: dict[int, str] = {}
         """Nodes the machine faults traced to them made evictable, not yet evicted."""
+        self._grown = -1
+        """The attempt whose growth was asked for (``_grow_at``): once per attempt."""
         self._flops_per_token: float | None = None
         self._peak_flops: float | None = None
 
@@ -417,7 +419,29 @@ class ClusterMembers(OnThisNode):
             event.data.setdefault("node", node)
             if event.rank == 0:
                 self._flops_per_token, self._peak_flops = mfu_inputs(event.data)
+        elif event.type == "checkpoint" and isinstance(event.data.get("step"), int):
+            self._grow_at(event.data["step"], out)
         out.events.append(event)
+
+    def _grow_at(self, step: int, out: Gathered) -> None:
+        """The running attempt saved a checkpoint at ``step``: if it runs on fewer nodes than
+        it may and others wait (a lost node back, a new one), the finding that grows the job
+        back from that checkpoint (``incidents.node_joined``), once per attempt."""
+        running = self.cluster.attempt.nodes
+        taking, _ = self.cluster.chosen()
+        if self._grown == self._attempt or len(taking) <= len(running):
+            return
+        self._grown = self._attempt
+        joining = [n for n in taking if n not in running]
+        names = ", ".join(self.cluster.describe(n) for n in joining)
+        out.findings.append(Finding(
+            incident=Incident.NODE_JOINED, detector="cluster", severity=Severity.WARNING,
+            step=step, onset_step=step,
+            message=f"{names} can take part: the job runs on {len(running)} of up to "
+                    f"{self.cluster.high} nodes; grow back to {len(taking)} from the checkpoint "
+                    f"of step {step}",
+            evidence={"joining": joining, "nodes": running, "grow_to": taking,
+                      "checkpoint_step": step}))
 
     def _node_lost(self, node: int, why: str, out: Gathered, watching: bool) -> None:
         out.entries.append(("node_lost", {"node": node, "host": self.cluster.hosts.get(node),

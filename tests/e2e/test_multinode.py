@@ -190,33 +190,46 @@ def test_a_hang_on_one_node_is_named_with_its_host_and_rank(tmp_path: Path) -> N
     assert [e["attempt"] for e in run.events("launch", node=1)] == [0, 1]
 
 
-def test_an_fsdp2_job_that_loses_a_node_goes_on_resharded_when_nnodes_allows(
+def test_an_fsdp2_job_that_loses_a_node_goes_on_resharded_and_grows_back_when_it_returns(
         tmp_path: Path) -> None:
     """An FSDP2 (``fully_shard``) job on 3 nodes, one rank each: every rank holds a third of
     each layer. Node 2 is killed; `--nnodes 2:3` lets the relaunch go on with 2 ranks, which
-    load the 3-rank checkpoint resharded in halves (DCP), model and optimizer, and finish. The
-    final evaluation stays close to an uninterrupted 3-rank run's: the data after the loss is
-    another split (2 ranks' global batches), the same amount of it per step for each rank."""
-    steps = 60
+    load the 3-rank checkpoint resharded in halves (DCP), model and optimizer. Node 2 comes
+    back: at the 2-rank attempt's next checkpoint the job grows back to 3 (``node_joined``),
+    resharding again, and finishes. The final evaluation lies between an uninterrupted 3-rank
+    run's and a 2-rank run's: the data while it ran short was another split."""
+    steps = 100
     run = Nodes(tmp_path, "--fsdp", "--eval-every", "10", nnodes="2:3", steps=steps, nproc=1)
     for node in range(3):
         run.start(node)
     run.until("step 12", lambda: _step(run) >= 12)
     run.kill(2)
+    run.until("the relaunch on 2 nodes", lambda: len(run.events("launch")) >= 2)
+    run.start(2)  # the node's babysitter comes back (a rebooted host, a replaced pod)
     codes = run.wait()
-    assert codes[0] == 0 and codes[1] == 0, run.logs()
-    relaunch = run.events("launch")[-1]
-    assert relaunch["nodes"] == [0, 1] and relaunch["directive"]["resume"] is not None
-    resumed = relaunch["directive"]["resume"]["step"]
+    assert codes == {0: 0, 1: 0, 2: 0}, run.logs()
+    launches = run.events("launch")
+    assert [e["nodes"] for e in launches] == [[0, 1, 2], [0, 1], [0, 1, 2]], run.logs()
+    short, grown = launches[1], launches[2]
     worlds = {e["attempt"]: e["data"]["world_size"] for e in run.events("worker_hello")}
-    assert worlds == {0: 3, relaunch["attempt"]: 2}, worlds
-    saved = {e["attempt"] for e in run.events("checkpoint_saved") if e["step"] == resumed}
-    assert saved == {0} and relaunch["directive"]["reshard"]  # saved by 3 ranks, loaded by 2
+    assert worlds == {0: 3, short["attempt"]: 2, grown["attempt"]: 3}, worlds
+    # Each resume loaded what the other world size saved (DCP resharded it).
+    for launch, saved_by in ((short, 0), (grown, short["attempt"])):
+        step = launch["directive"]["resume"]["step"]
+        assert {e["attempt"] for e in run.events("checkpoint_saved")
+                if e["step"] == step} == {saved_by} and launch["directive"]["reshard"]
+    # Grown back from the short attempt's first checkpoint after node 2 joined, by the policy's
+    # node_joined ladder: a warning, not a fault.
+    [joined] = [e for e in run.events("finding") if e["finding"]["incident"] == "node_joined"]
+    assert joined["remedy"]["action"] == "relaunch"
+    assert joined["finding"]["evidence"]["joining"] == [2]
+    assert grown["directive"]["resume"]["step"] == joined["finding"]["evidence"][
+        "checkpoint_step"]
     assert run.events("run_finished")[-1]["state"] == "succeeded"
 
-    # The restore took on every rank (its first forward computed with the restored shards),
+    # Every restore took on every rank (its first forward computed with the restored shards),
     # and the resumed losses stayed where the checkpoint's were (no "restore did not take").
-    checks = [e["data"] for e in run.events("resume_check") if e["attempt"] == relaunch["attempt"]]
+    checks = [e["data"] for e in run.events("resume_check") if e["attempt"] > 0]
     assert checks and all(c["took"] for c in checks), checks
     assert not [e for e in run.events("finding") if e["finding"]["incident"] == "resume"]
     # The loss is told as the node's: a finding naming it, and babysit status reading the
@@ -226,14 +239,12 @@ def test_an_fsdp2_job_that_loses_a_node_goes_on_resharded_when_nnodes_allows(
                 if e["finding"]["incident"] == "node_lost"]
     assert findings and findings[0]["evidence"]["node"] == 2
     status = json.loads(run_babysit("status", "--json", str(run.run_dir), cwd=tmp_path).stdout)
-    assert sorted(status["nodes"]["nodes"]) == ["0", "1"]
-    assert status["nodes"]["attempt"] == relaunch["attempt"]
+    assert sorted(status["nodes"]["nodes"]) == ["0", "1", "2"]
+    assert status["nodes"]["attempt"] == grown["attempt"]
     assert [e["node"] for e in status["nodes"]["lost"]] == [2]
     node = json.loads(run_babysit("status", "--json", str(run.run_dir / "nodes" / "1"),
                                   cwd=tmp_path).stdout)
     assert node["record"] == str(run.run_dir) and node["exit_code"] == 0
-    # Its final evaluation lies between an uninterrupted 3-rank run's and a 2-rank run's: 10
-    # steps on 3 ranks, the rest on 2, from the resharded state.
     clean = {}
     for ranks in (3, 2):
         _, clean_dir = babysat(tmp_path, f"clean{ranks}", "--fsdp", "--steps", str(steps),

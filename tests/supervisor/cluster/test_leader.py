@@ -11,6 +11,7 @@ a real process, started and stopped, without torch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import socket
@@ -823,6 +824,14 @@ class Said:
 def members(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ClusterMembers]:
     """A two-node run's leader; its own torchrun is a shell script that sleeps (``launch.python``)
     so that a launch starts a real process, cheaply."""
+    with leading(tmp_path, monkeypatch, "2") as m:
+        yield m
+
+
+@contextlib.contextmanager
+def leading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nnodes: str
+            ) -> Iterator[ClusterMembers]:
+    """The ``members`` fixture's leader, for ``launch.nnodes`` ``nnodes``."""
     monkeypatch.setenv(SECRET_ENV, SECRET)
     fake = tmp_path / "fake-python"
     fake.write_text("#!/bin/sh\nexec sleep 60\n")
@@ -830,8 +839,8 @@ def members(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster
     script = tmp_path / "train.py"
     script.write_text("print('training')\n")
     plan = from_mapping({
-        "launch": {"script": str(script), "nproc_per_node": 2, "nnodes": "2",
-                   "python": str(fake), "stop_grace_s": 2.0},
+        "launch": {"script": str(script), "nproc_per_node": 2, "nnodes": nnodes,
+                   "python": str(fake), "stop_grace_s": 2.0, "torchrun_ahead": False},
         "nodes": {"leader": f"127.0.0.1:{free_port()}", "heartbeat_s": 0.2,
                   "lost_after_s": LOST_AFTER_S, "settle_s": SETTLE_S, "join_timeout_s": 10.0},
     }, "test", tmp_path, "t", run_dir=str(tmp_path / "run"))
@@ -1074,3 +1083,35 @@ def test_an_sdc_on_one_nodes_rank_and_transient_spikes_make_their_nodes_evictabl
                   "moved_first": [3]})  # the data's: not the machine's
     assert members._evictable[2] == ("2 machine faults on it: transient fault at step 40, "
                                      "transient fault at step 90")
+
+
+def test_a_node_back_while_the_job_runs_short_grows_it_back_at_the_next_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--nnodes 1:2`: node 1 is lost and the job goes on on node 0 alone; node 1 comes back.
+    The attempt's next checkpoint asks to grow back (``node_joined``, once per attempt); a
+    checkpoint while every node takes part asks nothing."""
+    with leading(tmp_path, monkeypatch, "1:2") as members:
+        said = Said()
+        peer = join(members, said)
+        members.launch(0, Directive(), time.monotonic())
+        out = Gathered()
+        members._rank_event(0, WorkerEvent(type="checkpoint", rank=0, time=0.0, data={"step": 5}), out)
+        assert out.findings == []  # every node takes part
+        peer.close()
+        gathered(members, lambda got: any(e == "node_lost" for e, _ in got.entries))
+        members.launch(1, Directive(attempt=1), time.monotonic())
+        assert members.cluster.attempt.nodes == [0]
+        back = connect(members.plan.leader_address, SECRET.encode(),
+                       {"node_rank": 1, "host": "gpu-1", "pid": 4002})
+        try:
+            gathered(members, lambda got: any(e == "node_joined" for e, _ in got.entries))
+            out = Gathered()
+            for step in (15, 20):  # a second checkpoint in the same attempt asks nothing more
+                members._rank_event(0, WorkerEvent(type="checkpoint", rank=0, time=0.0,
+                                                   data={"step": step}), out)
+            [finding] = out.findings
+            assert finding.incident is Incident.NODE_JOINED and finding.step == 15
+            assert finding.evidence["joining"] == [1] and finding.evidence["grow_to"] == [0, 1]
+            assert "grow back to 2 from the checkpoint of step 15" in finding.message
+        finally:
+            back.close()
