@@ -1095,7 +1095,8 @@ def test_a_node_back_while_the_job_runs_short_grows_it_back_at_the_next_checkpoi
         peer = join(members, said)
         members.launch(0, Directive(), time.monotonic())
         out = Gathered()
-        members._rank_event(0, WorkerEvent(type="checkpoint", rank=0, time=0.0, data={"step": 5}), out)
+        saved = WorkerEvent(type="checkpoint", rank=0, time=0.0, data={"step": 5})
+        members._rank_event(0, saved, out)
         assert out.findings == []  # every node takes part
         peer.close()
         gathered(members, lambda got: any(e == "node_lost" for e, _ in got.entries))
