@@ -185,7 +185,7 @@ class ClusterMembers(OnThisNode):
         command = self.node.launch(attempt, directive, now, lambda: self.workers.launch(
             attempt, directive, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
             nnodes=str(len(nodes)), node_rank=0, place=place))
-        spares = [n for n in self.cluster.present() if n not in nodes]
+        _, spares = self.cluster.chosen()
         waiting = f"; spare(s) waiting: {', '.join(map(str, spares))}" if spares else ""
         self.voice.log(f"babysit: attempt {attempt} on {len(nodes)} node(s): "
                        f"{', '.join(self.cluster.describe(n) for n in nodes)}{waiting}")
@@ -316,8 +316,7 @@ class ClusterMembers(OnThisNode):
         """How the next attempt goes on without node ``without``: at full size with a spare in
         its place, or on fewer nodes."""
         attempt = self.cluster.attempt.nodes
-        present = [n for n in self.cluster.present() if n != without]
-        taking = present[:self.cluster.high]
+        taking, _ = self.cluster.chosen(without)
         spare = [n for n in taking if n not in attempt]
         if without in attempt and spare and len(taking) >= len(attempt):
             return (f"spare {self.cluster.describe(spare[0])} takes its place; continuing on "

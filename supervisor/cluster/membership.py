@@ -209,10 +209,11 @@ class Cluster:
         return [self.me, *sorted(n for n, p in self.peers.items()
                                  if not p.closed and n not in self.evicted)]
 
-    def chosen(self) -> tuple[list[int], list[int]]:
+    def chosen(self, without: int | None = None) -> tuple[list[int], list[int]]:
         """The nodes the next attempt takes (the leader, then the lowest node ranks present, up
-        to ``launch.nnodes``' most) and the rest, which wait as spares."""
-        present = self.present()
+        to ``launch.nnodes``' most) and the rest, which wait as spares; ``without``: as if that
+        node were gone (one about to be evicted)."""
+        present = [n for n in self.present() if n != without]
         return present[:self.high], present[self.high:]
 
     def describe(self, node: int) -> str:

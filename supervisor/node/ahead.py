@@ -5,8 +5,8 @@ A cold relaunch starts a new torchrun: an interpreter and ``import torch.distrib
 about 1.1-1.4 s of the 3.6-3.8 s from relaunch to first step on this 2-core machine
 (docs/recovery.md), before it even starts the ranks. None of that depends on the attempt: its
 command line (the rendezvous, this node's place, the world) and environment do. So when no warm
-standby serves a run (``launch.warm_standby: false``, a multi-node run, a fixed rendezvous
-endpoint, a script that never attaches), babysit starts the next attempt's torchrun ahead, once
+standby can serve a run (``launch.warm_standby: false``, a multi-node run, a fixed rendezvous
+endpoint: ``standby.off_reason``), babysit starts the next attempt's torchrun ahead, once
 the running attempt made a step: ``python -m babysit.supervisor.node.ahead`` imports torch's
 launcher and reads one line on its standard input. The relaunch writes the attempt's order
 there (``Order``: torchrun's arguments, the environment, the folder) and the process becomes

@@ -97,7 +97,7 @@ class NodeWorkers:
         if self.group is not None and self.group.processes():
             self.group.stop(self.plan.config.launch.stop_grace_s)
         self.drop_standby("the run ended")
-        self._drop_ahead("the run ended")
+        self._drop_ahead()
         self.intake.close()
 
     def attempt_dir(self, attempt: int) -> Path:
@@ -143,12 +143,8 @@ class NodeWorkers:
         """Start attempt ``attempt``'s torchrun ahead, unless one is up for it already, it is
         off (``launch.torchrun_ahead``), or a warm standby serves this run's relaunches.
         Journal (``ahead_exited``) and forget one that ended on its own."""
-        if self.ahead is not None and self.ahead[1].poll() is not None:
-            self._drop_ahead("it exited on its own")
-        if not self._ahead_on or self._ahead_failed or \
-                (self.ahead is not None and self.ahead[0] == attempt):
+        if self._ahead_fits(attempt) or not self._ahead_on or self._ahead_failed:
             return
-        self._drop_ahead(f"it was for attempt {self.ahead[0]}" if self.ahead else "")
         attempt_dir = self.attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=True)
         group = launcher.WorkerGroup(
@@ -160,43 +156,52 @@ class NodeWorkers:
         self._launchers.add(group.pid)
         self.ahead = (attempt, group)
 
+    def _ahead_fits(self, attempt: int) -> bool:
+        """A torchrun started ahead is up for ``attempt``; one for another attempt, or one that
+        exited on its own, is dropped."""
+        if self.ahead is None:
+            return False
+        if self.ahead[0] == attempt and self.ahead[1].poll() is None:
+            return True
+        self._drop_ahead()
+        return False
+
     def _from_ahead(self, attempt: int, command: list[str], env: dict[str, str]
                     ) -> launcher.WorkerGroup | None:
         """The torchrun started ahead for ``attempt``, now running ``command``; None (and any
         other stopped) when there is none fit for it."""
-        if self.ahead is None:
-            return None
-        if self.ahead[0] != attempt or self.ahead[1].poll() is not None:
-            self._drop_ahead(f"it was for attempt {self.ahead[0]}"
-                             if self.ahead[1].poll() is None else "it exited on its own")
+        if self.ahead is None or not self._ahead_fits(attempt):
             return None
         order = ahead.Order.of(command, env, str(Path.cwd()))
         _, group = self.ahead
         self.ahead = None
         if order is None or not group.feed(order.encode(), command, env):
-            self._discard_group(group)
+            self._stop_group(group)
             return None
         group.redirect(self.lines)
         return group
 
-    def _drop_ahead(self, reason: str) -> None:
+    def _drop_ahead(self) -> None:
+        """Stop the torchrun started ahead, if any. One that exited on its own (not babysit's
+        interpreter, or no babysit in ``launch.python``) is journaled, and none starts again."""
         if self.ahead is None:
             return
-        attempt, group = self.ahead
-        self.ahead = None
+        (attempt, group), self.ahead = self.ahead, None
         exited = group.poll()
-        if exited is not None and reason == "it exited on its own":
-            # Not babysit's interpreter, or no babysit in it (launch.python): never again.
+        if exited is not None:
             self._ahead_failed = True
             self.standby_entries.append(("ahead_exited", {
                 "for_attempt": attempt, "exit_code": exited,
                 "tail": launcher.tail(group.log_path, 4096)}))
-        self._discard_group(group)
+        self._stop_group(group)
 
-    def _discard_group(self, group: launcher.WorkerGroup) -> None:
-        group.stop(standby.STOP_GRACE_S)
+    def _stop_group(self, group: launcher.WorkerGroup) -> int | None:
+        """Stop a group that trained nothing (a standby, a torchrun started ahead) and forget
+        its launcher; its exit code."""
+        code = group.stop(min(standby.STOP_GRACE_S, self.plan.config.launch.stop_grace_s))
         if group.pid is not None:
             self._launchers.discard(group.pid)
+        return code
 
     def _new_attempt(self) -> None:
         # Anything still queued belongs to the attempt being replaced.
@@ -297,7 +302,7 @@ class NodeWorkers:
     def _discard(self, spare: standby.Standby, reason: str) -> None:
         exited = spare.group.poll()
         # Even after torchrun exited: ranks it left behind are ours (subreaper) to stop.
-        code = spare.group.stop(min(standby.STOP_GRACE_S, self.plan.config.launch.stop_grace_s))
+        code = self._stop_group(spare.group)
         if exited is None:
             self.standby_entries.append(("standby_stopped", {
                 "for_attempt": spare.attempt, "reason": reason, "exit_code": code}))
@@ -305,8 +310,6 @@ class NodeWorkers:
             self.standby_entries.append(("standby_exited", {
                 "for_attempt": spare.attempt, "exit_code": exited,
                 "tail": launcher.tail(spare.group.log_path, 4096)}))
-        if spare.group.pid is not None:
-            self._launchers.discard(spare.group.pid)
 
     def _env(self, attempt_dir: Path, attempt: int) -> dict[str, str]:
         env = dict(os.environ)

@@ -190,13 +190,22 @@ def test_a_hang_on_one_node_is_named_with_its_host_and_rank(tmp_path: Path) -> N
     assert [e["attempt"] for e in run.events("launch", node=1)] == [0, 1]
 
 
+NO_NETNS = netns.available()
+
+
+def _bridge(nodes: int) -> Iterator[Network]:
+    """``nodes`` network namespaces on one bridge, for a fixture to yield (skipped where this
+    machine cannot make them)."""
+    if NO_NETNS is not None:
+        pytest.skip(NO_NETNS)
+    with netns.network(nodes) as made:
+        yield made
+
+
 @pytest.fixture
 def net4() -> Iterator[Network]:
     """Four "nodes" with their own addresses (10.77.0.1 to .4) on one bridge."""
-    if NO_NETNS is not None:
-        pytest.skip(NO_NETNS)
-    with netns.network(4) as made:
-        yield made
+    yield from _bridge(4)
 
 
 def _final_eval(events: list[dict[str, Any]], step: int) -> float:
@@ -341,16 +350,10 @@ def test_a_crash_on_one_node_is_named_with_its_rank_node_and_log(tmp_path: Path)
     assert run.events("follower_finished", node=1)[0]["exit_code"] == 1
 
 
-NO_NETNS = netns.available()
-
-
 @pytest.fixture
 def net() -> Iterator[Network]:
     """Two "nodes" with their own addresses (10.77.0.1 and .2) on one bridge."""
-    if NO_NETNS is not None:
-        pytest.skip(NO_NETNS)
-    with netns.network(2) as made:
-        yield made
+    yield from _bridge(2)
 
 
 def test_nodes_on_their_own_addresses_start_and_a_healed_partition_rejoins(
