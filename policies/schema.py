@@ -28,6 +28,7 @@ from babysit.policies.detectors import (
     RankDepartureConfig,
     ResumeLossConfig,
     SdcConfig,
+    SlowComputeConfig,
     StragglerConfig,
     ThroughputConfig,
 )
@@ -50,6 +51,9 @@ class Detectors(Section):
     """One rank's own work persistently slower than its peers'."""
     throughput: ThroughputConfig = ThroughputConfig()
     """Steps/s, tokens/s or MFU persistently below the moving baseline."""
+    slow_compute: SlowComputeConfig = SlowComputeConfig()
+    """One rank's (or node's) forward time lagging the others' for minutes: a slow machine
+    (policies/detectors/slow_compute.py); on a multi-node run its node may be evicted."""
     rank_departure: RankDepartureConfig = RankDepartureConfig()
     """One rank's loss leaves its own level while its peers' stay
     (policies/detectors/rank_departure.py)."""
@@ -131,6 +135,12 @@ class Incidents(Section):
     from it on every node present, so the job grows back (the relaunch costs a cold start and
     the steps since that checkpoint; it is not charged to the budget). ``alert`` (or
     ``ignore``) keeps the job at its size until the next relaunch for another reason."""
+    slow_node: Response = _ladder(A.RELAUNCH, act_on="warning")
+    """A node whose compute lagged the others' for minutes (``detectors.slow_compute``), and
+    whose cost to the job over the rest of the run exceeds a relaunch without it
+    (``nodes.evict_slow``): once the attempt has saved its next checkpoint, relaunch from it
+    without that node (a spare in its place, or on the nodes left). Charged to the budget like
+    any remedy. ``alert`` keeps the node and only tells."""
     resume: Response = _ladder(A.ROLLBACK, A.STOP)
     """A resume that did not take (a rank's parameters at its first step are not the ones it
     restored, or the first steps' loss is far above the one recorded at the checkpoint): roll
@@ -140,7 +150,7 @@ class Incidents(Section):
     @model_validator(mode="after")
     def _skip_only_for_grad(self) -> Incidents:
         for name in ("loss_spike", "nonfinite", "hang", "straggler", "throughput",
-                     "rank_departure", "sdc", "node_lost", "node_joined", "resume"):
+                     "rank_departure", "sdc", "node_lost", "node_joined", "slow_node", "resume"):
             if Action.SKIP_STEP in getattr(self, name).ladder:
                 raise ValueError(
                     f"incidents.{name}.ladder: skip_step only makes sense for grad_spike (the "

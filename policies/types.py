@@ -44,6 +44,10 @@ class RankStep:
     """Seconds since this rank's previous report (None for the first step of an attempt)."""
     data_wait: float | None = None
     """Seconds of ``step_time`` spent waiting for the next batch."""
+    forward_time: float | None = None
+    """Seconds of the model's training forward passes in this step, timed by hooks ``attach()``
+    puts on the model: a rank's own compute, free of the collectives of DDP's backward (not of
+    FSDP's all-gathers, which make every rank wait for the slowest)."""
     skipped: bool = False
     """The worker skipped this optimizer step (grad-norm guard)."""
 
@@ -111,6 +115,28 @@ class StepRecord:
     def cursor(self) -> int:
         return max((r.cursor for r in self.ranks), default=0)
 
+    @property
+    def slowest_forward(self) -> Spread | None:
+        """The slowest rank's forward time against the ranks' median; None below 2 ranks."""
+        values = sorted((r.forward_time, r.rank) for r in self.ranks
+                        if r.forward_time is not None and math.isfinite(r.forward_time))
+        if len(values) < 2:
+            return None
+        top = max(values, key=lambda v: (v[0], -v[1]))  # the lowest rank on a tie
+        return Spread(rank=top[1], value=top[0], median=values[(len(values) - 1) // 2][0],
+                      count=len(values))
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """One signal of one step over ranks: the slowest rank, its value, and the (lower) median
+    of every rank's value, ``count`` ranks in all."""
+
+    rank: int
+    value: float
+    median: float
+    count: int
+
 
 def tokens_per_s(tokens: float | None, step_time: float | None) -> float | None:
     """``tokens / step_time``; None when either is missing or the time is not positive."""
@@ -159,6 +185,8 @@ class JobStep(Protocol):
     def tokens_per_s(self) -> float | None: ...
     @property
     def mfu(self) -> float | None: ...
+    @property
+    def slowest_forward(self) -> Spread | None: ...
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -198,6 +226,9 @@ class Incident(str, enum.Enum):
     NODE_JOINED = "node_joined"
     """A node joined (or came back to) a multi-node run that runs on fewer nodes than it may:
     the job can grow back. Not trouble: an opportunity, taken at a checkpoint."""
+    SLOW_NODE = "slow_node"
+    """A node whose compute lags the others' for minutes, and keeping it costs the job more
+    than a relaunch without it: taken out at the next checkpoint."""
     RESUME = "resume"
     """A resume that did not take: a rank's parameters at its first step are not the ones its
     checkpoint restored (weights loaded over them after ``attach()``)."""

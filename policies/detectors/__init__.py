@@ -12,6 +12,8 @@ NonFinite         StepRecord           NONFINITE: CRITICAL at once, names the ra
 GradNorm          StepRecord / value   GRAD_SPIKE: WARNING (worker skips the step)
 Hang              RankStep + check()   HANG: CRITICAL, names the rank(s) that differ
 Straggler         StepRecord           STRAGGLER: WARNING naming the rank
+SlowCompute       StepRecord /         STRAGGLER: WARNING naming the rank(s) whose forward
+                  SummaryRecord        lags for minutes, with what it costs the job
 Throughput        StepRecord           THROUGHPUT: WARNING (steps/s, tokens/s or MFU)
 RankDeparture     StepRecord           RANK_DEPARTURE: WARNING naming the rank
 Sdc               per-rank digests     SDC: CRITICAL, names the ranks that disagree
@@ -33,6 +35,7 @@ from babysit.policies.detectors.rank_departure import (
 )
 from babysit.policies.detectors.resume_loss import ResumeLoss, ResumeLossConfig
 from babysit.policies.detectors.sdc import SdcConfig, SdcDetector
+from babysit.policies.detectors.slow_compute import SlowComputeConfig, SlowComputeDetector
 from babysit.policies.detectors.straggler import StragglerConfig, StragglerDetector
 from babysit.policies.detectors.throughput import ThroughputConfig, ThroughputDetector
 
@@ -54,6 +57,8 @@ __all__ = [
     "ResumeLossConfig",
     "SdcConfig",
     "SdcDetector",
+    "SlowComputeConfig",
+    "SlowComputeDetector",
     "StragglerConfig",
     "StragglerDetector",
     "ThroughputConfig",

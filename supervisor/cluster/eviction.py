@@ -17,13 +17,19 @@ with no majority, two ranks on two nodes, blames nobody). The job's own faults (
 exception, an OOM, a NaN) never count: a relaunch elsewhere would meet them again. Nor does a
 native crash the rules traced to the data (the same batch on the same rank twice,
 ``policies.cause``: a decoder meeting a corrupt sample): ``forgive`` takes it back before the
-next launch. Pure: what to do with the verdict is the leader's.
+next launch.
+
+A node that is slow rather than faulty (``detectors.slow_compute``: its ranks' forward lags
+the others' for minutes) is evicted only when that pays (``SlowCost``): keeping it costs the
+job's lost pace over the rest of the run; evicting it costs a relaunch, and without a spare
+the node's share of the work. Pure: what to do with a verdict is the leader's.
 """
 
 from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field
+from typing import Any
 
 from babysit.policies.types import Finding, Incident
 
@@ -95,3 +101,48 @@ class NodeFaults:
 
 def _fault(what: str, finding: Finding) -> str:
     return f"{what} at step {finding.step}"
+
+
+@dataclass(frozen=True)
+class SlowCost:
+    """What a slow node costs the job over ``horizon_s`` seconds kept, and evicted.
+
+    ``slowdown``: the fraction of the job's pace lost to it (0.5: steps take twice as long);
+    ``relaunch_s``: what a relaunch costs this run (measured); ``nodes``: the attempt's nodes;
+    ``spare``: whether one takes its place (else the job goes on with ``nodes - 1``, doing that
+    share less work: data parallelism, every node an equal share).
+    """
+
+    slowdown: float
+    horizon_s: float
+    relaunch_s: float
+    nodes: int
+    spare: bool
+
+    @property
+    def keep_s(self) -> float:
+        """Seconds of the healthy job's work lost by keeping the node."""
+        return self.horizon_s * self.slowdown
+
+    @property
+    def evict_s(self) -> float:
+        """Seconds of the healthy job's work lost by a relaunch without it."""
+        smaller = 0.0 if self.spare else self.horizon_s / max(self.nodes, 1)
+        return self.relaunch_s + smaller
+
+    @property
+    def evict(self) -> bool:
+        return self.keep_s > self.evict_s
+
+    def describe(self) -> str:
+        without = ("a spare in its place" if self.spare else
+                   f"{self.nodes - 1} node(s) doing {1 - 1 / max(self.nodes, 1):.0%} of the work")
+        return (f"keeping it costs ~{self.keep_s:.0f} s of work over the ~{self.horizon_s:.0f} s "
+                f"left ({self.slowdown:.0%} slower); evicting ~{self.evict_s:.0f} s (a "
+                f"relaunch of ~{self.relaunch_s:.0f} s, {without})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"slowdown": round(self.slowdown, 4), "horizon_s": round(self.horizon_s, 1),
+                "relaunch_s": round(self.relaunch_s, 2), "nodes": self.nodes,
+                "spare": self.spare, "keep_s": round(self.keep_s, 1),
+                "evict_s": round(self.evict_s, 1), "evict": self.evict}

@@ -18,6 +18,8 @@ loop's call::
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -25,7 +27,7 @@ from typing import Any
 from babysit.policies.rerun import TRANSIENT as TRANSIENT_VERDICT
 from babysit.policies.types import Finding, Incident, Remedy, Severity
 from babysit.supervisor.cluster import leadership
-from babysit.supervisor.cluster.eviction import NodeFaults
+from babysit.supervisor.cluster.eviction import NodeFaults, SlowCost
 from babysit.supervisor.cluster.leadership import Lease, LeaseWatch, Term
 from babysit.supervisor.cluster.membership import (
     Cluster,
@@ -112,6 +114,14 @@ class ClusterMembers(OnThisNode):
         """Nodes the machine faults traced to them made evictable, not yet evicted."""
         self._grown = -1
         """The attempt whose growth was asked for (``_grow_at``): once per attempt."""
+        self._began = self.clock()
+        self._launched: float | None = None
+        """When the running attempt was launched, until its first merged step."""
+        self._starts: list[float] = []
+        self._stops: list[float] = []
+        """Each attempt's launch to first step, and each stop: what a relaunch costs here."""
+        self._slow: tuple[int, str] | None = None
+        """A slow node to take out at the attempt's next checkpoint, and why."""
         self._flops_per_token: float | None = None
         self._peak_flops: float | None = None
 
@@ -172,7 +182,10 @@ class ClusterMembers(OnThisNode):
     def launch(self, attempt: int, directive: Directive, now: float) -> dict[str, Any]:
         self._term_checked = 0.0
         self._check_term()  # never start ranks under a term another node has taken
+        if self._slow is not None:  # relaunched before its checkpoint came: it goes now
+            self._evictable[self._slow[0]] = self._slow[1]
         self._evict()
+        self._launched, self._slow = self.clock(), None
         present = len(self.cluster.present())
         if present < self.cluster.low:
             self._await_rejoin(present)
@@ -198,6 +211,7 @@ class ClusterMembers(OnThisNode):
 
     def stop(self, reason: str, *, replacing: bool = False) -> int | None:
         self.cluster.attempt.done = True  # what the nodes say of its end is moot now
+        began = self.clock()
         self.cluster.tell(Stop(reason, replacing))
         code = self.node.stop(replacing)
         deadline = self.clock() + self.plan.config.launch.stop_grace_s + 10.0
@@ -212,6 +226,7 @@ class ClusterMembers(OnThisNode):
         missing = [n for n in self.cluster.attempt.nodes
                    if n != self.cluster.me and n not in self.cluster.attempt.stopped]
         self.voice.journal("nodes_stopped", missing=missing)
+        self._stops.append(self.clock() - began)
         return code
 
     def request(self, **fields: Any) -> None:
@@ -251,6 +266,8 @@ class ClusterMembers(OnThisNode):
         node = nodes.pop()
         placed = located(finding, node, self.cluster.hosts.get(node, self.view.host))
         self._evictable_if(node, self.faults.add(placed))
+        if placed.detector == "slow_compute":
+            placed = self._slow_node(node, placed)
         return placed
 
     def hear(self, entry: Mapping[str, Any]) -> None:
@@ -264,6 +281,43 @@ class ClusterMembers(OnThisNode):
         if node is not None:
             self._evictable_if(node, self.faults.transient(node, int(entry.get("detected_step")
                                                                      or entry.get("step") or 0)))
+
+    def _slow_node(self, node: int, finding: Finding) -> Finding:
+        """A node whose ranks' compute lags the others': evicted at the next checkpoint when
+        keeping it costs more than a relaunch without it (``eviction.SlowCost``). The verdict
+        and its numbers go into the finding (and so its alert and the journal)."""
+        nodes = self.plan.config.nodes
+        slowdown = finding.evidence.get("slowdown")
+        running = self.cluster.attempt.nodes
+        if not nodes.evict_slow or not isinstance(slowdown, float | int) or not self._starts \
+                or node not in running:
+            return finding
+        taking, _ = self.cluster.chosen(node)
+        cost = SlowCost(
+            slowdown=float(slowdown),
+            horizon_s=nodes.run_left_s or self.clock() - self._began,
+            relaunch_s=statistics.median(self._starts)
+            + (statistics.median(self._stops) if self._stops else 0.0),
+            nodes=len(running), spare=len(taking) >= len(running))
+        host = self.cluster.hosts.get(node, "?")
+        if not cost.evict:
+            kept: str | None = "it costs less than a relaunch without it"
+        elif node == self.cluster.me:
+            kept = "it is the leader's own node"
+        elif len(taking) < self.cluster.low:
+            kept = f"{len(taking)} node(s) would be left, below the minimum {self.cluster.low}"
+        else:
+            kept = None
+        if kept is None:
+            why = f"its compute is {finding.evidence.get('ratio')}x the others' ({cost.describe()})"
+            self._slow = (node, why)
+        verdict = ("evicting it at the next checkpoint" if kept is None else f"kept: {kept}")
+        self.voice.journal("slow_node_cost", node=node, host=host, step=finding.step,
+                           verdict="evict" if kept is None else "keep", kept=kept,
+                           **cost.to_json())
+        return dataclasses.replace(
+            finding, message=f"{finding.message}; {verdict} ({cost.describe()})",
+            evidence={**finding.evidence, "cost": cost.to_json(), "verdict": verdict})
 
     def _evictable_if(self, node: int, why: str | None) -> None:
         if why is not None:
@@ -403,6 +457,9 @@ class ClusterMembers(OnThisNode):
         for summary in summaries:
             out.newest = max(out.newest or 0, summary.step)
             for merged in self.cluster.summary(node, summary):
+                if self._launched is not None:  # the attempt's first step: its start's cost
+                    self._starts.append(self.clock() - self._launched)
+                    self._launched = None
                 record = SummaryRecord(merged, self._flops_per_token, self._peak_flops)
                 out.steps.append((record, with_rates(merged.to_row(self._attempt), record)))
                 self._step = max(self._step, merged.step)
@@ -419,8 +476,25 @@ class ClusterMembers(OnThisNode):
             if event.rank == 0:
                 self._flops_per_token, self._peak_flops = mfu_inputs(event.data)
         elif event.type == "checkpoint" and isinstance(event.data.get("step"), int):
+            self._evict_slow_at(event.data["step"], out)
             self._grow_at(event.data["step"], out)
         out.events.append(event)
+
+    def _evict_slow_at(self, step: int, out: Gathered) -> None:
+        """The running attempt saved a checkpoint at ``step``: the slow node the cost said to
+        evict goes now, by the finding that relaunches from that checkpoint without it
+        (``incidents.slow_node``)."""
+        if self._slow is None:
+            return
+        (node, why), self._slow = self._slow, None
+        self._evictable[node] = why
+        host = self.cluster.hosts.get(node, "?")
+        out.findings.append(Finding(
+            incident=Incident.SLOW_NODE, detector="cluster", severity=Severity.WARNING,
+            step=step, onset_step=step,
+            message=f"node {node} ({host}) is slow: {why}; relaunch without it from the "
+                    f"checkpoint of step {step}",
+            evidence={"node": node, "host": host, "why": why, "checkpoint_step": step}))
 
     def _grow_at(self, step: int, out: Gathered) -> None:
         """The running attempt saved a checkpoint at ``step``: if it runs on fewer nodes than

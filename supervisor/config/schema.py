@@ -271,6 +271,19 @@ class NodesConfig(DashedSection):
     the next attempt runs without that node, when ``launch.nnodes`` allows the nodes left; it
     goes on ``RUN_DIR/exclude_hosts`` too. A silent data corruption the SDC vote places on one
     node's ranks evicts it at once. 0: never evict."""
+    evict_slow: bool = True
+    """Evict a node whose compute lags the others' for minutes (``detectors.slow_compute``:
+    its ranks' forward time) when keeping it costs more than a relaunch without it: keeping
+    costs the pace it takes off the job (``slowdown``) over the rest of the run
+    (``run_left_s``); evicting costs a relaunch as measured in this run (launch to first step,
+    plus the stop) and, with no spare to take its place, the share of the job's work the node
+    did, over the rest of the run. Taken out at the attempt's next checkpoint
+    (``incidents.slow_node``). The verdict and its numbers go into the finding and the journal
+    (``slow_node_cost``) either way. False: only tell."""
+    run_left_s: float | None = Field(None, gt=0)
+    """How much longer the run will train, in seconds, for the slow-node cost. None: as long
+    as it has run so far (of runs that have lasted that long, half last at least as long
+    again)."""
     spares: int = Field(0, ge=0)
     """Hot spares: babysitters beyond the job's size (the MAX of ``launch.nnodes``), at node
     ranks MAX to MAX+spares-1. They join the leader and wait, running nothing; when a node is

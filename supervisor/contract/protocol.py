@@ -29,7 +29,7 @@ from typing import Any
 from babysit.policies.types import RankStep
 
 MAGIC = b"BS"
-VERSION = 1
+VERSION = 2
 KIND_STEP = 1
 KIND_EVENT = 2
 TOKEN_BYTES = 16
@@ -38,7 +38,8 @@ MAX_DATAGRAM = 8192
 
 HEADER = struct.Struct("<2sBB16s")
 
-OPTIONAL_FIELDS = ("loss", "grad_norm", "lr", "tokens", "samples", "step_time", "data_wait")
+OPTIONAL_FIELDS = ("loss", "grad_norm", "lr", "tokens", "samples", "step_time", "data_wait",
+                   "forward_time")
 """A step report's optional ``RankStep`` fields, in the order they are packed after ``time``.
 This is the one declaration: the worker, the decoder and the incident ring all follow it."""
 PRESENT = {name: 1 << bit for bit, name in enumerate(OPTIONAL_FIELDS)}

@@ -105,6 +105,8 @@ def _per_rank_row(record: StepRecord, attempt: int) -> dict[str, Any]:
         row["step_time"] = record.step_time
         row["step_time_per_rank"] = times
         row["data_wait_per_rank"] = [r.data_wait for r in record.ranks]
+    if any(r.forward_time is not None for r in record.ranks):
+        row["forward_time_per_rank"] = [r.forward_time for r in record.ranks]
     if any(r.skipped for r in record.ranks):
         row["skipped"] = True
     return row

@@ -9,6 +9,7 @@ of raw reports for incidents. The pieces, smallest first::
     StepStats        one signal of one step over ranks: count, sum, min/max + their ranks,
                      non-finite count + ranks, and a QuantileSketch of the finite values
     StepSummary      one step: StepStats for loss, step_time, data_wait, compute, grad_norm,
+                     forward,
                      plus lr, tokens, samples, cursor, skipped count, which ranks reported;
                      to_dict / from_dict: the JSON a node sends the leader
     SummaryAggregator  RankSteps in, StepSummaries out (same emission rule as StepAggregator),
@@ -160,7 +161,7 @@ class StepStats:
         return stats
 
 
-_SIGNALS = ("loss", "step_time", "data_wait", "compute", "grad_norm")
+_SIGNALS = ("loss", "step_time", "data_wait", "compute", "grad_norm", "forward")
 
 
 def _runs(seen: bytearray) -> list[list[int]]:
@@ -181,7 +182,8 @@ class StepSummary:
     ``StepRecord``. Memory: about 1 KiB per signal plus one byte per rank of the world (to
     refuse a rank's duplicate report), whatever the values.
 
-    ``compute`` is ``step_time - data_wait`` (floored at 0) per rank, the straggler signal.
+    ``compute`` is ``step_time - data_wait`` (floored at 0) per rank, the straggler signal;
+    ``forward`` each rank's ``forward_time``, its own compute (``slowest_forward``).
     ``lr`` is the lowest reporting rank's, as ``metrics_row`` reports it.
     """
 
@@ -198,6 +200,7 @@ class StepSummary:
         self.data_wait = StepStats(alpha)
         self.compute = StepStats(alpha)
         self.grad_norm = StepStats(alpha)
+        self.forward = StepStats(alpha)
         self.lr: float | None = None
         self._lr_rank = -1
         self.tokens: float | None = None
@@ -234,6 +237,8 @@ class StepSummary:
                 self.compute.add(r.rank, max(r.step_time - r.data_wait, 0.0))
         if r.data_wait is not None:
             self.data_wait.add(r.rank, r.data_wait)
+        if r.forward_time is not None:
+            self.forward.add(r.rank, r.forward_time)
         if r.lr is not None and (self._lr_rank < 0 or r.rank < self._lr_rank):
             self.lr, self._lr_rank = r.lr, r.rank
         if r.tokens is not None:
@@ -387,7 +392,7 @@ class StepSummary:
             row["lr"] = self.lr
         if self.tokens is not None:
             row["tokens"] = self.tokens
-        for name in ("step_time", "data_wait", "compute"):
+        for name in ("step_time", "data_wait", "compute", "forward"):
             stats: StepStats = getattr(self, name)
             if stats.count:
                 row.update({
@@ -521,6 +526,16 @@ class SummaryRecord:
     @property
     def step_time(self) -> float | None:
         return self.summary.slowest_step_time
+
+    @property
+    def slowest_forward(self) -> types.Spread | None:
+        """As ``StepRecord.slowest_forward``; the median is the sketch's (within alpha)."""
+        forward = self.summary.forward
+        median = forward.quantile(0.5)
+        if forward.count < 2 or median is None:
+            return None
+        return types.Spread(rank=forward.max_rank, value=forward.max, median=median,
+                            count=forward.count)
 
     @property
     def tokens(self) -> float | None:

@@ -51,6 +51,7 @@ from babysit.supervisor.contract.directive import (
     Resume,
     SkipRange,
 )
+from babysit.supervisor.rank.forward_clock import forward_clock
 from babysit.supervisor.rank.saving import Checkpointer
 
 T = TypeVar("T")
@@ -58,9 +59,8 @@ T = TypeVar("T")
 _perf = time.perf_counter
 _wall = time.time
 # The presence bit of each optional field, bound once: step() is the training loop's hot path.
-_HAS_LOSS, _HAS_GRAD_NORM, _HAS_LR, _HAS_TOKENS, _HAS_SAMPLES, _HAS_STEP_TIME, _HAS_DATA_WAIT = (
-    protocol.PRESENT[name] for name in ("loss", "grad_norm", "lr", "tokens", "samples",
-                                        "step_time", "data_wait"))
+(_HAS_LOSS, _HAS_GRAD_NORM, _HAS_LR, _HAS_TOKENS, _HAS_SAMPLES, _HAS_STEP_TIME, _HAS_DATA_WAIT,
+ _HAS_FORWARD_TIME) = (protocol.PRESENT[name] for name in protocol.OPTIONAL_FIELDS)
 
 
 class Run:
@@ -107,6 +107,8 @@ class Run:
         self._fingerprint = _fingerprinter(directive.sdc_every, model, rank)
         self._fingerprinted = -1
         self._model = model
+        self._forward = forward_clock(model) if sock is not None else None
+        """The model's training forward time, each step's own compute (``forward_clock``)."""
         self._restored: str | None = None
         """The digest of the parameters ``attach()`` restored, until the first forward checks
         that they are still the ones training (``_check_restore``)."""
@@ -308,12 +310,17 @@ class Run:
             flags |= _HAS_STEP_TIME
         data_wait = self._data_wait
         flags |= _HAS_DATA_WAIT
+        forward_time = self._forward.take() if self._forward is not None else None
+        if forward_time is None:
+            forward_time = 0.0
+        else:
+            flags |= _HAS_FORWARD_TIME
         self._data_wait = 0.0
         self._phase_time = 0.0
         message = protocol.STEP.pack(  # values in protocol.OPTIONAL_FIELDS order
             protocol.MAGIC, protocol.VERSION, protocol.KIND_STEP, self._token, self.rank, flags,
             self.step_count, self.cursor, _wall(), loss, grad_norm, lr, tokens, samples,
-            step_time, data_wait,
+            step_time, data_wait, forward_time,
         )
         try:
             sock.send(message)
@@ -384,6 +391,8 @@ class Run:
                     {"rank": self.rank, "world_size": self.world_size, "step": self.step_count}))
         for hook in self._hooks:
             hook.remove()
+        if self._forward is not None:
+            self._forward.remove()
         if self._sock is not None:
             self._sock.close()
             self._sock = None

@@ -84,3 +84,24 @@ def test_transient_faults_on_the_same_node_count_like_crashes() -> None:
     assert faults.transient(1, 90) == \
         "2 machine faults on it: transient fault at step 40, transient fault at step 90"
     assert NodeFaults(evict_after=0).transient(1, 40) is None
+
+
+def test_a_slow_node_is_worth_evicting_only_when_it_costs_more_than_a_relaunch() -> None:
+    """Half the pace lost over an hour is 1,800 s of work; a relaunch of 40 s with a spare is
+    far less, and so are 40 s plus a third of the work (1,200 s) on 2 of 3 nodes. 10% lost
+    (360 s) is worth a spare's relaunch, not a third of the job; over 60 s, nothing is."""
+    from babysit.supervisor.cluster.eviction import SlowCost
+
+    def cost(slowdown: float, horizon_s: float, spare: bool) -> SlowCost:
+        return SlowCost(slowdown=slowdown, horizon_s=horizon_s, relaunch_s=40.0, nodes=3,
+                        spare=spare)
+
+    assert cost(0.5, 3600, spare=True).evict and cost(0.5, 3600, spare=False).evict
+    assert cost(0.1, 3600, spare=True).evict and not cost(0.1, 3600, spare=False).evict
+    assert not cost(0.5, 60, spare=True).evict
+    assert cost(0.5, 3600, spare=False).to_json() == {
+        "slowdown": 0.5, "horizon_s": 3600, "relaunch_s": 40.0, "nodes": 3, "spare": False,
+        "keep_s": 1800.0, "evict_s": 1240.0, "evict": True}
+    assert cost(0.1, 3600, spare=False).describe() == (
+        "keeping it costs ~360 s of work over the ~3600 s left (10% slower); evicting ~1240 s "
+        "(a relaunch of ~40 s, 2 node(s) doing 67% of the work)")

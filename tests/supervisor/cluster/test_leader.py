@@ -1116,3 +1116,62 @@ def test_a_node_back_while_the_job_runs_short_grows_it_back_at_the_next_checkpoi
             assert "grow back to 2 from the checkpoint of step 15" in finding.message
         finally:
             back.close()
+
+
+def slow(node_ranks: tuple[int, ...], slowdown: float, step: int = 200) -> Finding:
+    return Finding(incident=Incident.STRAGGLER, detector="slow_compute",
+                   severity=Severity.WARNING, step=step, onset_step=100, message="slow",
+                   ranks=node_ranks, evidence={"signal": "forward", "ratio": 3.0,
+                                               "slowdown": slowdown})
+
+
+def test_a_slow_node_is_evicted_at_the_next_checkpoint_when_the_cost_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--nnodes 1:2`, 1,000 s in, a relaunch measured at 5 s: node 1 at 30% slower costs
+    300 s kept against 505 s evicted (5 s and half the work for the 1,000 s left): kept, and
+    said. At 60% (600 s) it goes: at the attempt's next checkpoint, a ``slow_node`` finding,
+    and the next launch evicts it."""
+    with leading(tmp_path, monkeypatch, "1:2") as members:
+        said = Said()
+        join(members, said)
+        members.launch(0, Directive(), time.monotonic())
+        members.cluster.rank_node.update({0: 0, 1: 0, 2: 1, 3: 1})
+        members._began -= 1000.0
+        members._starts = [5.0]
+
+        kept = members.locate(slow((2, 3), 0.3))
+        assert kept.evidence["node"] == 1 and kept.evidence["cost"]["evict"] is False
+        assert "kept: it costs less than a relaunch without it" in kept.message
+        out = Gathered()
+        members._rank_event(0, WorkerEvent(type="checkpoint", rank=0, time=0.0,
+                                           data={"step": 210}), out)
+        assert out.findings == []
+
+        evict = members.locate(slow((3,), 0.6))
+        assert "evicting it at the next checkpoint" in evict.message
+        members._rank_event(0, WorkerEvent(type="checkpoint", rank=0, time=0.0,
+                                           data={"step": 225}), out)
+        [finding] = out.findings
+        assert finding.incident is Incident.SLOW_NODE and finding.step == 225
+        assert "relaunch without it from the checkpoint of step 225" in finding.message
+        costs = [f for event, f in said.journal if event == "slow_node_cost"]
+        assert [c["verdict"] for c in costs] == ["keep", "evict"]
+        assert costs[1]["keep_s"] == pytest.approx(600, rel=0.01)
+        assert costs[1]["evict_s"] == pytest.approx(505, rel=0.01)
+
+        members.launch(1, Directive(attempt=1), time.monotonic())
+        assert 1 in members.cluster.evicted and members.cluster.attempt.nodes == [0]
+        [evicted] = [f for event, f in said.journal if event == "node_evicted"]
+        assert evicted["node"] == 1 and "its compute is 3.0x the others'" in evicted["why"]
+
+
+def test_a_slow_node_the_run_cannot_do_without_is_kept(members: ClusterMembers) -> None:
+    """A fixed two-node run: however slow node 1 is, one node would be below the minimum."""
+    said = Said()
+    join(members, said)
+    members.launch(0, Directive(), time.monotonic())
+    members.cluster.rank_node.update({2: 1})
+    members._began -= 1000.0
+    members._starts = [5.0]
+    kept = members.locate(slow((2,), 0.9))
+    assert "kept: 1 node(s) would be left, below the minimum 2" in kept.message

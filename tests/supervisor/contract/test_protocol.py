@@ -33,12 +33,12 @@ def test_step_round_trip_keeps_absent_and_nonfinite_values() -> None:
     (b"", "short"),
     (b"XX" + bytes(30), "magic"),
     (protocol.HEADER.pack(b"BS", 9, 1, TOKEN), "version"),
-    (protocol.HEADER.pack(b"BS", 1, 1, bytes(16)), "token"),
-    (protocol.HEADER.pack(b"BS", 1, 7, TOKEN), "kind"),
-    (protocol.HEADER.pack(b"BS", 1, 1, TOKEN) + b"xx", "size"),
-    (protocol.HEADER.pack(b"BS", 1, 2, TOKEN) + b"{not json", "json"),
-    (protocol.HEADER.pack(b"BS", 1, 2, TOKEN) + b'{"rank": -1, "type": 1, "time": 0, "data": {}}',
-     "fields"),
+    (protocol.HEADER.pack(b"BS", protocol.VERSION, 1, bytes(16)), "token"),
+    (protocol.HEADER.pack(b"BS", protocol.VERSION, 7, TOKEN), "kind"),
+    (protocol.HEADER.pack(b"BS", protocol.VERSION, 1, TOKEN) + b"xx", "size"),
+    (protocol.HEADER.pack(b"BS", protocol.VERSION, 2, TOKEN) + b"{not json", "json"),
+    (protocol.HEADER.pack(b"BS", protocol.VERSION, 2, TOKEN)
+     + b'{"rank": -1, "type": 1, "time": 0, "data": {}}', "fields"),
 ])
 def test_bad_datagrams_are_refused_with_a_reason(datagram: bytes, reason: str) -> None:
     with pytest.raises(protocol.ProtocolError) as info:

@@ -1,0 +1,107 @@
+"""The slow machine: one rank's (or node's) forward lagging the others' for minutes
+(``policies/detectors/slow_compute.py``), on every rank's reports and on merged node summaries."""
+
+from __future__ import annotations
+
+import random
+
+from babysit.policies.detectors.slow_compute import SlowComputeConfig, SlowComputeDetector
+from babysit.policies.types import Finding, Incident, RankStep, StepRecord
+from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
+
+WORLD = 6
+
+
+def record(step: int, forwards: dict[int, float], step_time: float = 0.5) -> StepRecord:
+    """One step at one step a second: each rank's forward (0.1 s unless said), every rank's
+    step as long as the slowest (they wait for it in the all-reduce)."""
+    ranks = tuple(RankStep(rank=r, step=step, time=float(step), step_time=step_time,
+                           data_wait=0.001, forward_time=forwards.get(r, 0.1))
+                  for r in range(WORLD))
+    return StepRecord(step=step, time=float(step), ranks=ranks, world_size=WORLD)
+
+
+def run(records: list[StepRecord], config: SlowComputeConfig | None = None) -> list[Finding]:
+    detector = SlowComputeDetector(config)
+    return [f for r in records if (f := detector.observe(r)) is not None]
+
+
+def test_a_rank_slow_for_minutes_is_named_once_with_what_it_costs() -> None:
+    """60 healthy steps at 0.5 s, then rank 4's forward at 0.3 s (3x) and every step 0.7 s:
+    named once, when 80% of the last two minutes' steps were slow (97 s in), with the job 29%
+    slower than its pace before."""
+    healthy = [record(s, {}) for s in range(1, 61)]
+    slow = [record(s, {4: 0.3}, step_time=0.7) for s in range(61, 400)]
+    [finding] = run(healthy + slow)
+    assert finding.incident is Incident.STRAGGLER and finding.detector == "slow_compute"
+    assert finding.ranks == (4,) and finding.step == 157 and finding.onset_step == 61
+    ev = finding.evidence
+    assert ev["slowest"] == {"4": 97} and ev["ratio"] == 3.0 and ev["share"] == 0.8017
+    assert ev["baseline_step_time_s"] == 0.5 and ev["step_time_s"] == 0.7
+    assert ev["slowdown"] == round(1 - 0.5 / 0.7, 4) and ev["slowdown_from"] == "step times before"
+    assert "rank 4's forward 0.3s vs median 0.1s" in finding.message
+
+
+def test_slow_from_the_first_step_costs_at_least_the_forwards_excess() -> None:
+    [finding] = run([record(s, {2: 0.3}, step_time=0.7) for s in range(1, 200)])
+    assert finding.evidence["baseline_step_time_s"] is None
+    assert finding.evidence["slowdown"] == round(0.2 / 0.7, 4)
+    assert finding.evidence["slowdown_from"] == "forward excess"
+
+
+def test_a_slowdown_shorter_than_the_window_or_that_follows_the_data_names_nobody() -> None:
+    """A minute of one slow rank is not minutes; a slow step on a different rank each time
+    (long sequences landing anywhere) names every rank, so no single machine."""
+    brief = [record(s, {4: 0.3} if 60 < s < 120 else {}) for s in range(1, 400)]
+    assert run(brief) == []
+    rng = random.Random(0)
+    anywhere = [record(s, {rng.randrange(WORLD): 0.3}) for s in range(1, 400)]
+    [finding] = run(anywhere)
+    assert len(finding.ranks) == WORLD  # a multi-node leader places this on no node
+
+
+def test_jitter_and_a_script_without_a_model_never_fire() -> None:
+    rng = random.Random(1)
+    jitter = [record(s, {r: 0.1 * rng.uniform(0.8, 1.3) for r in range(WORLD)})
+              for s in range(1, 600)]
+    assert run(jitter) == []
+    bare = [StepRecord(step=s, time=float(s), world_size=2, ranks=tuple(
+        RankStep(rank=r, step=s, time=float(s), step_time=0.5) for r in range(2)))
+        for s in range(1, 600)]
+    assert run(bare) == []
+
+
+def test_a_new_episode_after_recovery_is_reported_again() -> None:
+    steps = [record(s, {4: 0.3} if s < 200 or s > 500 else {}) for s in range(1, 800)]
+    assert [f.ranks for f in run(steps)] == [(4,), (4,)]
+
+
+def test_the_merged_summaries_of_two_nodes_give_the_same_verdict() -> None:
+    """Node 1 (ranks 3-5) is slow: the leader, seeing only each node's summary, merged, names
+    node 1's ranks exactly as one place holding every rank's report does."""
+    def merged(rec: StepRecord) -> SummaryRecord:
+        summary = StepSummary.of(rec.step, WORLD, rec.ranks[:3])
+        summary.merge(StepSummary.of(rec.step, WORLD, rec.ranks[3:]))
+        return SummaryRecord(summary)
+
+    steps = [record(s, {} if s <= 60 else {3: 0.31, 4: 0.3, 5: 0.32}, step_time=0.5 if s <= 60
+                    else 0.7) for s in range(1, 300)]
+    [whole] = run(steps)
+    detector = SlowComputeDetector()
+    [summarised] = [f for r in steps if (f := detector.observe(merged(r))) is not None]
+    assert whole.ranks == summarised.ranks == (5,)
+    assert whole.step == summarised.step
+    assert summarised.evidence["slowdown"] == whole.evidence["slowdown"]
+
+
+def test_its_state_survives_a_json_round_trip_mid_stream() -> None:
+    import json
+
+    steps = [record(s, {1: 0.3}) for s in range(1, 300)]
+    first = SlowComputeDetector()
+    for r in steps[:100]:
+        assert first.observe(r) is None
+    second = SlowComputeDetector()
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    found = [f.step for r in steps[100:] if (f := second.observe(r)) is not None]
+    assert found == [121]  # every step slow: two minutes in
