@@ -11,10 +11,11 @@ A step is *slow* when the slowest forward exceeds ``factor`` x the median by at 
 ``min_excess_s``. The machine is reported (one WARNING) once the last ``window_s`` seconds of
 steps were slow in at least ``min_share`` of them: for minutes, and so across many batches
 (each step draws new data; a long sequence or a large image slows one step, not minutes of
-them). The finding names every rank that was the slowest in a slow step of the window, with
-how often: a multi-node leader evicts a node only when they are all on it
-(``cluster.eviction``). The episode ends when fewer than half the window's steps are slow; a
-new one is reported again.
+them). The finding names the fewest ranks that were the slowest in ``min_share`` of the slow
+steps (a healthy rank a busy moment made the slowest of a step or two is left out; how often
+each was, in its evidence): a multi-node leader evicts a node only when they are all on it
+(``cluster.eviction``), and a slowness that follows the data names many ranks. The episode
+ends when fewer than half the window's steps are slow; a new one is reported again.
 
 Its evidence also carries what the slow machine costs the job: ``slowdown``, the fraction of
 the job's pace lost, from the job's step time now against its step time before the episode
@@ -105,7 +106,7 @@ class SlowComputeDetector:
             slowdown, source = min(1.0, (forward - median) / now_s), "forward excess"
         else:
             slowdown, source = None, None
-        ranks = tuple(sorted(counts))
+        ranks = _dominant(counts, cfg_share=self.config.min_share)
         top = counts.most_common(1)[0][0]
         span = slow[-1][0] - self._window[0][0]
         return Finding(
@@ -132,3 +133,16 @@ class SlowComputeDetector:
         self._first = d["first"]
         self._healthy = deque(d["healthy"], maxlen=self.config.baseline_steps)
         self._reported = bool(d["reported"])
+
+
+def _dominant(counts: Counter[int], cfg_share: float) -> tuple[int, ...]:
+    """The fewest ranks that were the slowest in ``cfg_share`` of the slow steps, most often
+    first: the slow machine's ranks, without the healthy rank that a busy moment made the
+    slowest of a step or two."""
+    total, chosen, covered = sum(counts.values()), [], 0
+    for rank, n in counts.most_common():
+        chosen.append(rank)
+        covered += n
+        if covered >= cfg_share * total:
+            break
+    return tuple(sorted(chosen))

@@ -21,7 +21,7 @@ import pytest
 
 from babysit.supervisor.cluster import leadership
 from babysit.supervisor.node.launcher import free_port
-from tests import netns
+from tests import cpulimit, netns
 from tests.conftest import (
     FAST_POLICY,
     ROOT,
@@ -57,7 +57,7 @@ class Nodes:
 
     def __init__(self, tmp_path: Path, *args: str, nnodes: str = "2", nodes: str = "",
                  steps: int = 40, net: Network | None = None, nproc: int = 2,
-                 extra: str = "") -> None:
+                 extra: str = "", overrides: str = "") -> None:
         """``net``: each node in its own network namespace, with its own address; the config
         then names only the rendezvous endpoint, on node 0's address, as a user's would."""
         self.tmp_path = tmp_path
@@ -72,7 +72,8 @@ class Nodes:
             f"  args: {json.dumps(['--steps', str(steps), '--step-sleep', '0.05', *args])}\n"
             f"run_dir: {self.run_dir}\n"
             f"checkpoints: {{every_steps: 5, probation_steps: 5, async_save: false}}\n"
-            f"policy: {{name: {FAST_POLICY}}}\n"
+            f"policy: {{name: {FAST_POLICY}"
+            + (f", overrides: {overrides}" if overrides else "") + "}\n"
             f"nodes: {{{leader}heartbeat_s: 0.5, lost_after_s: 3,"
             f" settle_s: 2, join_timeout_s: 60{nodes}}}\n{extra}")
         self.procs: dict[int, subprocess.Popen[str]] = {}
@@ -482,3 +483,47 @@ def test_a_silent_data_corruption_on_one_nodes_rank_evicts_that_node(tmp_path: P
     assert run.events("launch")[-1]["directive"]["resume"]["step"] <= 10  # before the flip
     assert (run.run_dir / "exclude_hosts").read_text().split() == [evicted["host"]]
     assert run.events("run_finished")[-1]["state"] == "succeeded"
+
+
+NO_CPU_LIMIT = cpulimit.available()
+
+
+@pytest.mark.skipif(NO_NETNS is not None, reason=str(NO_NETNS))
+@pytest.mark.skipif(NO_CPU_LIMIT is not None, reason=str(NO_CPU_LIMIT))
+def test_a_node_slowed_by_a_cpu_limit_is_named_and_evicted_for_a_spare_when_it_pays(
+        tmp_path: Path, net4: Network) -> None:
+    """A DDP job on 3 nodes and 1 spare, one rank each on its own address, a few ms of compute
+    in each forward. At step 15 node 2's rank is put under a CPU limit (a tenth of a core): the
+    whole job slows, every rank's step time alike. Its forward time names node 2; with the
+    run's remaining time given (``nodes.run_left_s``) keeping it costs more than a relaunch
+    with the spare, so the attempt's next checkpoint relaunches without it, at full size."""
+    run = Nodes(tmp_path, "--forward-work", "40", nnodes="3", steps=200, net=net4, nproc=1,
+                nodes=", spares: 1, run_left_s: 600",
+                overrides="{detectors: {slow_compute: {window_s: 6}}}")
+    with cpulimit.cpu_limit(quota_us=1000, period_us=10000) as limit:
+        for node in range(3):
+            run.start(node)
+        run.until("step 5", lambda: _step(run) >= 5)
+        run.start(3)  # the spare: it waits
+        run.until("step 15", lambda: _step(run) >= 15)
+        [rank] = [p for p in psutil.Process(run.procs[2].pid).children(recursive=True)
+                  if "tiny_train.py" in " ".join(p.cmdline()) and "RANK" in p.environ()]
+        limit.add(rank.pid)
+        codes = run.wait()
+    assert codes == {0: 0, 1: 0, 2: 75, 3: 0}, run.logs()
+    [slow] = [e["finding"] for e in run.events("finding")
+              if e["finding"]["detector"] == "slow_compute"]
+    assert slow["ranks"] == [2] and slow["evidence"]["node"] == 2, slow
+    assert slow["evidence"]["cost"]["evict"] and slow["evidence"]["cost"]["spare"], slow
+    assert slow["evidence"]["slowdown"] > 0.2, slow
+    [cost] = run.events("slow_node_cost")
+    assert cost["verdict"] == "evict" and cost["node"] == 2
+    [evicted] = run.events("node_evicted")
+    assert evicted["node"] == 2 and "its compute is" in evicted["why"], evicted
+    launches = run.events("launch")
+    assert [sorted(e["nodes"]) for e in launches] == [[0, 1, 2], [0, 1, 3]], launches
+    assert launches[1]["directive"]["resume"] is not None
+    assert any("evicted" in e["title"] and "spare" in e["title"] for e in run.events("alert"))
+    assert run.events("run_finished")[-1]["state"] == "succeeded"
+    status = run_babysit("status", str(run.run_dir), cwd=tmp_path).stdout
+    assert "evicted     node 2" in status, status

@@ -104,6 +104,23 @@ def flip_bit(param: torch.Tensor, bit: int = 16) -> None:
     param.data.view(torch.int32).view(-1)[:1].bitwise_xor_(1 << bit)
 
 
+class Work(torch.nn.Module):
+    """Compute inside the model's forward (``--forward-work N``: N 128x128 matrix products, a
+    few ms on a CPU core), returning its input as it came: the job's results are unchanged,
+    but a machine with less CPU is slower at its forward, as a slow GPU would be."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.a = torch.randn(128, 128)  # not a buffer: DDP broadcasts nothing for it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.a
+        for _ in range(self.n):
+            a = torch.tanh(a @ self.a)
+        return x + 0.0 * a[0, 0]
+
+
 class Batches:
     """Rank ``rank``'s 4 rows of global batch ``i``, for any ``i``; ``seek`` moves the start."""
 
@@ -182,6 +199,8 @@ def main() -> None:
     p.add_argument("--nvrx", action="store_true")
     p.add_argument("--step-log")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard)")
+    p.add_argument("--forward-work", type=int, default=0,
+                   help="matrix products in each forward (Work): compute a CPU limit slows")
     args = p.parse_args()
 
     device = torch.device("cpu")
@@ -197,6 +216,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(32, 1)).to(device)
+    if args.forward_work:
+        model.append(Work(args.forward_work))
     if args.fsdp:  # FSDP2: every rank holds a shard of each layer's parameters (DTensors)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
