@@ -28,6 +28,7 @@ the node's share of the work. Pure: what to do with a verdict is the leader's.
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,46 @@ class NodeFaults:
             return False
         self.seen[node] = [f for f in faults if f != _fault(what, finding)]
         return True
+
+
+def recall(entries: Iterable[Mapping[str, Any]], evict_after: int
+           ) -> tuple[NodeFaults, dict[int, str], dict[int, str]]:
+    """What a lost leader knew of the nodes' machines, read back from the run's journal by the
+    leader that takes over: the faults it counted, the nodes they made evictable and not yet
+    evicted, and the nodes it evicted (``faults, evictable, evicted``). The journal holds every
+    finding as judged (a crash the rules traced to the data says so: taken back, as the lost
+    leader's ``prepare`` did), every rerun's verdict, and the ranks' nodes (``worker_hello``)."""
+    faults = NodeFaults(evict_after)
+    evictable: dict[int, str] = {}
+    evicted: dict[int, str] = {}
+    rank_node: dict[int, int] = {}
+    for e in entries:
+        kind = e.get("event")
+        node = e.get("node")
+        if kind == "worker_hello":
+            data = e.get("data")
+            if isinstance(data, dict) and isinstance(data.get("node"), int) \
+                    and isinstance(e.get("rank"), int):
+                rank_node[e["rank"]] = data["node"]
+        elif kind == "finding" and isinstance(e.get("finding"), dict):
+            finding = Finding.from_json(e["finding"])
+            where = finding.evidence.get("node")
+            why = faults.add(finding)
+            if isinstance(where, int):
+                if why is not None:
+                    evictable[where] = why
+                if finding.evidence.get("follows") == "data" and faults.forgive(where, finding):
+                    evictable.pop(where, None)
+        elif kind == "rerun" and e.get("verdict") == "transient" and e.get("moved_first"):
+            nodes = {rank_node.get(int(r)) for r in e["moved_first"]}
+            if len(nodes) == 1 and (one := nodes.pop()) is not None:
+                why = faults.transient(one, int(e.get("detected_step") or e.get("step") or 0))
+                if why is not None:
+                    evictable[one] = why
+        elif kind == "node_evicted" and isinstance(node, int):
+            evicted[node] = str(e.get("why", ""))
+            evictable.pop(node, None)
+    return faults, evictable, evicted
 
 
 def _fault(what: str, finding: Finding) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 from babysit.policies.rerun import TRANSIENT as TRANSIENT_VERDICT
 from babysit.policies.types import Finding, Incident, Remedy, Severity
 from babysit.supervisor.cluster import leadership
-from babysit.supervisor.cluster.eviction import NodeFaults, SlowCost
+from babysit.supervisor.cluster.eviction import NodeFaults, SlowCost, recall
 from babysit.supervisor.cluster.leadership import Lease, LeaseWatch, Term
 from babysit.supervisor.cluster.membership import (
     Cluster,
@@ -61,7 +61,7 @@ from babysit.supervisor.node.launcher import Placement
 from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
 from babysit.supervisor.node.tick import OwnNode
 from babysit.supervisor.node.workers import NodeWorkers
-from babysit.supervisor.run import exit_codes, run_dir
+from babysit.supervisor.run import exit_codes, journal, run_dir
 from babysit.supervisor.run.members import (
     Entry,
     Fenced,
@@ -166,7 +166,12 @@ class ClusterMembers(OnThisNode):
                 lost=self.expect is not None)
 
     def _took_over(self, voice: Voice) -> None:
-        """Say in the run's record that the leader was lost and this node leads now."""
+        """Say in the run's record that the leader was lost and this node leads now; and know
+        what it knew of the nodes' machines (``eviction.recall``)."""
+        self.faults, evictable, evicted = recall(
+            journal.read(self.plan.shared_dir / "events.jsonl"), self.plan.config.nodes.evict_after)
+        self._evictable.update(evictable)
+        self.cluster.evicted.update(evicted)
         lost = leadership.read(self.plan.shared_dir, self.term.epoch - 1)
         if lost is None or lost.node == self.cluster.me:
             return
@@ -289,8 +294,7 @@ class ClusterMembers(OnThisNode):
         nodes = self.plan.config.nodes
         slowdown = finding.evidence.get("slowdown")
         running = self.cluster.attempt.nodes
-        if not nodes.evict_slow or not isinstance(slowdown, float | int) or not self._starts \
-                or node not in running:
+        if not isinstance(slowdown, float | int) or not self._starts or node not in running:
             return finding
         taking, _ = self.cluster.chosen(node)
         cost = SlowCost(
@@ -302,6 +306,8 @@ class ClusterMembers(OnThisNode):
         host = self.cluster.hosts.get(node, "?")
         if not cost.evict:
             kept: str | None = "it costs less than a relaunch without it"
+        elif not nodes.evict_slow:
+            kept = "nodes.evict_slow is false"
         elif node == self.cluster.me:
             kept = "it is the leader's own node"
         elif len(taking) < self.cluster.low:

@@ -19,7 +19,7 @@ TAIL_ROWS = 50
 # Metrics keys whose values may be written as "nan"/"inf" strings (see journal.json_safe).
 _FLOAT_KEYS = ("loss", "loss_min", "loss_median", "loss_max", "grad_norm", "lr", "tokens",
                "step_time", "tokens_per_s", "mfu")
-_LIST_KEYS = ("loss_per_rank", "step_time_per_rank", "data_wait_per_rank")
+_LIST_KEYS = ("loss_per_rank", "step_time_per_rank", "data_wait_per_rank", "forward_time_per_rank")
 
 
 def to_float(value: Any) -> float | None:

@@ -105,3 +105,29 @@ def test_a_slow_node_is_worth_evicting_only_when_it_costs_more_than_a_relaunch()
     assert cost(0.1, 3600, spare=False).describe() == (
         "keeping it costs ~360 s of work over the ~3600 s left (10% slower); evicting ~1240 s "
         "(a relaunch of ~40 s, 2 node(s) doing 67% of the work)")
+
+
+def test_a_new_leader_recalls_what_the_lost_one_counted_from_the_journal() -> None:
+    """Node 1: one SIGSEGV, then a second one (evictable, not evicted yet: the leader died).
+    Node 2: a SIGSEGV the rules traced to the data (taken back), and a transient spike whose
+    first moving rank (5) is there. Node 3: evicted."""
+    from babysit.supervisor.cluster.eviction import recall
+
+    def finding(node: int, step: int, **extra: Any) -> dict[str, Any]:
+        return {"event": "finding", "finding": crash(node, step, **SEGV, **extra).to_json()}
+
+    entries = [
+        {"event": "worker_hello", "rank": 5, "data": {"node": 2}},
+        finding(1, 10),
+        finding(2, 12, follows="data"),
+        {"event": "rerun", "verdict": "transient", "detected_step": 30, "moved_first": [5]},
+        {"event": "node_evicted", "node": 3, "why": "silent data corruption at step 8"},
+        finding(1, 40),
+    ]
+    faults, evictable, evicted = recall(entries, evict_after=2)
+    assert faults.seen == {1: ["SIGSEGV at step 10", "SIGSEGV at step 40"],
+                           2: ["transient fault at step 30"]}
+    assert evictable == {1: "2 machine faults on it: SIGSEGV at step 10, SIGSEGV at step 40"}
+    assert evicted == {3: "silent data corruption at step 8"}
+    # One more transient fault on node 2 makes it evictable, as for the lost leader.
+    assert faults.transient(2, 50) is not None

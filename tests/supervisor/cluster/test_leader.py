@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import socket
 import threading
@@ -829,9 +830,10 @@ def members(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster
 
 
 @contextlib.contextmanager
-def leading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nnodes: str
-            ) -> Iterator[ClusterMembers]:
-    """The ``members`` fixture's leader, for ``launch.nnodes`` ``nnodes``."""
+def leading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nnodes: str,
+            expect: list[int] | None = None) -> Iterator[ClusterMembers]:
+    """The ``members`` fixture's leader, for ``launch.nnodes`` ``nnodes``; ``expect``: the
+    nodes a leader taking over waits for."""
     monkeypatch.setenv(SECRET_ENV, SECRET)
     fake = tmp_path / "fake-python"
     fake.write_text("#!/bin/sh\nexec sleep 60\n")
@@ -848,7 +850,7 @@ def leading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nnodes: str
     term = leadership.claim(plan.shared_dir, 0, 0, "gpu-0", plan.leader_address)
     assert term is not None
     lease = Lease(plan.shared_dir, 0, "gpu-0", every_s=0.2).start()
-    m = ClusterMembers(plan, plan.secret(), term, lease)
+    m = ClusterMembers(plan, plan.secret(), term, lease, expect)
     m.open()
     yield m
     m.close(0)
@@ -1175,3 +1177,25 @@ def test_a_slow_node_the_run_cannot_do_without_is_kept(members: ClusterMembers) 
     members._starts = [5.0]
     kept = members.locate(slow((2,), 0.9))
     assert "kept: 1 node(s) would be left, below the minimum 2" in kept.message
+
+
+def test_a_leader_taking_over_knows_the_machine_faults_the_lost_one_counted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lost leader had counted one SIGSEGV on node 1 and evicted node 2: the new leader
+    reads both back from the run's journal, so one more SIGSEGV on node 1 evicts it."""
+    with leading(tmp_path, monkeypatch, "1:3", expect=[1]) as members:
+        segv = Finding(incident=Incident.CRASH, detector="crash", severity=Severity.CRITICAL,
+                       step=9, onset_step=9, message="m", ranks=(2,),
+                       evidence={"class": "signal", "signal": 11, "node": 1, "host": "gpu-1"})
+        with open(members.plan.shared_dir / "events.jsonl", "a") as f:
+            for entry in ({"event": "finding", "finding": segv.to_json()},
+                          {"event": "node_evicted", "node": 2, "why": "sdc"}):
+                f.write(json.dumps(entry) + "\n")
+        join(members, Said())
+        assert members.faults.seen == {1: ["SIGSEGV at step 9"]}
+        assert members.cluster.evicted == {2: "sdc"} and not members._evictable
+        members.launch(0, Directive(), time.monotonic())
+        members.cluster.rank_node[2] = 1
+        members.locate(dataclasses.replace(segv, step=30, onset_step=30))
+        assert members._evictable == {1: "2 machine faults on it: SIGSEGV at step 9, "
+                                         "SIGSEGV at step 30"}

@@ -1,0 +1,195 @@
+"""A slow node, kept and evicted: the same multi-node job with one node's rank under a CPU limit.
+
+    sudo .venv/bin/python benchmarks/slow_node.py [--minutes 5] [--quota 0.1] [--at 0.2]
+                                                  [--keep DIR]
+
+Root is needed for the CPU limit (a cgroup's CFS quota, ``tests/cpulimit.py``). The job is
+``tests/workers/tiny_train.py`` under DDP on 3 nodes of one rank each and a hot spare, every
+babysitter on this machine (loopback), with a few ms of real compute in each forward
+(``--forward-work 40``) and 0.05 s of sleep per step, sized to ``--minutes`` of fault-free
+training here (the step time measured first, on 60 steps under plain torchrun). Three runs, one
+after the other, with babysit's default policy and a checkpoint every 25 steps:
+
+- ``clean``: no limit;
+- ``kept``: from ``--at`` of the steps on, node 2's rank gets ``--quota`` of one core
+  (``nodes.evict_slow: false``: named and alerted, never evicted);
+- ``evicted``: the same limit under the default settings: named, its cost weighed, evicted for
+  the spare at the attempt's next checkpoint.
+
+A slow step is still a productive one in babysit's ledger, so the figure that shows what a slow
+node costs is the wall time for the same steps; ``pace goodput`` is the steps at the clean run's
+median step time over the wall time (the ledger's goodput is printed beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.goodput import env, step_log  # noqa: E402
+from tests import cpulimit  # noqa: E402
+
+WORKER = ROOT / "tests" / "workers" / "tiny_train.py"
+NODES, SPARES = 3, 1
+JOB = ["--step-sleep", "0.05", "--forward-work", "40", "--loss-every", "50"]
+
+
+def calibrate(workdir: Path) -> float:
+    """The job's median step time on this machine under plain torchrun, 3 ranks."""
+    log = workdir / "calibrate-steps.log"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", str(NODES), str(WORKER), "--steps", "60", *JOB,
+                    "--step-log", str(log)], cwd=workdir, env=env(), capture_output=True,
+                   timeout=300)
+    times = step_log(log)
+    if len(times) < 60:
+        raise SystemExit(f"the calibration run stopped at step {len(times)}")
+    return statistics.median(b - a for a, b in itertools.pairwise(times[10:]))
+
+
+def newest_step(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return 0
+    with open(metrics, "rb") as f:
+        f.seek(max(0, metrics.stat().st_size - 4096))
+        lines = f.read().decode(errors="replace").splitlines()
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError):
+            return int(json.loads(line)["step"])
+    return 0
+
+
+def rank_of(babysitter: subprocess.Popen[str]) -> psutil.Process:
+    """The training rank under a node's babysitter."""
+    for p in psutil.Process(babysitter.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if str(WORKER) in p.cmdline() and "RANK" in p.environ():
+                return p
+    raise RuntimeError("no rank under node 2's babysitter")
+
+
+def one_run(workdir: Path, name: str, steps: int, limit_at: int | None, quota: float,
+            evict: bool) -> dict[str, Any]:
+    run_dir = workdir / name
+    config = workdir / f"{name}.yaml"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config.write_text(
+        f"launch:\n  script: {WORKER}\n  nproc-per-node: 1\n  nnodes: '{NODES}'\n"
+        f"  args: {json.dumps(['--steps', str(steps), *JOB])}\n"
+        f"run_dir: {run_dir}\ncheckpoints: {{every_steps: 25}}\n"
+        f"nodes: {{leader: '127.0.0.1:{port}', spares: {SPARES}, "
+        f"evict_slow: {'true' if evict else 'false'}}}\n")
+    environ = {**env(), "BABYSIT_SECRET": "slow-node-benchmark"}
+    procs: dict[int, subprocess.Popen[str]] = {}
+
+    def start(node: int) -> None:
+        log = open(workdir / f"{name}-node{node}.log", "w")  # noqa: SIM115 - lives with the run
+        procs[node] = subprocess.Popen(
+            [sys.executable, "-m", "babysit", "run", "--node-rank", str(node), str(config)],
+            cwd=workdir, env=environ, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+    limited_at: float | None = None
+    with contextlib.ExitStack() as stack:
+        limit = (stack.enter_context(cpulimit.cpu_limit(quota_us=int(quota * 10000)))
+                 if limit_at is not None else None)
+        started = time.time()
+        for node in range(NODES):
+            start(node)
+        shown = 0.0
+        while any(p.poll() is None for p in procs.values()):
+            time.sleep(0.5)
+            step = newest_step(run_dir)
+            if NODES not in procs and step >= 1:
+                start(NODES)  # the spare joins a running attempt and waits
+            if limit is not None and limited_at is None and limit_at is not None \
+                    and step >= limit_at:
+                limit.add(rank_of(procs[2]).pid)
+                limited_at = time.time()
+                print(f"  {name}: node 2's rank limited to {quota:.0%} of a core at step {step}",
+                      flush=True)
+            if time.time() - shown > 30:
+                shown = time.time()
+                print(f"  {name}: step {step} of {steps}, {shown - started:.0f} s", flush=True)
+            if time.time() - started > 6 * 3600:
+                raise SystemExit(f"{name}: still running after 6 h")
+    codes = {n: p.returncode for n, p in procs.items()}
+    status = subprocess.run([sys.executable, "-m", "babysit", "status", "--json", str(run_dir)],
+                            cwd=workdir, env=env(), capture_output=True, text=True, check=True)
+    snap = json.loads(status.stdout)
+    journal = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    costs = [e for e in journal if e["event"] == "slow_node_cost"]
+    evicted = [e for e in journal if e["event"] == "node_evicted"]
+    return {"codes": codes, "ledger": snap["goodput"], "step": snap["step"], "loss": snap["loss"],
+            "named_after_s": costs[0]["time"] - limited_at if costs and limited_at else None,
+            "cost": costs[0] if costs else None,
+            "evicted_after_s": evicted[0]["time"] - limited_at if evicted and limited_at
+            else None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=5.0,
+                   help="fault-free training time the job is sized to")
+    p.add_argument("--quota", type=float, default=0.1,
+                   help="the slow node's rank's share of one core")
+    p.add_argument("--at", type=float, default=0.2,
+                   help="the fraction of the steps at which the limit starts")
+    p.add_argument("--keep", type=Path, metavar="DIR", help="run in DIR and keep it")
+    args = p.parse_args()
+    why = cpulimit.available()
+    if why is not None:
+        raise SystemExit(f"cannot limit a node's CPU here: {why}")
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            workdir = args.keep.resolve()
+        else:
+            workdir = Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="babysit-slow-node-")))
+        step_s = calibrate(workdir)
+        steps = int(args.minutes * 60 / step_s)
+        at = int(args.at * steps)
+        print(f"job: {steps} steps of {1000 * step_s:.1f} ms (~{args.minutes:g} min fault-free "
+              f"here) on {NODES} nodes and {SPARES} spare; node 2's rank limited to "
+              f"{args.quota:.0%} of a core from step {at}", flush=True)
+        runs = {"clean": one_run(workdir, "clean", steps, None, args.quota, evict=True),
+                "kept": one_run(workdir, "kept", steps, at, args.quota, evict=False),
+                "evicted": one_run(workdir, "evicted", steps, at, args.quota, evict=True)}
+        clean_step = runs["clean"]["ledger"]["seconds"]["productive"] / steps
+        print(f"\n{'run':8} {'wall s':>8} {'pace goodput':>13} {'ledger goodput':>15} "
+              f"{'step':>6} {'loss':>8}  exits / slow node")
+        for name, r in runs.items():
+            ledger = r["ledger"]
+            pace = steps * clean_step / ledger["wall_s"]
+            note = ""
+            if r["cost"]:
+                c = r["cost"]
+                note = (f"named {r['named_after_s']:.0f} s after the limit, {c['slowdown']:.0%} "
+                        f"slower, keep ~{c['keep_s']:.0f} s vs evict ~{c['evict_s']:.0f} s: "
+                        f"{c['verdict']}")
+                if r["evicted_after_s"] is not None:
+                    note += f", evicted {r['evicted_after_s']:.0f} s after the limit"
+            print(f"{name:8} {ledger['wall_s']:8.1f} {100 * pace:12.1f}% "
+                  f"{100 * ledger['goodput']:14.1f}% {r['step']:6} {r['loss']:8.4f}  "
+                  f"{r['codes']} {note}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
