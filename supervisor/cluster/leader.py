@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from babysit.policies.rerun import TRANSIENT as TRANSIENT_VERDICT
-from babysit.policies.types import Finding, Incident, Remedy, Severity
+from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
 from babysit.supervisor.cluster import leadership
 from babysit.supervisor.cluster.eviction import NodeFaults, SlowCost, recall
 from babysit.supervisor.cluster.leadership import Lease, LeaseWatch, Term
@@ -187,8 +187,6 @@ class ClusterMembers(OnThisNode):
     def launch(self, attempt: int, directive: Directive, now: float) -> dict[str, Any]:
         self._term_checked = 0.0
         self._check_term()  # never start ranks under a term another node has taken
-        if self._slow is not None:  # relaunched before its checkpoint came: it goes now
-            self._evictable[self._slow[0]] = self._slow[1]
         self._evict()
         self._launched, self._slow = self.clock(), None
         present = len(self.cluster.present())
@@ -336,7 +334,22 @@ class ClusterMembers(OnThisNode):
             node = remedy.finding.evidence.get("node")
             if isinstance(node, int) and self.faults.forgive(node, remedy.finding):
                 self._evictable.pop(node, None)
+        slow = self._slow_going(remedy)
+        if slow is not None:
+            self._evictable[slow[0]] = slow[1]
         return []
+
+    def _slow_going(self, remedy: Remedy | None) -> tuple[int, str] | None:
+        """The slow node this relaunch leaves out, and why: the one its ``slow_node`` finding
+        names, or one the cost said to evict whose checkpoint has not come yet, when this
+        relaunch (for another reason) comes first and the policy relaunches for slow nodes."""
+        if remedy is None:
+            return None
+        ev = remedy.finding.evidence
+        if remedy.finding.incident is Incident.SLOW_NODE and isinstance(ev.get("node"), int):
+            return ev["node"], str(ev.get("why", ""))
+        ladder = self.view.watch.policy.incidents.slow_node.ladder
+        return self._slow if ladder[0] is Action.RELAUNCH else None
 
     def close(self, code: int | None) -> list[Entry]:
         if self.fenced is not None:  # another leads: command nobody, keep nothing running
@@ -493,7 +506,6 @@ class ClusterMembers(OnThisNode):
         if self._slow is None:
             return
         (node, why), self._slow = self._slow, None
-        self._evictable[node] = why
         host = self.cluster.hosts.get(node, "?")
         out.findings.append(Finding(
             incident=Incident.SLOW_NODE, detector="cluster", severity=Severity.WARNING,

@@ -1161,6 +1161,7 @@ def test_a_slow_node_is_evicted_at_the_next_checkpoint_when_the_cost_says_so(
         assert costs[1]["keep_s"] == pytest.approx(600, rel=0.01)
         assert costs[1]["evict_s"] == pytest.approx(505, rel=0.01)
 
+        members.prepare(Remedy(Action.RELAUNCH, finding, "slow_node -> relaunch"), 1)
         members.launch(1, Directive(attempt=1), time.monotonic())
         assert 1 in members.cluster.evicted and members.cluster.attempt.nodes == [0]
         [evicted] = [f for event, f in said.journal if event == "node_evicted"]
@@ -1199,3 +1200,17 @@ def test_a_leader_taking_over_knows_the_machine_faults_the_lost_one_counted(
         members.locate(dataclasses.replace(segv, step=30, onset_step=30))
         assert members._evictable == {1: "2 machine faults on it: SIGSEGV at step 9, "
                                          "SIGSEGV at step 30"}
+
+
+def test_a_relaunch_for_another_reason_before_the_checkpoint_takes_the_slow_node_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with leading(tmp_path, monkeypatch, "1:2") as members:
+        join(members, Said())
+        members.launch(0, Directive(), time.monotonic())
+        members.cluster.rank_node.update({2: 1})
+        members._began -= 1000.0
+        members._starts = [5.0]
+        assert "evicting it" in members.locate(slow((2,), 0.9)).message
+        members.prepare(Remedy(Action.RELAUNCH, hang_finding(0), "hang -> relaunch"), 1)
+        members.launch(1, Directive(attempt=1), time.monotonic())
+        assert 1 in members.cluster.evicted and members.cluster.attempt.nodes == [0]
