@@ -19,7 +19,8 @@ ends when fewer than half the window's steps are slow; a new one is reported aga
 
 Its evidence also carries what the slow machine costs the job: ``slowdown``, the fraction of
 the job's pace lost, from the job's step time now against its step time before the episode
-(``baseline_step_time_s``: the median of the last healthy steps), or, with no healthy step
+(``baseline_step_time_s``: the median of the last healthy steps, those not slow and within
+1.25x of the pace so far, or of any pace in a window without a slow step), or, with no healthy step
 seen yet, from the forward's excess over the median alone (a lower bound: the backward's
 excess is not counted).
 
@@ -85,12 +86,22 @@ class SlowComputeDetector:
             if share < 0.5:
                 self._reported = False
             return None
-        if not slow and share < 0.5 and record.step_time is not None:
-            self._healthy.append(record.step_time)
+        if not slow and self._healthy_pace(record.step_time, share):
+            self._healthy.append(record.step_time)  # type: ignore[arg-type]
         if share < cfg.min_share or now - self._first < cfg.window_s:
             return None
         self._reported = True
         return self._finding(record.step, share)
+
+    def _healthy_pace(self, step_time: float | None, share: float) -> bool:
+        """Is this step's time the job's healthy pace? Not a step whose forward was fine while
+        the slow machine held every rank up in the backward (a CPU limit throttles in bursts):
+        within 1.25x of the pace so far, or any pace once the window holds no slow step."""
+        if step_time is None or step_time <= 0:
+            return False
+        if share == 0.0 or len(self._healthy) < 10:
+            return True
+        return step_time <= 1.25 * statistics.median(self._healthy)
 
     def _finding(self, step: int, share: float) -> Finding:
         slow = [w for w in self._window if w[2] >= 0]

@@ -12,13 +12,15 @@ from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
 WORLD = 6
 
 
-def record(step: int, forwards: dict[int, float], step_time: float = 0.5) -> StepRecord:
-    """One step at one step a second: each rank's forward (0.1 s unless said), every rank's
-    step as long as the slowest (they wait for it in the all-reduce)."""
-    ranks = tuple(RankStep(rank=r, step=step, time=float(step), step_time=step_time,
+def record(step: int, forwards: dict[int, float], step_time: float = 0.5,
+           per_s: float = 1.0) -> StepRecord:
+    """One step at ``per_s`` steps a second: each rank's forward (0.1 s unless said), every
+    rank's step as long as the slowest (they wait for it in the all-reduce)."""
+    now = step / per_s
+    ranks = tuple(RankStep(rank=r, step=step, time=now, step_time=step_time,
                            data_wait=0.001, forward_time=forwards.get(r, 0.1))
                   for r in range(WORLD))
-    return StepRecord(step=step, time=float(step), ranks=ranks, world_size=WORLD)
+    return StepRecord(step=step, time=now, ranks=ranks, world_size=WORLD)
 
 
 def run(records: list[StepRecord], config: SlowComputeConfig | None = None) -> list[Finding]:
@@ -111,3 +113,15 @@ def test_its_state_survives_a_json_round_trip_mid_stream() -> None:
     second.load_state_dict(json.loads(json.dumps(first.state_dict())))
     found = [f.step for r in steps[100:] if (f := second.observe(r)) is not None]
     assert found == [121]  # every step slow: two minutes in
+
+
+def test_steps_held_up_in_the_backward_do_not_move_the_pace_before() -> None:
+    """A CPU limit throttles in bursts: some steps the slow rank's forward is quick while its
+    backward holds every rank up. Those steps are not the healthy pace: the job runs half as
+    fast, not a third slower."""
+    healthy = [record(s, {}, per_s=10) for s in range(1, 601)]
+    slow = [record(s, {} if s % 10 < 2 else {4: 0.3}, step_time=1.0, per_s=10)
+            for s in range(601, 4000)]
+    [finding] = run(healthy + slow, SlowComputeConfig(min_share=0.75))
+    assert finding.evidence["baseline_step_time_s"] == 0.5
+    assert finding.evidence["slowdown"] == 0.5
