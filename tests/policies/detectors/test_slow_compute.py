@@ -125,3 +125,14 @@ def test_steps_held_up_in_the_backward_do_not_move_the_pace_before() -> None:
     [finding] = run(healthy + slow, SlowComputeConfig(min_share=0.75))
     assert finding.evidence["baseline_step_time_s"] == 0.5
     assert finding.evidence["slowdown"] == 0.5
+
+
+def test_its_state_stays_small_at_any_step_rate() -> None:
+    """200 steps a second for five minutes: the window is kept in 120 slices, not per step,
+    so the state journaled with every finding stays a few KiB."""
+    import json
+
+    detector = SlowComputeDetector()
+    for s in range(1, 60_000):
+        detector.observe(record(s, {4: 0.3} if s > 20_000 else {}, per_s=200))
+    assert len(json.dumps(detector.state_dict())) < 20_000
