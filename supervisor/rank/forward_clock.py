@@ -11,7 +11,8 @@ nobody (``docs/multinode.md``).
 Only forwards run with autograd on are timed (training, not an eval under ``no_grad``); several
 in one step (gradient accumulation) add up. On a CUDA model the time is the GPU's, read from a
 pair of CUDA events per forward once they have completed (never waiting for them); on the CPU,
-the wall time of the call. Two hooks per forward, a few microseconds.
+the wall time of the call. Two hooks per forward, a few microseconds; ``torch.compile`` runs
+them eagerly (``torch.compiler.disable``), outside the model's graph.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ class ForwardClock:
         self._started: Any = None
         self._pending: list[tuple[Any, Any]] = []
         self._timed = False
-        self._handles = [module.register_forward_pre_hook(self._start),
-                         module.register_forward_hook(self._stop)]
+        # Run as plain Python under torch.compile: a clock is no part of the model's graph.
+        eager: Any = torch.compiler.disable
+        self._handles = [module.register_forward_pre_hook(eager(self._start)),
+                         module.register_forward_hook(eager(self._stop))]
 
     def take(self) -> float | None:
         """Seconds of training forward since the last call, or None when none was timed."""

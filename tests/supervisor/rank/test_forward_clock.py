@@ -43,3 +43,21 @@ def test_training_forwards_add_up_and_an_eval_under_no_grad_is_not_counted() -> 
 def test_something_that_is_not_a_module_gets_no_clock() -> None:
     assert forward_clock(None) is None
     assert forward_clock(object()) is None
+
+
+def test_a_compiled_model_is_timed_and_its_graph_holds_no_clock() -> None:
+    """``torch.compile`` (dynamo, its eager backend: no code generated) runs the clock's hooks
+    as plain Python around the model's graph."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    clock = forward_clock(model)
+    assert clock is not None
+    compiled = torch.compile(model, backend="eager")
+    x = torch.ones(2, 4)
+    for _ in range(3):
+        compiled(x).sum().backward()
+    taken = clock.take()
+    assert taken is not None and taken > 0
+    clock.remove()
