@@ -111,6 +111,15 @@ def main() -> None:
 
         loss_t = torch.tensor(2.5)
         rows.append(("step() with a CPU tensor loss", lambda: active.step(loss=loss_t)))
+        # The forward clock attach(model=...) puts on the model: two hooks per forward, and
+        # step() taking the time.
+        x = torch.ones(4, 16)
+        plain, timed_model = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        with_model = attach(model=timed_model)
+        rows += [("forward of a Linear(16, 16)", lambda: plain(x)),
+                 ("  same, timed by attach(model=)", lambda: timed_model(x)),
+                 ("  same + step() loss only", lambda: (timed_model(x),
+                                                        with_model.step(loss=2.5)))]
     except ImportError:
         pass
 
