@@ -61,17 +61,19 @@ def env() -> dict[str, str]:
             "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
 
 
-def calibrate(workdir: Path) -> tuple[float, float, float]:
-    """The job's fault-free step time on this machine (0.05 s of sleep, the compute, the
-    collectives): the median of 60 steps under plain torchrun, so that ``--minutes`` is what
-    the fault-free run takes here. Also what the same job pays under plain torchrun to start
-    (the command to its first step done) and to end (its last step to torchrun's exit), the
-    job's own start-up and exit that babysit's ledger counts as ``startup`` and ``shutdown``."""
+def calibrate(workdir: Path, nproc: int = 2, job: tuple[str, ...] = ("--step-sleep", "0.05")
+              ) -> tuple[float, float, float]:
+    """The job's fault-free step time on this machine (``nproc`` ranks of the tiny job with
+    ``job`` as its arguments: 0.05 s of sleep, the compute, the collectives): the median of
+    60 steps under plain torchrun, so that ``--minutes`` is what the fault-free run takes here.
+    Also what the same job pays under plain torchrun to start (the command to its first step
+    done) and to end (its last step to torchrun's exit), the job's own start-up and exit that
+    babysit's ledger counts as ``startup`` and ``shutdown``."""
     log = workdir / "calibrate-steps.log"
     started = time.time()
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(WORKER), "--steps", "60", "--step-sleep",
-                           "0.05", "--step-log", str(log)], cwd=workdir, env=env(),
+                           "--nproc-per-node", str(nproc), str(WORKER), "--steps", "60", *job,
+                           "--step-log", str(log)], cwd=workdir, env=env(),
                           capture_output=True, text=True, timeout=300)
     ended = time.time()
     times = step_log(log)
@@ -82,6 +84,14 @@ def calibrate(workdir: Path) -> tuple[float, float, float]:
                          f"{done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     step_s = statistics.median(b - a for a, b in itertools.pairwise(times[10:]))
     return step_s, times[0] - started, ended - times[-1]
+
+
+def workdir_for(stack: contextlib.ExitStack, keep: Path | None, prefix: str) -> Path:
+    """``keep`` (made, kept after the run) or a temporary folder ``stack`` removes."""
+    if keep:
+        keep.mkdir(parents=True, exist_ok=True)
+        return keep.resolve()
+    return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
 
 
 def step_log(log: Path) -> list[float]:
@@ -181,12 +191,7 @@ def main() -> None:
                         "of a temporary folder")
     args = p.parse_args()
     with contextlib.ExitStack() as stack:
-        if args.keep:
-            args.keep.mkdir(parents=True, exist_ok=True)
-            workdir = args.keep.resolve()
-        else:
-            workdir = Path(stack.enter_context(
-                tempfile.TemporaryDirectory(prefix="babysit-goodput-")))
+        workdir = workdir_for(stack, args.keep, "babysit-goodput-")
         step_s, job_start_s, job_exit_s = calibrate(workdir)
         steps = int(args.minutes * 60 / step_s)
         at = schedule(steps)

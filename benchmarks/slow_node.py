@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import socket
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,25 +37,12 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.goodput import env, step_log  # noqa: E402
+from benchmarks.goodput import calibrate, env, workdir_for  # noqa: E402
 from tests import cpulimit  # noqa: E402
 
 WORKER = ROOT / "tests" / "workers" / "tiny_train.py"
 NODES, SPARES = 3, 1
 JOB = ["--step-sleep", "0.05", "--forward-work", "40", "--loss-every", "50"]
-
-
-def calibrate(workdir: Path) -> float:
-    """The job's median step time on this machine under plain torchrun, 3 ranks."""
-    log = workdir / "calibrate-steps.log"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", str(NODES), str(WORKER), "--steps", "60", *JOB,
-                    "--step-log", str(log)], cwd=workdir, env=env(), capture_output=True,
-                   timeout=300)
-    times = step_log(log)
-    if len(times) < 60:
-        raise SystemExit(f"the calibration run stopped at step {len(times)}")
-    return statistics.median(b - a for a, b in itertools.pairwise(times[10:]))
 
 
 def newest_step(run_dir: Path) -> int:
@@ -157,13 +141,8 @@ def main() -> None:
     if why is not None:
         raise SystemExit(f"cannot limit a node's CPU here: {why}")
     with contextlib.ExitStack() as stack:
-        if args.keep:
-            args.keep.mkdir(parents=True, exist_ok=True)
-            workdir = args.keep.resolve()
-        else:
-            workdir = Path(stack.enter_context(
-                tempfile.TemporaryDirectory(prefix="babysit-slow-node-")))
-        step_s = calibrate(workdir)
+        workdir = workdir_for(stack, args.keep, "babysit-slow-node-")
+        step_s, _, _ = calibrate(workdir, NODES, tuple(JOB))
         steps = int(args.minutes * 60 / step_s)
         at = int(args.at * steps)
         print(f"job: {steps} steps of {1000 * step_s:.1f} ms (~{args.minutes:g} min fault-free "
