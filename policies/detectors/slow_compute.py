@@ -20,8 +20,9 @@ ends when fewer than half the window's steps are slow; a new one is reported aga
 
 Its evidence also carries what the slow machine costs the job: ``slowdown``, the fraction of
 the job's pace lost, from the job's step time now against its step time before the episode
-(``baseline_step_time_s``: the median of the last healthy steps, those in a stretch of 10
-steps that were not slow), or, with no healthy step
+(``baseline_step_time_s``: the median of the last steps the named ranks did not hold up:
+neither the slowest of that step nor of more than 2 of the 10 before it; a busy host whose
+leader node is often a little slow still has a pace to compare with), or, with no such step
 seen yet, from the forward's excess over the median alone (a lower bound: the backward's
 excess is not counted).
 
@@ -41,7 +42,11 @@ from babysit.policies.detectors._base import DetectorConfig, r4
 from babysit.policies.types import Finding, Incident, JobStep, Severity
 
 CALM = 10
-"""Steps in a row that were not slow before a step's time counts as the healthy pace."""
+"""The steps before a step that say which rank, if any, was holding the job up then..."""
+CALM_SLOW = 2
+"""...the one the slowest in more than this many of them."""
+PACES = 4
+"""Paces kept, one per rank that held the job up (and one for none), the latest first."""
 
 
 class SlowComputeConfig(DetectorConfig):
@@ -98,9 +103,9 @@ class SlowComputeDetector:
         self.config = config or SlowComputeConfig()
         self._window: deque[_Bucket] = deque()
         self._first: float | None = None
-        self._healthy: deque[float] = deque(maxlen=self.config.baseline_steps)
+        self._paces: dict[int | None, deque[float]] = {}
         self._reported = False
-        self._calm = 0
+        self._recent: deque[int | None] = deque(maxlen=CALM)
 
     def observe(self, record: JobStep) -> Finding | None:
         spread = record.slowest_forward
@@ -116,12 +121,7 @@ class SlowComputeDetector:
             self._first = now
         n = sum(b.n for b in self._window)
         share = sum(b.slow for b in self._window) / n
-        # The healthy pace: steps in a stretch of CALM steps that were not slow. Not a quick
-        # forward between slow ones (a throttled machine is slow in bursts): those steps wait
-        # for it in the backward, and would make the pace before look like the pace now.
-        self._calm = 0 if slow else self._calm + 1
-        if self._calm >= CALM and record.step_time is not None and record.step_time > 0:
-            self._healthy.append(record.step_time)
+        self._pace(spread.rank if slow else None, record.step_time)
         if self._reported:
             if share < 0.5:
                 self._reported = False
@@ -159,14 +159,14 @@ class SlowComputeDetector:
         median = sum(b.median for b in window) / slow
         timed = sum(b.timed for b in window)
         now_s = sum(b.times for b in window) / timed if timed else None
-        base = statistics.median(self._healthy) if self._healthy else None
+        ranks = _dominant(counts)
+        base = self._pace_without(ranks)
         if now_s is not None and base is not None and now_s > 0:
             slowdown, source = max(0.0, 1.0 - base / now_s), "step times before"
         elif now_s:
             slowdown, source = min(1.0, (forward - median) / now_s), "forward excess"
         else:
             slowdown, source = None, None
-        ranks = _dominant(counts)
         top = counts.most_common(1)[0][0]
         onset = next(b.first_slow for b in window if b.first_slow is not None)
         span = window[-1].start - window[0].start
@@ -185,16 +185,44 @@ class SlowComputeDetector:
                       "slowdown": r4(slowdown) if slowdown is not None else None,
                       "slowdown_from": source})
 
+    def _pace(self, slowest: int | None, step_time: float | None) -> None:
+        """File the step's time under the rank holding the job up lately (the slowest of more
+        than CALM_SLOW of the last CALM steps), or None. Not a quick forward between slow ones
+        as a healthy step: a throttled machine is slow in bursts, and the steps between wait
+        for it in the backward, so they are filed under it too."""
+        counts = Counter(r for r in self._recent if r is not None)
+        full = len(self._recent) == CALM
+        self._recent.append(slowest)
+        if not full or step_time is None or step_time <= 0:
+            return
+        held = next((r for r, n in counts.most_common(1) if n > CALM_SLOW), None)
+        if slowest is not None and slowest != held:
+            return  # a step one other rank held up: no pace of anyone's
+        pace = self._paces.pop(held, None) or deque(maxlen=self.config.baseline_steps)
+        pace.append(step_time)
+        self._paces[held] = pace  # latest last
+        while len(self._paces) > PACES:
+            del self._paces[next(iter(self._paces))]
+
+    def _pace_without(self, ranks: tuple[int, ...]) -> float | None:
+        """The latest pace the named ranks did not hold up, or None."""
+        for held, pace in reversed(self._paces.items()):
+            if held not in ranks and pace:
+                return statistics.median(pace)
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return {"window": [b.to_json() for b in self._window], "first": self._first,
-                "healthy": list(self._healthy), "reported": self._reported, "calm": self._calm}
+                "paces": [[held, list(pace)] for held, pace in self._paces.items()],
+                "reported": self._reported, "recent": list(self._recent)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self._window = deque(_Bucket.from_json(b) for b in d["window"])
         self._first = d["first"]
-        self._healthy = deque(d["healthy"], maxlen=self.config.baseline_steps)
+        self._paces = {held: deque(pace, maxlen=self.config.baseline_steps)
+                       for held, pace in d.get("paces", ())}
         self._reported = bool(d["reported"])
-        self._calm = int(d.get("calm", 0))
+        self._recent = deque(d.get("recent", ()), maxlen=CALM)
 
 
 def _dominant(counts: Counter[int]) -> tuple[int, ...]:

@@ -4,9 +4,10 @@ Under data parallelism every rank's *step* takes as long as the slowest rank's, 
 fast ones wait for it inside the gradient all-reduce; so a slow machine is invisible in step
 times. The forward pass of a DDP model runs no collective (DDP reduces gradients in the
 backward), so its duration is the rank's own work: a node with a throttled CPU or a slow GPU
-shows up there, and only there. Under FSDP the forward all-gathers every layer's parameters,
-the fast ranks wait for the slow one inside it, and the signal is shared by all: it names
-nobody (``docs/multinode.md``).
+shows up there, and only there. Under FSDP2 (``fully_shard``) the forward all-gathers each
+unit's parameters and the fast ranks wait there for the slow one; the time each unit's own
+pre-forward hook takes (its all-gather, and the wait for it) is measured with a hook on either
+side of it and left out, so what remains is again the rank's own compute.
 
 Only forwards run with autograd on are timed (training, not an eval under ``no_grad``); several
 in one step (gradient accumulation) add up. On a CUDA model the time is the GPU's, read from a
@@ -32,26 +33,32 @@ class ForwardClock:
         self._cuda = _on_cuda(module)
         self._seconds = 0.0
         self._started: Any = None
-        self._pending: list[tuple[Any, Any]] = []
+        self._waiting: Any = None
+        self._pending: list[tuple[Any, Any, float]] = []
         self._timed = False
         # Run as plain Python under torch.compile: a clock is no part of the model's graph.
         eager: Any = torch.compiler.disable
         self._handles = [module.register_forward_pre_hook(eager(self._start)),
                          module.register_forward_hook(eager(self._stop))]
+        for unit in _sharded_units(module):
+            # FSDP2 put its own pre-forward hook (the all-gather) first; one hook before it and
+            # one after it bracket the time the rank spent there, not computing.
+            self._handles += [unit.register_forward_pre_hook(eager(self._wait_start), prepend=True),
+                              unit.register_forward_pre_hook(eager(self._wait_stop))]
 
     def take(self) -> float | None:
         """Seconds of training forward since the last call, or None when none was timed."""
         if self._pending:
             waiting = []
-            for start, end in self._pending:
+            for start, end, sign in self._pending:
                 if end.query():
-                    self._seconds += start.elapsed_time(end) / 1000.0
+                    self._seconds += sign * start.elapsed_time(end) / 1000.0
                 else:
-                    waiting.append((start, end))
+                    waiting.append((start, end, sign))
             self._pending = waiting
         if not self._timed:
             return None
-        seconds, self._seconds, self._timed = self._seconds, 0.0, False
+        seconds, self._seconds, self._timed = max(self._seconds, 0.0), 0.0, False
         return seconds
 
     def remove(self) -> None:
@@ -60,27 +67,34 @@ class ForwardClock:
         self._handles = []
 
     def _start(self, module: Any, args: Any) -> None:
-        if not self._torch.is_grad_enabled():
-            self._started = None
-            return
-        if self._cuda:
-            event = self._torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            event.record()
-            self._started = event
-        else:
-            self._started = time.perf_counter()
+        self._started = self._now() if self._torch.is_grad_enabled() else None
 
     def _stop(self, module: Any, args: Any, output: Any) -> None:
         started, self._started = self._started, None
-        if started is None:
-            return
-        self._timed = True
-        if self._cuda:
-            end = self._torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            end.record()
-            self._pending.append((started, end))
+        if started is not None:
+            self._timed = True
+            self._add(started, self._now(), 1.0)
+
+    def _wait_start(self, module: Any, args: Any) -> None:
+        self._waiting = self._now() if self._started is not None else None
+
+    def _wait_stop(self, module: Any, args: Any) -> None:
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None and self._started is not None:
+            self._add(waiting, self._now(), -1.0)
+
+    def _now(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        event = self._torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record()
+        return event
+
+    def _add(self, start: Any, end: Any, sign: float) -> None:
+        if self._cuda:  # read in take(), once the GPU has got there
+            self._pending.append((start, end, sign))
         else:
-            self._seconds += time.perf_counter() - started
+            self._seconds += sign * (end - start)
 
 
 def _unwrapped(model: Any) -> Any:
@@ -89,6 +103,15 @@ def _unwrapped(model: Any) -> Any:
     if type(model).__name__ == "DistributedDataParallel" and inner is not None:
         return inner
     return model
+
+
+def _sharded_units(module: Any) -> list[Any]:
+    """The FSDP2 (``fully_shard``) units in ``module``, the root among them; none without."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a build without distributed
+        return []
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
 def _on_cuda(module: Any) -> bool:

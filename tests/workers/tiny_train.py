@@ -216,14 +216,15 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(32, 1)).to(device)
-    if args.forward_work:
-        model.append(Work(args.forward_work))
+    layers = (model[0], model[3])
+    if args.forward_work:  # first: under FSDP the others wait for it at the next all-gather
+        model = torch.nn.Sequential(Work(args.forward_work), *model)
     if args.fsdp:  # FSDP2: every rank holds a shard of each layer's parameters (DTensors)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for layer in (model[0], model[3]):
+        for layer in layers:
             fully_shard(layer, mesh=mesh)
         ddp = fully_shard(model, mesh=mesh)
     else:
@@ -291,10 +292,10 @@ def main() -> None:
         if run.step(loss=loss.item(), grad_norm=float(gnorm), tokens=4, scalars=scalars):
             opt.step()
         if faults_on and args.corrupt and args.corrupt == (rank, run.step_count):
-            flip_bit(model[0].weight)
+            flip_bit(layers[0].weight)
         if faults_on and args.glitch and args.glitch == (rank, run.step_count):
             with torch.no_grad():
-                weights = model[0].weight.view(-1)
+                weights = layers[0].weight.view(-1)
                 weights[weights.abs().argmax()] *= 2.0**16
         sched.step()
         if heartbeat is not None:

@@ -127,6 +127,22 @@ def test_steps_held_up_in_the_backward_do_not_move_the_pace_before() -> None:
     assert finding.evidence["slowdown"] == 0.5
 
 
+def test_a_busy_host_still_has_a_pace_before_the_slow_machine() -> None:
+    """Many processes on few cores: a step in seven has some rank's forward late, and the
+    leader's rank 0 (its node runs the busiest babysitter) is the slowest of every third step:
+    never ten clean steps in a row. Then rank 4 is throttled. The pace before is the 0.5 s of
+    the steps rank 4 did not hold up."""
+    def busy(s: int) -> dict[int, float]:
+        return {0: 0.2} if s % 3 == 0 else ({s % WORLD: 0.3} if s % 7 == 0 else {})
+
+    healthy = [record(s, busy(s)) for s in range(1, 201)]
+    slow = [record(s, {4: 0.3}, step_time=0.7) for s in range(201, 600)]
+    [finding] = run(healthy + slow)
+    assert finding.ranks == (4,)
+    assert finding.evidence["baseline_step_time_s"] == 0.5
+    assert finding.evidence["slowdown_from"] == "step times before"
+
+
 def test_its_state_stays_small_at_any_step_rate() -> None:
     """200 steps a second for five minutes: the window is kept in 120 slices, not per step,
     so the state journaled with every finding stays a few KiB."""
