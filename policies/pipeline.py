@@ -21,6 +21,7 @@ from babysit.policies.detectors import (
     NonFiniteDetector,
     RankDepartureDetector,
     SlowComputeDetector,
+    SlowLinkDetector,
     StragglerDetector,
     ThroughputDetector,
 )
@@ -91,6 +92,7 @@ REGISTRY: tuple[DetectorEntry, ...] = (
     DetectorEntry("rank_departure", RankDepartureDetector, "node", True),
     DetectorEntry("throughput", ThroughputDetector, "job", True),
     DetectorEntry("slow_compute", SlowComputeDetector, "job", True),
+    DetectorEntry("slow_link", SlowLinkDetector, "job", True),
 )
 """Every step detector, in the order they run on a step."""
 
@@ -108,11 +110,12 @@ SCOPES: dict[str, tuple[str, ...]] = {
   reports has, so each node's supervisor runs them over its own ranks. A non-finite value and
   a departure from a rank's own past are a rank's own business; a straggler is then measured
   against its node's peers (a node of one rank has none, so it cannot flag one).
-- ``job``: the detectors of job-wide signals (loss spike, grad norm, throughput, and the
+- ``job``: the detectors of job-wide signals (loss spike, grad norm, throughput, the
   slowest rank's forward against every rank's: ``slow_compute``, so a whole slow node
-  shows). One node's ranks would give a partial mean loss and a partial tokens/s, so the
-  leader runs them on the nodes' merged summaries
-  (``babysit.supervisor.node.sketch.SummaryRecord``, a ``JobStep``).
+  shows; and the slowest node's link against the others': ``slow_link``). One node's
+  ranks would give a partial mean loss and a partial tokens/s, so the leader runs them on
+  the nodes' merged summaries (``babysit.supervisor.node.sketch.SummaryRecord``, a
+  ``JobStep``).
 
 ``node`` and ``job`` split ``all``: between them they run each step detector exactly once.
 """

@@ -29,6 +29,7 @@ from babysit.policies.detectors import (
     ResumeLossConfig,
     SdcConfig,
     SlowComputeConfig,
+    SlowLinkConfig,
     StragglerConfig,
     ThroughputConfig,
 )
@@ -54,6 +55,11 @@ class Detectors(Section):
     slow_compute: SlowComputeConfig = SlowComputeConfig()
     """One rank's (or node's) forward time lagging the others' for minutes: a slow machine
     (policies/detectors/slow_compute.py); on a multi-node run its node may be evicted."""
+    slow_link: SlowLinkConfig = SlowLinkConfig()
+    """One node's network round trip (as the leader's kernel measures its babysitter's
+    connection) lagging the other nodes' for minutes: a slow link
+    (policies/detectors/slow_link.py); its node may be evicted. Multi-node runs of three or
+    more nodes only."""
     rank_departure: RankDepartureConfig = RankDepartureConfig()
     """One rank's loss leaves its own level while its peers' stay
     (policies/detectors/rank_departure.py)."""
@@ -136,7 +142,8 @@ class Incidents(Section):
     the steps since that checkpoint; it is not charged to the budget). ``alert`` (or
     ``ignore``) keeps the job at its size until the next relaunch for another reason."""
     slow_node: Response = _ladder(A.RELAUNCH, act_on="warning")
-    """A node whose compute lagged the others' for minutes (``detectors.slow_compute``), and
+    """A node whose compute or link lagged the others' for minutes (``detectors.slow_compute``,
+    ``detectors.slow_link``), and
     whose cost to the job over the rest of the run exceeds a relaunch without it
     (``nodes.evict_slow``): once the attempt has saved its next checkpoint, relaunch from it
     without that node (a spare in its place, or on the nodes left). Charged to the budget like

@@ -126,6 +126,12 @@ class StepRecord:
         return Spread(rank=top[1], value=top[0], median=values[(len(values) - 1) // 2][0],
                       count=len(values))
 
+    @property
+    def slowest_link(self) -> Spread | None:
+        """The slowest node's network round trip against the nodes' median: None here, every
+        rank on one node (a multi-node leader's ``SummaryRecord`` carries it)."""
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class Spread:
@@ -187,6 +193,8 @@ class JobStep(Protocol):
     def mfu(self) -> float | None: ...
     @property
     def slowest_forward(self) -> Spread | None: ...
+    @property
+    def slowest_link(self) -> Spread | None: ...
 
 
 def _mean(values: list[float | None]) -> float | None:

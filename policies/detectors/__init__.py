@@ -14,6 +14,8 @@ Hang              RankStep + check()   HANG: CRITICAL, names the rank(s) that di
 Straggler         StepRecord           STRAGGLER: WARNING naming the rank
 SlowCompute       StepRecord /         STRAGGLER: WARNING naming the rank(s) whose forward
                   SummaryRecord        lags for minutes, with what it costs the job
+SlowLink          SummaryRecord        STRAGGLER: WARNING naming the node (its lowest rank)
+                                       whose link's round trip lags for minutes
 Throughput        StepRecord           THROUGHPUT: WARNING (steps/s, tokens/s or MFU)
 RankDeparture     StepRecord           RANK_DEPARTURE: WARNING naming the rank
 Sdc               per-rank digests     SDC: CRITICAL, names the ranks that disagree
@@ -36,6 +38,7 @@ from babysit.policies.detectors.rank_departure import (
 from babysit.policies.detectors.resume_loss import ResumeLoss, ResumeLossConfig
 from babysit.policies.detectors.sdc import SdcConfig, SdcDetector
 from babysit.policies.detectors.slow_compute import SlowComputeConfig, SlowComputeDetector
+from babysit.policies.detectors.slow_link import SlowLinkConfig, SlowLinkDetector
 from babysit.policies.detectors.straggler import StragglerConfig, StragglerDetector
 from babysit.policies.detectors.throughput import ThroughputConfig, ThroughputDetector
 
@@ -59,6 +62,8 @@ __all__ = [
     "SdcDetector",
     "SlowComputeConfig",
     "SlowComputeDetector",
+    "SlowLinkConfig",
+    "SlowLinkDetector",
     "StragglerConfig",
     "StragglerDetector",
     "ThroughputConfig",

@@ -39,7 +39,7 @@ from typing import Any
 from pydantic import Field
 
 from babysit.policies.detectors._base import DetectorConfig, r4
-from babysit.policies.types import Finding, Incident, JobStep, Severity
+from babysit.policies.types import Finding, Incident, JobStep, Severity, Spread
 
 CALM = 10
 """The steps before a step that say which rank, if any, was holding the job up then..."""
@@ -95,9 +95,21 @@ BUCKETS = 120
 
 
 class SlowComputeDetector:
-    """Names the rank (or node) whose forward lags the others'; see the module docstring."""
+    """Names the rank (or node) whose forward lags the others'; see the module docstring.
+
+    A subclass watches another per-step spread the same way (``slow_link``: a node's network
+    round trip) by setting ``name``, ``signal``, ``said`` and ``spread``."""
 
     name = "slow_compute"
+    signal = "forward"
+    """The evidence's ``signal``, and its ``<signal>_s`` field."""
+    said = ("compute", "forward")
+    """How the message says it: "slow compute at step N: rank R's forward ..."."""
+
+    @staticmethod
+    def spread(record: JobStep) -> Spread | None:
+        """The step's slowest rank against the median, or None: this detector's signal."""
+        return record.slowest_forward
 
     def __init__(self, config: SlowComputeConfig | None = None) -> None:
         self.config = config or SlowComputeConfig()
@@ -108,7 +120,7 @@ class SlowComputeDetector:
         self._recent: deque[int | None] = deque(maxlen=CALM)
 
     def observe(self, record: JobStep) -> Finding | None:
-        spread = record.slowest_forward
+        spread = self.spread(record)
         if spread is None:
             return None
         cfg = self.config
@@ -173,12 +185,15 @@ class SlowComputeDetector:
         return Finding(
             incident=Incident.STRAGGLER, detector=self.name, severity=Severity.WARNING,
             step=step, onset_step=onset, ranks=ranks,
-            message=(f"slow compute at step {step}: rank {top}'s forward {forward:.3g}s vs "
+            message=(f"slow {self.said[0]} at step {step}: rank {top}'s {self.said[1]} "
+                     f"{forward:.3g}s vs "
                      f"median {median:.3g}s in {share:.0%} of the steps of the last "
                      f"{span:.0f}s"
                      + (f"; the job runs {slowdown:.0%} slower for it" if slowdown else "")),
-            evidence={"signal": "forward", "slowest": {str(k): n for k, n in counts.items()},
-                      "share": r4(share), "window_s": r4(span), "forward_s": r4(forward),
+            evidence={"signal": self.signal,
+                      "slowest": {str(k): n for k, n in counts.items()},
+                      "share": r4(share), "window_s": r4(span),
+                      f"{self.signal}_s": r4(forward),
                       "median_s": r4(median), "ratio": r4(forward / median) if median else None,
                       "step_time_s": r4(now_s) if now_s is not None else None,
                       "baseline_step_time_s": r4(base) if base is not None else None,

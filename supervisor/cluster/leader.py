@@ -78,6 +78,8 @@ _ABOUT_AN_ATTEMPT = (Summary, NodeFinding, HangSuspected, HangCleared, RankDied,
 """The follower messages that say something about one attempt (and carry its number)."""
 LOST_EXIT_CODE = 137
 """The exit a lost node's torchrun is counted with: killed, as far as anyone can tell."""
+SLOW_DETECTORS = {"slow_compute": "its compute", "slow_link": "its link's round trip"}
+"""The detectors that name a slow node (weighed for eviction), and what of it is slow."""
 
 
 class ClusterMembers(OnThisNode):
@@ -269,7 +271,7 @@ class ClusterMembers(OnThisNode):
         node = nodes.pop()
         placed = located(finding, node, self.cluster.hosts.get(node, self.view.host))
         self._evictable_if(node, self.faults.add(placed))
-        if placed.detector == "slow_compute":
+        if placed.detector in SLOW_DETECTORS:
             placed = self._slow_node(node, placed)
         return placed
 
@@ -286,7 +288,8 @@ class ClusterMembers(OnThisNode):
                                                                      or entry.get("step") or 0)))
 
     def _slow_node(self, node: int, finding: Finding) -> Finding:
-        """A node whose ranks' compute lags the others': evicted at the next checkpoint when
+        """A node whose ranks' compute, or whose link, lags the others': evicted at the next
+        checkpoint when
         keeping it costs more than a relaunch without it (``eviction.SlowCost``). The verdict
         and its numbers go into the finding (and so its alert and the journal)."""
         nodes = self.plan.config.nodes
@@ -313,7 +316,8 @@ class ClusterMembers(OnThisNode):
         else:
             kept = None
         if kept is None:
-            why = f"its compute is {finding.evidence.get('ratio')}x the others' ({cost.describe()})"
+            what = SLOW_DETECTORS[finding.detector]
+            why = f"{what} is {finding.evidence.get('ratio')}x the others' ({cost.describe()})"
             self._slow = (node, why)
         verdict = ("evicting it at the next checkpoint" if kept is None else f"kept: {kept}")
         self.voice.journal("slow_node_cost", node=node, host=host, step=finding.step,
@@ -479,7 +483,8 @@ class ClusterMembers(OnThisNode):
                 if self._launched is not None:  # the attempt's first step: its start's cost
                     self._starts.append(self.clock() - self._launched)
                     self._launched = None
-                record = SummaryRecord(merged, self._flops_per_token, self._peak_flops)
+                record = SummaryRecord(merged, self._flops_per_token, self._peak_flops,
+                                       self.cluster.links())
                 out.steps.append((record, with_rates(merged.to_row(self._attempt), record)))
                 self._step = max(self._step, merged.step)
         for finding in findings:

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from babysit.policies.types import Finding, Incident, Severity
+from babysit.policies.types import Finding, Incident, Severity, Spread
 from babysit.supervisor.cluster.merge import NodeMerger
 from babysit.supervisor.cluster.messages import (
     Beat,
@@ -215,6 +215,22 @@ class Cluster:
         node were gone (one about to be evicted)."""
         present = [n for n in self.present() if n != without]
         return present[:self.high], present[self.high:]
+
+    def links(self) -> Spread | None:
+        """The slowest follower's link against the others' (the lower median), by the round
+        trip of its connection (``Peer.rtt``), over the running attempt's followers; named by
+        the node's lowest rank. None below two followers measured (one link alone cannot say
+        which end is slow) or before the attempt's ranks said where they run."""
+        rtts = sorted((rtt, node) for node, peer in self.attempt.peers.items()
+                      if (rtt := peer.rtt()) is not None)
+        if len(rtts) < 2:
+            return None
+        value, node = rtts[-1]
+        rank = min((r for r, n in self.rank_node.items() if n == node), default=None)
+        if rank is None:
+            return None
+        return Spread(rank=rank, value=value, median=rtts[(len(rtts) - 1) // 2][0],
+                      count=len(rtts))
 
     def describe(self, node: int) -> str:
         return f"node {node} ({self.hosts.get(node, '?')})"

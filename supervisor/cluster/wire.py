@@ -55,6 +55,7 @@ import queue
 import secrets
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import Any
@@ -75,6 +76,11 @@ SEND_TIMEOUT_S = 30.0
 
 LEADER = b"L"
 FOLLOWER = b"F"
+
+_TCP_INFO = getattr(socket, "TCP_INFO", None) if sys.platform == "linux" else None
+_TCPI_RTT = 68
+"""Offset of ``tcpi_rtt`` (u32, microseconds: the smoothed round trip) in Linux's
+``struct tcp_info``, where it has been since 2.6."""
 
 _LENGTH = struct.Struct(">I")
 _SEQUENCE = struct.Struct(">Q")
@@ -246,6 +252,21 @@ class Peer:
                 messages.append(self._inbox.get_nowait())
             except queue.Empty:
                 return messages
+
+    def rtt(self) -> float | None:
+        """The connection's round trip in seconds, as the kernel measures it on what the
+        connection carries (TCP's smoothed RTT): the network path to the other end, with no
+        message of ours. None off Linux, or once the socket is gone."""
+        if _TCP_INFO is None or self.closed:
+            return None
+        try:
+            info = self._sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 104)
+        except OSError:
+            return None
+        if len(info) < _TCPI_RTT + 4:
+            return None
+        (micros,) = struct.unpack_from("=I", info, _TCPI_RTT)
+        return micros / 1e6 if micros else None
 
     def keep_alive(self, every_s: float, beat: dict[str, Any]) -> None:
         """Send ``beat`` (a heartbeat message, ``messages.encode(Beat())``) every ``every_s``

@@ -487,16 +487,22 @@ class SummaryRecord:
     by rank order); no rate is measured from a step time that is not finite either way.
 
     ``flops_per_token`` and ``peak_flops`` (per device) are what the job declared, as on
-    ``StepRecord``; ``mfu`` divides by ``peak_flops x world_size``.
+    ``StepRecord``; ``mfu`` divides by ``peak_flops x world_size``. ``slowest_link`` is the
+    leader's own measurement, which no summary holds.
     """
 
-    __slots__ = ("flops_per_token", "peak_flops", "summary")
+    __slots__ = ("flops_per_token", "peak_flops", "slowest_link", "summary")
 
     def __init__(self, summary: StepSummary, flops_per_token: float | None = None,
-                 peak_flops: float | None = None) -> None:
+                 peak_flops: float | None = None,
+                 slowest_link: types.Spread | None = None) -> None:
         self.summary = summary
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
+        self.slowest_link = slowest_link
+        """The slowest node's network round trip against the nodes' median, as the leader
+        measured it when the step was merged (``membership.Cluster.links``); None with fewer
+        than two other nodes, or where the kernel does not say."""
 
     @property
     def step(self) -> int:

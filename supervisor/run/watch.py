@@ -86,7 +86,7 @@ _PACE_MEMORY = 256
 """Recent step times whose median is the run's pace (a rerun's cost in seconds)."""
 
 
-OWN_LOAD_BLIND = ("throughput", "straggler", "slow_compute")
+OWN_LOAD_BLIND = ("throughput", "straggler", "slow_compute", "slow_link")
 """The step detectors that do not judge steps taken under babysit's own load (``own_load``)."""
 
 

@@ -20,12 +20,20 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from babysit.policies.loader import load_policy
-from babysit.policies.types import Action, Finding, Incident, RankStep, Remedy, Severity
+from babysit.policies.types import (
+    Action,
+    Finding,
+    Incident,
+    RankStep,
+    Remedy,
+    Severity,
+    Spread,
+)
 from babysit.supervisor.cluster import leadership
 from babysit.supervisor.cluster.leader import ClusterMembers
 from babysit.supervisor.cluster.leadership import Lease
@@ -1120,19 +1128,48 @@ def test_a_node_back_while_the_job_runs_short_grows_it_back_at_the_next_checkpoi
             back.close()
 
 
-def slow(node_ranks: tuple[int, ...], slowdown: float, step: int = 200) -> Finding:
-    return Finding(incident=Incident.STRAGGLER, detector="slow_compute",
+def slow(node_ranks: tuple[int, ...], slowdown: float, step: int = 200,
+         detector: str = "slow_compute") -> Finding:
+    return Finding(incident=Incident.STRAGGLER, detector=detector,
                    severity=Severity.WARNING, step=step, onset_step=100, message="slow",
                    ranks=node_ranks, evidence={"signal": "forward", "ratio": 3.0,
                                                "slowdown": slowdown})
 
 
+class Measured:
+    """A connection whose round trip the kernel gave as ``rtt`` (the one seam: a slow link is
+    real in ``tests/e2e/test_multinode.py``)."""
+
+    def __init__(self, rtt: float | None) -> None:
+        self._rtt = rtt
+
+    def rtt(self) -> float | None:
+        return self._rtt
+
+
+def test_the_leader_puts_its_slowest_followers_link_against_the_others(
+        members: ClusterMembers) -> None:
+    """Each merged step carries the slowest follower's round trip against the (lower) median
+    of the followers', named by that node's lowest rank; one link alone names nobody."""
+    cluster = members.cluster
+    cluster.rank_node.update({0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2, 6: 3, 7: 3})
+    cluster.attempt.peers = cast(dict[int, Peer], {
+        1: Measured(0.0001), 2: Measured(0.02), 3: Measured(0.0002)})
+    assert cluster.links() == Spread(rank=4, value=0.02, median=0.0002, count=3)
+    cluster.attempt.peers = cast(dict[int, Peer], {1: Measured(0.0001), 2: Measured(0.02)})
+    assert cluster.links() == Spread(rank=4, value=0.02, median=0.0001, count=2)
+    cluster.attempt.peers = cast(dict[int, Peer], {1: Measured(0.0001), 2: Measured(None)})
+    assert cluster.links() is None  # one link alone cannot say which end is slow
+
+
+@pytest.mark.parametrize(("detector", "what"), [("slow_compute", "its compute"),
+                                                ("slow_link", "its link's round trip")])
 def test_a_slow_node_is_evicted_at_the_next_checkpoint_when_the_cost_says_so(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, detector: str, what: str) -> None:
     """`--nnodes 1:2`, 1,000 s in, a relaunch measured at 5 s: node 1 at 30% slower costs
     300 s kept against 505 s evicted (5 s and half the work for the 1,000 s left): kept, and
     said. At 60% (600 s) it goes: at the attempt's next checkpoint, a ``slow_node`` finding,
-    and the next launch evicts it."""
+    and the next launch evicts it. Its compute or its link alike."""
     with leading(tmp_path, monkeypatch, "1:2") as members:
         said = Said()
         join(members, said)
@@ -1141,7 +1178,7 @@ def test_a_slow_node_is_evicted_at_the_next_checkpoint_when_the_cost_says_so(
         members._began -= 1000.0
         members._starts = [5.0]
 
-        kept = members.locate(slow((2, 3), 0.3))
+        kept = members.locate(slow((2, 3), 0.3, detector=detector))
         assert kept.evidence["node"] == 1 and kept.evidence["cost"]["evict"] is False
         assert "kept: it costs less than a relaunch without it" in kept.message
         out = Gathered()
@@ -1149,7 +1186,7 @@ def test_a_slow_node_is_evicted_at_the_next_checkpoint_when_the_cost_says_so(
                                            data={"step": 210}), out)
         assert out.findings == []
 
-        evict = members.locate(slow((3,), 0.6))
+        evict = members.locate(slow((3,), 0.6, detector=detector))
         assert "evicting it at the next checkpoint" in evict.message
         members._rank_event(0, WorkerEvent(type="checkpoint", rank=0, time=0.0,
                                            data={"step": 225}), out)
@@ -1165,7 +1202,7 @@ def test_a_slow_node_is_evicted_at_the_next_checkpoint_when_the_cost_says_so(
         members.launch(1, Directive(attempt=1), time.monotonic())
         assert 1 in members.cluster.evicted and members.cluster.attempt.nodes == [0]
         [evicted] = [f for event, f in said.journal if event == "node_evicted"]
-        assert evicted["node"] == 1 and "its compute is 3.0x the others'" in evicted["why"]
+        assert evicted["node"] == 1 and f"{what} is 3.0x the others'" in evicted["why"]
 
 
 def test_a_slow_node_the_run_cannot_do_without_is_kept(members: ClusterMembers) -> None:

@@ -269,7 +269,8 @@ def test_scopes_split_the_step_detectors() -> None:
     policy = load_policy("default")
     names = {scope: [d.name for d in Pipeline(policy, scope).detectors] for scope in SCOPES}
     assert names["node"] == ["nonfinite", "straggler", "rank_departure"]
-    assert names["job"] == ["loss_spike", "grad_norm", "throughput", "slow_compute"]
+    assert names["job"] == ["loss_spike", "grad_norm", "throughput", "slow_compute",
+                            "slow_link"]
     assert names["all"] == [d.name for d in Pipeline(policy).detectors]
     assert sorted(names["node"] + names["job"]) == sorted(names["all"])
     with pytest.raises(ValueError, match="scope must be one of"):

@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import struct
+import sys
 import termios
 import threading
 import time
@@ -142,6 +143,22 @@ def test_messages_flow_both_ways_in_order_and_info_names_the_follower(
     assert [m["n"] for m in got_follower] == list(range(300))
     assert leader.last_heard > before
     assert not leader.closed and not follower.closed
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="TCP_INFO is Linux's")
+def test_the_kernel_measures_each_connections_round_trip(pair: tuple[Peer, Peer]) -> None:
+    """``Peer.rtt``: TCP's smoothed round trip of what the connection carried (on loopback,
+    microseconds), with no message of ours; None once the connection is closed."""
+    leader, follower = pair
+    for i in range(20):
+        assert follower.send({"type": "step", "step": i})
+        assert leader.send({"type": "beat"})
+    collect(leader, 20)
+    rtt = leader.rtt()
+    assert rtt is not None and 0.0 < rtt < 0.05, rtt
+    follower.close()
+    wait_for(lambda: leader.closed)
+    assert leader.rtt() is None
 
 
 def test_send_is_thread_safe(pair: tuple[Peer, Peer]) -> None:
