@@ -3,9 +3,9 @@ address, joined by a bridge (in a namespace of its own), as a rack's switch woul
 
 The machine's host name still resolves as the machine has it (to 127.0.0.1 here, as on many
 multi-homed hosts and containers): exactly the case where a node cannot tell the others its
-own address. A partition takes one node's link down on the bridge; a slow link is ``tc netem``
-on it. Everything is created by the test and removed after it, and only the addresses inside
-these namespaces (10.77.0.0/24, unreachable from the host) are ever targets.
+own address. A partition takes one node's link down on the bridge; a slow link is a ``tc``
+token bucket on it. Everything is created by the test and removed after it, and only the
+addresses inside these namespaces (10.77.0.0/24, unreachable from the host) are ever targets.
 """
 
 from __future__ import annotations
@@ -55,6 +55,14 @@ class Network:
     def heal(self, node: int) -> None:
         _ip("-n", self.hub, "link", "set", f"h{node}", "up")
 
+    def slow(self, node: int, rate: str) -> None:
+        """A slow link: ``node``'s link runs at ``rate`` (``tc`` units, e.g. ``200kbit``) both
+        ways, a token bucket on either end of it (a NIC that came up at a fraction of its
+        speed). A token bucket, not ``netem``: this kernel has no ``netem``."""
+        for where, dev in ((self.hub, f"h{node}"), (self.names[node], "eth0")):
+            _tc("-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                "burst", "1600", "latency", "400ms")
+
     def __enter__(self) -> Network:
         self.remove()  # what an earlier test of this process failed to remove (same names)
         try:
@@ -86,6 +94,12 @@ class Network:
 def network(nodes: int) -> Iterator[Network]:
     with Network(nodes) as net:
         yield net
+
+
+def _tc(*args: str) -> None:
+    done = subprocess.run(["tc", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"tc {' '.join(args)}: {done.stderr.strip()}")
 
 
 def _ip(*args: str) -> None:

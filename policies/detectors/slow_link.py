@@ -28,8 +28,9 @@ from babysit.policies.types import JobStep, Spread
 class SlowLinkConfig(SlowComputeConfig):
     factor: float = Field(default=3.0, gt=1.0)
     """A step is slow when the slowest node's round trip is above factor x the nodes' median."""
-    min_excess_s: float = Field(default=0.002, ge=0.0)
-    """...and above it by at least this many seconds (a busy host's kernel adds a little)."""
+    min_excess_s: float = Field(default=0.005, ge=0.0)
+    """...and above it by at least this many seconds (on a busy host the kernel answers a few
+    ms late)."""
 
 
 class SlowLinkDetector(SlowComputeDetector):

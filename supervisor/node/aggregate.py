@@ -70,11 +70,17 @@ def metrics_row(record: StepRecord, attempt: int,
 
 
 def with_rates(row: dict[str, Any], step: JobStep) -> dict[str, Any]:
-    """``row`` with the job's ``tokens_per_s`` and ``mfu`` where ``step`` has them."""
+    """``row`` with the job's ``tokens_per_s`` and ``mfu`` where ``step`` has them, and on a
+    multi-node leader the slowest follower link's round trip (``link_rtt_max``, its node's
+    lowest rank ``link_rtt_max_rank``) and the followers' median (``link_rtt_median``)."""
     for key in ("tokens_per_s", "mfu"):
         value = getattr(step, key)
         if value is not None:
             row[key] = value
+    link = step.slowest_link
+    if link is not None:
+        row.update(link_rtt_max=link.value, link_rtt_max_rank=link.rank,
+                   link_rtt_median=link.median)
     return row
 
 

@@ -172,7 +172,7 @@ class OwnNode(Generic[Out]):
                 self._teardown = teardown.Teardown(self.workers.rank_pids, now, idle_s)
             elif self._teardown.stuck(now):
                 seen = {str(r): p.to_json() for r, p in self._teardown.seen.items()}
-                stopped = self.workers.stop()
+                stopped = self.workers.end_now()  # nothing in it is left to wait for
                 self._end(now, out, NodeExit(0, {}, None, teardown_code=stopped, teardown_hung={
                     "idle_s": idle_s, "processes": seen}))
         elif self.workers.group is not None:
@@ -191,7 +191,7 @@ class OwnNode(Generic[Out]):
                 if self.workers.failure_summarized(self.attempt):
                     # torchrun stopped every rank and said who failed and how; its own exit
                     # (its interpreter's teardown, about 0.5 s) tells nothing more.
-                    self.workers.end_reported()
+                    self.workers.end_now()
                     self._end(now, out, self._exit(1))
         return out
 

@@ -396,9 +396,11 @@ class NodeWorkers:
         return self.group.stop(self.plan.config.launch.stop_grace_s,
                                launcher_grace_s=0.0 if replacing else None)
 
-    def end_reported(self) -> int | None:
-        """Stop a torchrun that already reported its failure (``failure_summarized``) instead
-        of waiting for its exit; unlike ``stop``, its summary still reaches the console."""
+    def end_now(self) -> int | None:
+        """Stop a torchrun whose ranks are done instead of waiting for its exit: it already
+        reported their failure (``failure_summarized``), or they all closed their run and its
+        teardown hangs (in its exit barrier, waiting for a node whose rank aborted). Unlike
+        ``stop``, what it prints still reaches the console."""
         if self.group is None:
             return None
         return self.group.stop(self.plan.config.launch.stop_grace_s, launcher_grace_s=0.0)

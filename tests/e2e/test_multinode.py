@@ -492,6 +492,41 @@ NO_CPU_LIMIT = cpulimit.available()
 
 
 @pytest.mark.skipif(NO_NETNS is not None, reason=str(NO_NETNS))
+def test_a_node_whose_link_slows_down_is_named_and_evicted_for_a_spare_when_it_pays(
+        tmp_path: Path, net4: Network) -> None:
+    """A DDP job on 3 nodes and 1 spare, one rank each on its own address. At step 25 node 2's
+    link drops to 200 kbit/s both ways (a NIC that came up at a fraction of its speed): every
+    gradient all-reduce crosses it, and every rank's step and forward slow alike. The round
+    trip of node 2's babysitter connection, as the leader's kernel measures it, names node 2;
+    keeping it costs more than a relaunch with the spare, so the attempt's next checkpoint
+    relaunches without it, at full size."""
+    run = Nodes(tmp_path, nnodes="3", steps=100, net=net4, nproc=1,
+                nodes=", spares: 1, run_left_s: 600",
+                overrides="{detectors: {slow_link: {window_s: 8}}}")
+    for node in range(3):
+        run.start(node)
+    run.until("step 5", lambda: _step(run) >= 5)
+    run.start(3)  # the spare: it waits
+    run.until("step 25", lambda: _step(run) >= 25)
+    net4.slow(2, "200kbit")
+    codes = run.wait()
+    assert codes == {0: 0, 1: 0, 2: 75, 3: 0}, run.logs()
+    [slow] = [e["finding"] for e in run.events("finding")
+              if e["finding"]["detector"] == "slow_link"]
+    assert slow["ranks"] == [2] and slow["evidence"]["node"] == 2, slow
+    assert slow["evidence"]["signal"] == "link" and slow["evidence"]["ratio"] > 3, slow
+    assert slow["evidence"]["slowdown"] > 0.25, slow
+    assert not [e for e in run.events("finding") if e["finding"]["detector"] == "slow_compute"]
+    [cost] = run.events("slow_node_cost")
+    assert cost["verdict"] == "evict" and cost["node"] == 2
+    [evicted] = run.events("node_evicted")
+    assert evicted["node"] == 2 and "its link's round trip is" in evicted["why"], evicted
+    launches = run.events("launch")
+    assert [sorted(e["nodes"]) for e in launches] == [[0, 1, 2], [0, 1, 3]], launches
+    assert run.events("run_finished")[-1]["state"] == "succeeded"
+
+
+@pytest.mark.skipif(NO_NETNS is not None, reason=str(NO_NETNS))
 @pytest.mark.skipif(NO_CPU_LIMIT is not None, reason=str(NO_CPU_LIMIT))
 def test_a_node_slowed_by_a_cpu_limit_is_named_and_evicted_for_a_spare_when_it_pays(
         tmp_path: Path, net4: Network) -> None:
