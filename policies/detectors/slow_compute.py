@@ -59,7 +59,8 @@ class SlowComputeConfig(DetectorConfig):
     min_share: float = Field(default=0.8, gt=0.0, le=1.0)
     """The share of the window's steps that must be slow."""
     baseline_steps: int = Field(default=50, ge=1)
-    """Healthy steps whose median is the job's pace before the episode (its cost)."""
+    """Steps whose median is the job's pace before the episode (its cost): the last ones the
+    named ranks did not hold up."""
 
 
 class _Bucket:

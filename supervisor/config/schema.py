@@ -273,7 +273,8 @@ class NodesConfig(DashedSection):
     node's ranks evicts it at once. 0: never evict."""
     evict_slow: bool = True
     """Evict a node whose compute lags the others' for minutes (``detectors.slow_compute``:
-    its ranks' forward time) when keeping it costs more than a relaunch without it: keeping
+    its ranks' forward time), or its link (``detectors.slow_link``: its babysitter
+    connection's round trip), when keeping it costs more than a relaunch without it: keeping
     costs the pace it takes off the job (``slowdown``) over the rest of the run
     (``run_left_s``); evicting costs a relaunch as measured in this run (launch to first step,
     plus the stop) and, with no spare to take its place, the share of the job's work the node
