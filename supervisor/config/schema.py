@@ -90,7 +90,9 @@ class LaunchConfig(DashedSection):
     """Once every rank of a node has closed its run, seconds its processes may sit with no CPU
     progress before babysit calls the teardown stuck (a rank hung in gloo's teardown, say),
     stops torchrun and counts the attempt finished. A script still working after
-    ``run.close()`` (saving, uploading) uses CPU and is waited for."""
+    ``run.close()`` (saving, uploading) uses CPU and is waited for. Once every rank's process
+    has exited, torchrun gets 3 s to exit too (it takes about 0.5 s; on several nodes its exit
+    barrier can wait minutes for a node whose rank aborted), whatever this says."""
     warm_standby: bool | Literal["auto", "imports"] = "auto"
     """Keep the next attempt's workers started and waiting, so a relaunch (rollback, hang,
     crash) skips most of a cold start (docs/recovery.md). Once an attempt has trained a few

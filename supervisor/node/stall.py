@@ -153,6 +153,17 @@ def all_alive(pids: Iterable[int]) -> bool:
     return True
 
 
+def any_alive(pids: Iterable[int]) -> bool:
+    """Some rank process still lives (a zombie does not)."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.Error:
+            continue
+    return False
+
+
 def sample(pids: Mapping[int, int], window_s: float = WINDOW_S) -> dict[int, RankProcess]:
     """Each rank's state and CPU use over ``window_s`` seconds (``pids``: rank -> pid)."""
     return Sample(pids).finish(window_s)

@@ -4,7 +4,8 @@ Both are judged the same way in the end: the training finished, so the attempt c
 finished, and the journal says what went wrong on the way out (``tick.NodeExit.teardown``).
 
     teardown_only(code, attempt_dir)   torchrun failed, but no rank left an error of its own
-    Teardown(pids, now).stuck(now)     the ranks' processes have sat idle for ``idle_s``
+    Teardown(pids, now).stuck(now)     the ranks' processes have sat idle for ``idle_s``, or
+                                       exited while torchrun lingers (``EXITED_S``)
 """
 
 from __future__ import annotations
@@ -35,7 +36,16 @@ class Teardown:
     in torch 2.13 sometimes blocks in a peer's destructor after a peer node aborted), and then
     torchrun waits forever. ``stuck(now)`` each tick: True once the ranks' processes used less
     than ``IDLE_CPU`` of a core over ``idle_s`` seconds since the last look, which a script
-    still working after ``run.close()`` (saving a model, an upload, an eval) does not."""
+    still working after ``run.close()`` (saving a model, an upload, an eval) does not.
+
+    Or once every rank's process has exited and torchrun is still up ``EXITED_S`` later: on
+    several nodes its agent waits in its exit barrier for every other node's, and one whose
+    rank aborted in gloo's teardown never comes (the barrier's own timeout is minutes). Nothing
+    is left on this node to finish: ``exited`` says which way it was judged."""
+
+    EXITED_S = 3.0
+    """torchrun's own exit once its ranks are gone takes about 0.5 s (measured beside the
+    goodput benchmark's calibration: 0.47 s); six times that is not an exit, it is a wait."""
 
     IDLE_CPU = 0.01
     """Cores used over the whole window (0.3 s of CPU over 30 s): a process blocked on a socket
@@ -48,8 +58,18 @@ class Teardown:
         self._sample = stall.Sample(self.pids)
         self.seen: dict[int, stall.RankProcess] = {}
         """The processes as of the last look (the journal's evidence)."""
+        self.exited = False
+        """Judged stuck because every rank's process had exited and torchrun had not."""
+        self._exited_at: float | None = None
 
     def stuck(self, now: float) -> bool:
+        if not stall.any_alive(self.pids.values()):
+            self._exited_at = now if self._exited_at is None else self._exited_at
+            if now - self._exited_at >= self.EXITED_S:
+                self.exited = True
+                self.seen = stall.Sample(self.pids).finish(0.0)
+                return True
+            return False
         if now - self._since < self.idle_s:
             return False
         self.seen = self._sample.finish(0.0)

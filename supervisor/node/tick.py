@@ -62,8 +62,10 @@ class NodeExit:
     teardown_code: int | None = None
     """torchrun's own code when only its teardown failed (``code`` is then 0)."""
     teardown_hung: dict[str, Any] | None = None
-    """When the teardown hung after every rank closed and babysit stopped torchrun: ``idle_s``
-    and the ranks' ``processes`` as last seen (``stall.RankProcess.to_json``); else None."""
+    """When the teardown hung after every rank closed and babysit stopped torchrun: ``idle_s``,
+    the ranks' ``processes`` as last seen (``stall.RankProcess.to_json``) and
+    ``ranks_exited_s`` (set when it was judged by torchrun outliving its exited ranks that
+    long, None when by the ranks' idle CPU); else None."""
     exits: dict[int, int] = field(default_factory=dict)
     """Each failed rank's own exit code by global rank (``NodeWorkers.rank_exits``)."""
 
@@ -72,11 +74,14 @@ class NodeExit:
         finished although its teardown failed; None for any other exit."""
         closed = sorted(closed_ranks)
         if self.teardown_hung is not None:
-            idle = self.teardown_hung["idle_s"]
+            idle, exited = self.teardown_hung["idle_s"], self.teardown_hung["ranks_exited_s"]
+            how = (f"torchrun still up {exited:g} s after every rank's process exited: its exit "
+                   f"barrier waits for a node that will not come" if exited is not None else
+                   f"no CPU progress for {idle:g} s")
             return ("teardown_hang", {"exit_code": self.teardown_code, "closed_ranks": closed,
                                       **self.teardown_hung},
-                    f"every rank finished and closed, then the process teardown hung (no CPU "
-                    f"progress for {idle:g} s); torchrun stopped, counted as finished")
+                    f"every rank finished and closed, then the process teardown hung ({how}); "
+                    f"torchrun stopped, counted as finished")
         if self.teardown_code is not None:
             return ("teardown_crash", {"exit_code": self.teardown_code, "closed_ranks": closed},
                     f"every rank finished and closed, then the process teardown crashed "
@@ -174,7 +179,9 @@ class OwnNode(Generic[Out]):
                 seen = {str(r): p.to_json() for r, p in self._teardown.seen.items()}
                 stopped = self.workers.end_now()  # nothing in it is left to wait for
                 self._end(now, out, NodeExit(0, {}, None, teardown_code=stopped, teardown_hung={
-                    "idle_s": idle_s, "processes": seen}))
+                    "idle_s": idle_s, "processes": seen,
+                    "ranks_exited_s": teardown.Teardown.EXITED_S
+                    if self._teardown.exited else None}))
         elif self.workers.group is not None:
             if stall.all_alive(self.workers.rank_pids.values()):
                 self.looming = self.judge.looming(now)

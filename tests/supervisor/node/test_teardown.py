@@ -1,0 +1,53 @@
+"""After every rank closed its run: is the process teardown stuck (``node/teardown.py``)?
+Real processes stand in for the ranks: one blocked (idle), one working, one exited."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from babysit.supervisor.node.teardown import Teardown
+
+
+@pytest.fixture
+def procs() -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    started = {
+        "blocked": subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+        "working": subprocess.Popen([sys.executable, "-c", "while True: pass"]),
+        "exited": subprocess.Popen([sys.executable, "-c", "pass"]),
+    }
+    started["exited"].wait()
+    yield started
+    for p in started.values():
+        p.kill()
+        p.wait()
+
+
+def test_a_rank_blocked_with_no_cpu_for_idle_s_is_stuck_and_one_working_is_not(
+        procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    blocked = Teardown({0: procs["blocked"].pid}, now=0.0, idle_s=0.3)
+    working = Teardown({0: procs["working"].pid}, now=0.0, idle_s=0.3)
+    assert not blocked.stuck(0.1) and not working.stuck(0.1)  # not idle_s yet
+    time.sleep(0.4)
+    assert blocked.stuck(0.4) and not blocked.exited
+    assert blocked.seen[0].cpu < Teardown.IDLE_CPU
+    assert not working.stuck(0.4)  # it works: looked at again later
+
+
+def test_torchrun_outliving_its_exited_ranks_is_stuck_after_a_few_seconds_not_idle_s(
+        procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    """Every rank's process is gone and torchrun is still up: on several nodes, its agent waits
+    in its exit barrier for a node whose rank aborted. Judged after ``EXITED_S``, not the
+    30 s idle window; a rank still alive keeps it the idle judgement's."""
+    gone = Teardown({0: procs["exited"].pid, 1: procs["exited"].pid}, now=0.0, idle_s=30.0)
+    assert not gone.stuck(0.0)
+    assert not gone.stuck(Teardown.EXITED_S - 0.5)
+    assert gone.stuck(Teardown.EXITED_S + 0.1) and gone.exited
+    assert {p.state for p in gone.seen.values()} == {"gone"}
+    one_left = Teardown({0: procs["exited"].pid, 1: procs["blocked"].pid}, now=0.0,
+                        idle_s=30.0)
+    assert not one_left.stuck(Teardown.EXITED_S + 0.1) and not one_left.exited
