@@ -1,18 +1,23 @@
-"""A slow node, kept and evicted: the same multi-node job with one node's rank under a CPU limit.
+"""A slow node, kept and evicted: the same multi-node job with one node's rank under a CPU limit,
+or one node's link slowed.
 
-    sudo .venv/bin/python benchmarks/slow_node.py [--minutes 5] [--quota 0.1] [--at 0.2]
-                                                  [--keep DIR]
+    sudo .venv/bin/python benchmarks/slow_node.py [--minutes 5] [--cause cpu|link]
+                                                  [--quota 0.1] [--rate 1mbit] [--at 0.2]
+                                                  [--runs clean,kept,evicted] [--keep DIR]
 
-Root is needed for the CPU limit (a cgroup's CFS quota, ``tests/cpulimit.py``). The job is
-``tests/workers/tiny_train.py`` under DDP on 3 nodes of one rank each and a hot spare, every
-babysitter on this machine (loopback), with a few ms of real compute in each forward
+Root is needed for the CPU limit (a cgroup's CFS quota, ``tests/cpulimit.py``) and for the
+network namespaces of ``--cause link`` (``tests/netns.py``: every node on its own address, and
+from ``--at`` of the steps on, node 2's link at ``--rate`` both ways, a ``tc`` token bucket).
+The job is ``tests/workers/tiny_train.py`` under DDP on 3 nodes of one rank each and a hot
+spare, every babysitter on this machine (loopback, or namespaces for the link), with a few ms
+of real compute in each forward
 (``--forward-work 40``) and 0.05 s of sleep per step, sized to ``--minutes`` of fault-free
 training here (the step time measured first, on 60 steps under plain torchrun). Three runs, one
 after the other, with babysit's default policy and a checkpoint every 25 steps:
 
 - ``clean``: no limit;
-- ``kept``: from ``--at`` of the steps on, node 2's rank gets ``--quota`` of one core
-  (``nodes.evict_slow: false``: named and alerted, never evicted);
+- ``kept``: from ``--at`` of the steps on, node 2's rank gets ``--quota`` of one core (or its
+  link ``--rate``) (``nodes.evict_slow: false``: named and alerted, never evicted);
 - ``evicted``: the same limit under the default settings: named, its cost weighed, evicted for
   the spare at the attempt's next checkpoint.
 
@@ -38,7 +43,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.goodput import calibrate, env, workdir_for  # noqa: E402
-from tests import cpulimit  # noqa: E402
+from tests import cpulimit, netns  # noqa: E402
 
 WORKER = ROOT / "tests" / "workers" / "tiny_train.py"
 NODES, SPARES = 3, 1
@@ -67,52 +72,71 @@ def rank_of(babysitter: subprocess.Popen[str]) -> psutil.Process:
     raise RuntimeError("no rank under node 2's babysitter")
 
 
-def one_run(workdir: Path, name: str, steps: int, limit_at: int | None, quota: float,
+def one_run(workdir: Path, name: str, steps: int, limit_at: int | None, args: Any,
             evict: bool) -> dict[str, Any]:
+    """One run of the job; from step ``limit_at`` on (None: never), node 2 is slowed by
+    ``args.cause``."""
     run_dir = workdir / name
     config = workdir / f"{name}.yaml"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config.write_text(
-        f"launch:\n  script: {WORKER}\n  nproc-per-node: 1\n  nnodes: '{NODES}'\n"
-        f"  args: {json.dumps(['--steps', str(steps), *JOB])}\n"
-        f"run_dir: {run_dir}\ncheckpoints: {{every_steps: 25}}\n"
-        f"nodes: {{leader: '127.0.0.1:{port}', spares: {SPARES}, "
-        f"evict_slow: {'true' if evict else 'false'}}}\n")
+    with contextlib.ExitStack() as stack:
+        net = stack.enter_context(netns.network(NODES + SPARES)) if args.cause == "link" \
+            else None
+        if net is not None:  # every node on its own address: the rendezvous on node 0's
+            where, leader = f"  rdzv-endpoint: '{net.address(0)}:29400'\n", ""
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                where, leader = "", f"leader: '127.0.0.1:{s.getsockname()[1]}', "
+        config.write_text(
+            f"launch:\n  script: {WORKER}\n  nproc-per-node: 1\n  nnodes: '{NODES}'\n{where}"
+            f"  args: {json.dumps(['--steps', str(steps), *JOB])}\n"
+            f"run_dir: {run_dir}\ncheckpoints: {{every_steps: 25}}\n"
+            f"nodes: {{{leader}spares: {SPARES}, "
+            f"evict_slow: {'true' if evict else 'false'}}}\n")
+        return _run(workdir, name, run_dir, config, steps, limit_at, args, net, stack)
+
+
+def _run(workdir: Path, name: str, run_dir: Path, config: Path, steps: int,
+         limit_at: int | None, args: Any, net: netns.Network | None,
+         stack: contextlib.ExitStack) -> dict[str, Any]:
     environ = {**env(), "BABYSIT_SECRET": "slow-node-benchmark"}
     procs: dict[int, subprocess.Popen[str]] = {}
 
     def start(node: int) -> None:
         log = open(workdir / f"{name}-node{node}.log", "w")  # noqa: SIM115 - lives with the run
+        prefix = net.prefix(node) if net is not None else []
         procs[node] = subprocess.Popen(
-            [sys.executable, "-m", "babysit", "run", "--node-rank", str(node), str(config)],
-            cwd=workdir, env=environ, stdout=log, stderr=subprocess.STDOUT, text=True)
+            [*prefix, sys.executable, "-m", "babysit", "run", "--node-rank", str(node),
+             str(config)], cwd=workdir, env=environ, stdout=log, stderr=subprocess.STDOUT,
+            text=True)
 
     limited_at: float | None = None
-    with contextlib.ExitStack() as stack:
-        limit = (stack.enter_context(cpulimit.cpu_limit(quota_us=int(quota * 10000)))
-                 if limit_at is not None else None)
-        started = time.time()
-        for node in range(NODES):
-            start(node)
-        shown = 0.0
-        while any(p.poll() is None for p in procs.values()):
-            time.sleep(0.5)
-            step = newest_step(run_dir)
-            if NODES not in procs and step >= 1:
-                start(NODES)  # the spare joins a running attempt and waits
-            if limit is not None and limited_at is None and limit_at is not None \
-                    and step >= limit_at:
+    limit = (stack.enter_context(cpulimit.cpu_limit(quota_us=int(args.quota * 10000)))
+             if limit_at is not None and args.cause == "cpu" else None)
+    started = time.time()
+    for node in range(NODES):
+        start(node)
+    shown = 0.0
+    while any(p.poll() is None for p in procs.values()):
+        time.sleep(0.5)
+        step = newest_step(run_dir)
+        if NODES not in procs and step >= 1:
+            start(NODES)  # the spare joins a running attempt and waits
+        if limited_at is None and limit_at is not None and step >= limit_at:
+            if limit is not None:
                 limit.add(rank_of(procs[2]).pid)
-                limited_at = time.time()
-                print(f"  {name}: node 2's rank limited to {quota:.0%} of a core at step {step}",
-                      flush=True)
-            if time.time() - shown > 30:
-                shown = time.time()
-                print(f"  {name}: step {step} of {steps}, {shown - started:.0f} s", flush=True)
-            if time.time() - started > 6 * 3600:
-                raise SystemExit(f"{name}: still running after 6 h")
+                what = f"rank limited to {args.quota:.0%} of a core"
+            else:
+                assert net is not None
+                net.slow(2, args.rate)
+                what = f"link slowed to {args.rate}"
+            limited_at = time.time()
+            print(f"  {name}: node 2's {what} at step {step}", flush=True)
+        if time.time() - shown > 30:
+            shown = time.time()
+            print(f"  {name}: step {step} of {steps}, {shown - started:.0f} s", flush=True)
+        if time.time() - started > 6 * 3600:
+            raise SystemExit(f"{name}: still running after 6 h")
     codes = {n: p.returncode for n, p in procs.items()}
     status = subprocess.run([sys.executable, "-m", "babysit", "status", "--json", str(run_dir)],
                             cwd=workdir, env=env(), capture_output=True, text=True, check=True)
@@ -131,26 +155,36 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=5.0,
                    help="fault-free training time the job is sized to")
+    p.add_argument("--cause", choices=("cpu", "link"), default="cpu",
+                   help="what slows node 2: a CPU limit on its rank, or its link's rate")
     p.add_argument("--quota", type=float, default=0.1,
-                   help="the slow node's rank's share of one core")
+                   help="the slow node's rank's share of one core (--cause cpu)")
+    p.add_argument("--rate", default="1mbit",
+                   help="the slow node's link rate, both ways, in tc units (--cause link)")
+    p.add_argument("--runs", default="clean,kept,evicted",
+                   help="which of the runs to make, comma-separated (clean comes first)")
     p.add_argument("--at", type=float, default=0.2,
                    help="the fraction of the steps at which the limit starts")
     p.add_argument("--keep", type=Path, metavar="DIR", help="run in DIR and keep it")
     args = p.parse_args()
-    why = cpulimit.available()
+    names = [n for n in ("clean", "kept", "evicted") if n in args.runs.split(",")]
+    if "clean" not in names:
+        raise SystemExit("--runs must include clean: the other runs' pace is measured by it")
+    why = cpulimit.available() if args.cause == "cpu" else netns.available()
     if why is not None:
-        raise SystemExit(f"cannot limit a node's CPU here: {why}")
+        raise SystemExit(f"cannot slow a node here ({args.cause}): {why}")
     with contextlib.ExitStack() as stack:
         workdir = workdir_for(stack, args.keep, "babysit-slow-node-")
         step_s, _, _ = calibrate(workdir, NODES, tuple(JOB))
         steps = int(args.minutes * 60 / step_s)
         at = int(args.at * steps)
+        slowed = (f"rank limited to {args.quota:.0%} of a core" if args.cause == "cpu" else
+                  f"link at {args.rate} both ways")
         print(f"job: {steps} steps of {1000 * step_s:.1f} ms (~{args.minutes:g} min fault-free "
-              f"here) on {NODES} nodes and {SPARES} spare; node 2's rank limited to "
-              f"{args.quota:.0%} of a core from step {at}", flush=True)
-        runs = {"clean": one_run(workdir, "clean", steps, None, args.quota, evict=True),
-                "kept": one_run(workdir, "kept", steps, at, args.quota, evict=False),
-                "evicted": one_run(workdir, "evicted", steps, at, args.quota, evict=True)}
+              f"here) on {NODES} nodes and {SPARES} spare; node 2's {slowed} from step {at}",
+              flush=True)
+        runs = {name: one_run(workdir, name, steps, None if name == "clean" else at, args,
+                              evict=name != "kept") for name in names}
         clean_step = runs["clean"]["ledger"]["seconds"]["productive"] / steps
         print(f"\n{'run':8} {'wall s':>8} {'pace goodput':>13} {'ledger goodput':>15} "
               f"{'step':>6} {'loss':>8}  exits / slow node")

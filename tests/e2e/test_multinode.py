@@ -69,8 +69,8 @@ class Nodes:
         self.config.write_text(
             f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: {nproc}\n"
             f"  nnodes: '{nnodes}'\n{where}"
-            # gloo in torch 2.13 sometimes aborts a rank in its teardown, and the other nodes'
-            # torchruns then wait in their exit barrier until babysit stops them: not 30 s here.
+            # gloo in torch 2.13 sometimes blocks a rank in its teardown after a peer node's
+            # aborted: babysit stops it after 8 s with no CPU progress here, not 30.
             f"  teardown-idle-s: 8\n"
             f"  args: {json.dumps(['--steps', str(steps), '--step-sleep', '0.05', *args])}\n"
             f"run_dir: {self.run_dir}\n"
