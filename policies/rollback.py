@@ -55,7 +55,7 @@ SPIKES = (Incident.LOSS_SPIKE, Incident.GRAD_SPIKE)
 NEEDS_OLDER = (*SPIKES, Incident.RESUME)
 """Rollbacks that pay only with a good checkpoint before the onset: a spike's (else the run
 restarts from scratch for a bump), a failed resume's (the next older one is the point)."""
-KEEPS_DATA = (Incident.SDC, Incident.RESUME)
+KEEPS_DATA = (Incident.SDC, Incident.GPU_FAULT, Incident.RESUME)
 """Rollbacks that are no fault of the data or the LR: nothing skipped, the LR orders kept."""
 WEIGHT_ANOMALIES = (Incident.LOSS_SPIKE, Incident.NONFINITE, Incident.GRAD_SPIKE)
 """Anomalies that say something about the weights around them (a hang or a crash does not)."""
@@ -203,7 +203,7 @@ def suspect_window(incident: Incident, probation_steps: int) -> int | None:
     """How many steps before its onset an acted-on anomaly makes checkpoints suspect (those
     after the onset too); None: it says nothing about the weights. Silent corruption began
     after the last agreeing check (onset - 1), which vouches for the checkpoints up to it."""
-    if incident is Incident.SDC:
+    if incident in (Incident.SDC, Incident.GPU_FAULT):
         return 0
     return probation_steps if incident in WEIGHT_ANOMALIES else None
 
@@ -282,8 +282,9 @@ def _kept_why(finding: Finding, checkpoint: Saved | None) -> str:
         return (f"; rerun steps {start}to {finding.step} first, nothing skipped and the LR "
                 "kept: back at the same batches -> the data's (skipped then), not back -> a "
                 "transient fault of the machine")
-    whose = "silent data corruption is the hardware's fault" \
-        if finding.incident is Incident.SDC else "a restore that did not take is the resume's"
+    whose = {Incident.SDC: "silent data corruption is the hardware's fault",
+             Incident.GPU_FAULT: "a GPU fault is the machine's"}.get(
+        finding.incident, "a restore that did not take is the resume's")
     return f"; {whose}, not the data's or the LR's: no batches skipped, LR kept"
 
 

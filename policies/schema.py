@@ -148,6 +148,12 @@ class Incidents(Section):
     (``nodes.evict_slow``): once the attempt has saved its next checkpoint, relaunch from it
     without that node (a spare in its place, or on the nodes left). Charged to the budget like
     any remedy. ``alert`` keeps the node and only tells."""
+    gpu_fault: Response = _ladder(A.ROLLBACK, A.STOP)
+    """A GPU reported a machine fault (uncorrectable ECC errors, a hardware Xid; read through
+    NVML every ``schedule.health_every_s``): roll back to the newest good checkpoint from
+    before the last clean look at the GPUs (nothing skipped, LR kept: the data is fine, the
+    GPU is not), on a multi-node run without that node (evicted at once, a spare in its
+    place); again -> stop."""
     resume: Response = _ladder(A.ROLLBACK, A.STOP)
     """A resume that did not take (a rank's parameters at its first step are not the ones it
     restored, or the first steps' loss is far above the one recorded at the checkpoint): roll

@@ -235,8 +235,11 @@ class Incident(str, enum.Enum):
     """A node joined (or came back to) a multi-node run that runs on fewer nodes than it may:
     the job can grow back. Not trouble: an opportunity, taken at a checkpoint."""
     SLOW_NODE = "slow_node"
-    """A node whose compute lags the others' for minutes, and keeping it costs the job more
-    than a relaunch without it: taken out at the next checkpoint."""
+    """A node whose compute or link lags the others' for minutes, and keeping it costs the job
+    more than a relaunch without it: taken out at the next checkpoint."""
+    GPU_FAULT = "gpu_fault"
+    """A GPU of a node reported a fault of the machine through NVML: new uncorrectable ECC
+    errors, or an Xid of the hardware's (fallen off the bus, NVLink, row remapping, ...)."""
     RESUME = "resume"
     """A resume that did not take: a rank's parameters at its first step are not the ones its
     checkpoint restored (weights loaded over them after ``attach()``)."""

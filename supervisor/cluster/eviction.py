@@ -37,6 +37,9 @@ from babysit.policies.types import Finding, Incident
 NATIVE_SIGNALS = {int(signal.SIGSEGV): "SIGSEGV", int(signal.SIGBUS): "SIGBUS",
                   int(signal.SIGILL): "SIGILL"}
 SDC = "silent data corruption"
+GPU = "GPU fault"
+AT_ONCE = (SDC, GPU)
+"""Faults whose witness already says whose machine it is: evicted on the first."""
 TRANSIENT = "transient fault"
 
 
@@ -46,6 +49,8 @@ def machine_fault(finding: Finding) -> str | None:
     ev = finding.evidence
     if finding.incident is Incident.SDC:
         return None if "no_majority" in (ev.get("rules") or ()) else SDC
+    if finding.incident is Incident.GPU_FAULT:
+        return GPU
     if finding.incident is not Incident.CRASH:
         return None
     if ev.get("class") == "hardware":
@@ -82,7 +87,7 @@ class NodeFaults:
     def _count(self, node: int, what: str, fault: str) -> str | None:
         faults = self.seen.setdefault(node, [])
         faults.append(fault)
-        if what == SDC:  # the vote already told whose bits are wrong: no second chance
+        if what in AT_ONCE:  # the vote, or NVML, already told whose machine: no second chance
             return f"{fault} on its rank(s)"
         if len(faults) != self.evict_after:
             return None
@@ -141,7 +146,10 @@ def recall(entries: Iterable[Mapping[str, Any]], evict_after: int
 
 
 def _fault(what: str, finding: Finding) -> str:
-    return f"{what} at step {finding.step}"
+    gpus = finding.evidence.get("gpus") if what == GPU else None
+    said = ("; ".join(f"GPU {i}: {', '.join(w)}" for i, w in gpus.items())
+            if isinstance(gpus, dict) else "")
+    return f"{what} at step {finding.step}" + (f" ({said})" if said else "")
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ from babysit.supervisor.cluster.wire import AuthError, Peer, connect
 from babysit.supervisor.config.address import format_address, parse_address
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.node import incident, launcher
+from babysit.supervisor.node.gpu_watch import GpuWatch
 from babysit.supervisor.node.sketch import StepSummary
 from babysit.supervisor.node.tick import Hang, OwnNode
 from babysit.supervisor.node.workers import NodeWorkers
@@ -93,7 +94,8 @@ class Follower:
         # another node's, whose ranks only wait in the collective.
         self.own: OwnNode[tuple[list[StepSummary], list[Finding]]] = OwnNode(
             self.workers, self.view, flush_on_exit=True,
-            on_suspect=lambda _: self._send(HangSuspected(self.attempt)))
+            on_suspect=lambda _: self._send(HangSuspected(self.attempt)),
+            gpus=GpuWatch(plan.config.schedule.health_every_s))
         self.journal = journal_mod.Journal(plan.run_dir / "events.jsonl")
         self.peer: Peer | None = None
         self.attempt = -1
@@ -379,6 +381,8 @@ class Follower:
                 self._send(RankEvent(self.attempt, event))
         for summaries, findings in tick.outputs:
             self._report(summaries, findings)
+        if tick.faults:
+            self._report([], tick.faults)
         for fields in tick.cleared:
             self._journal("hang_cleared", **fields)
             self._send(HangCleared(self.attempt))

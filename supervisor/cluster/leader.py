@@ -57,6 +57,7 @@ from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent, mfu_inputs
 from babysit.supervisor.node import standby
 from babysit.supervisor.node.aggregate import with_rates
+from babysit.supervisor.node.gpu_watch import GpuWatch
 from babysit.supervisor.node.launcher import Placement
 from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
 from babysit.supervisor.node.tick import OwnNode
@@ -100,7 +101,8 @@ class ClusterMembers(OnThisNode):
         self.workers = NodeWorkers(plan, plan.run_dir)
         self.view = NodeView.from_plan(plan, plan.node_rank)
         self.node: OwnNode[tuple[list[StepSummary], list[Finding]]] = OwnNode(
-            self.workers, self.view, flush_on_exit=True)
+            self.workers, self.view, flush_on_exit=True,
+            gpus=GpuWatch(plan.config.schedule.health_every_s))
         self.cluster = Cluster(plan, secret, self.clock)
         launch = plan.config.launch
         self._standby_off = standby.off_reason(launch, standby.gpus_visible(launch))
@@ -429,6 +431,7 @@ class ClusterMembers(OnThisNode):
         tick = self.node.tick(now, watching)
         for summaries, findings in tick.outputs:
             self._node_report(self.cluster.me, summaries, findings, out)
+        self._node_report(self.cluster.me, [], tick.faults, out)
         for event in tick.events:
             self._rank_event(self.cluster.me, event, out)
         self.record_tick(tick, out)

@@ -13,6 +13,8 @@ things with the ranks on their machine each tick, and this is the one place that
     is anything hung?             the judge's hang timers, confirmed from the ranks' process
                                   state, CPU and stacks, and named (or cleared: working); half-way
                                   to a suspicion, the slow native stacks are read ahead
+    did a GPU fail?               every ``schedule.health_every_s``, NVML's uncorrectable ECC
+                                  errors and machine Xids (``gpu_watch``), named with the ranks
 
 What a report *means* is the judge's business: ``run.members.LocalJudge`` turns this node's
 reports into the job's steps (a single-node run: this node is the job),
@@ -29,6 +31,7 @@ from babysit.policies.types import Finding, RankStep
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
 from babysit.supervisor.node import hang, stall, teardown
+from babysit.supervisor.node.gpu_watch import GpuWatch
 from babysit.supervisor.node.stacks import Diagnosis
 from babysit.supervisor.node.workers import NodeWorkers
 
@@ -114,6 +117,8 @@ class NodeTick(Generic[Out]):
     (said once per attempt; torchrun's exit follows when it has torn the rest down)."""
     cleared: list[dict[str, Any]] = field(default_factory=list)
     """The ``hang_cleared`` entries' fields: suspected hangs the ranks' processes refuted."""
+    faults: list[Finding] = field(default_factory=list)
+    """Machine faults this node's own devices reported (``gpu_watch``), named."""
     exit: NodeExit | None = None
 
 
@@ -121,12 +126,18 @@ class OwnNode(Generic[Out]):
     """One node's workers and its judge; ``tick()`` once per loop tick."""
 
     def __init__(self, workers: NodeWorkers, judge: NodeJudge[Out], *, flush_on_exit: bool,
-                 on_suspect: Callable[[Finding], None] | None = None) -> None:
+                 on_suspect: Callable[[Finding], None] | None = None,
+                 gpus: GpuWatch | None = None) -> None:
         """``flush_on_exit``: at torchrun's exit, the steps some rank never finished still go
         out (a node of a cluster: the leader merges what each node has); a single-node run
         drops them instead. ``on_suspect`` hears of a hang before the stacks are read, which
-        takes seconds (a follower tells the leader to wait for its view)."""
+        takes seconds (a follower tells the leader to wait for its view). ``gpus``: this
+        node's GPUs, looked at while an attempt runs (None: never)."""
         self.workers = workers
+        self.gpus = gpus
+        self._ranks: set[int] = set()
+        """This attempt's ranks on this node, from their hellos."""
+        self._step = 0
         self.judge = judge
         self.flush_on_exit = flush_on_exit
         self.on_suspect = on_suspect
@@ -147,6 +158,7 @@ class OwnNode(Generic[Out]):
         with this attempt's rendezvous); returns the torchrun command."""
         self.judge.new_attempt(now, directive)
         self.attempt, self.running, self.hang, self._death_told = attempt, True, None, False
+        self._ranks = set()
         self._teardown, self._confirmer = None, hang.Confirmer()
         return start()
 
@@ -164,6 +176,9 @@ class OwnNode(Generic[Out]):
         self._drain(now, out)
         if not (watching and self.running):
             return out
+        if self.gpus is not None and self._ranks:
+            out.faults += [self.judge.name(f)
+                           for f in self.gpus.look(now, self._step, self._ranks)]
         if out.newest is not None:  # stepping: its own start-up no longer needs the CPU
             self.workers.keep_ahead(self.attempt + 1)
         code = self.workers.poll()
@@ -206,8 +221,11 @@ class OwnNode(Generic[Out]):
         for message in self.workers.telemetry():  # the socket, then printed progress
             if isinstance(message, RankStep):
                 out.newest = max(out.newest or 0, message.step)
+                self._step = max(self._step, message.step)
                 out.outputs.append(self.judge.observe_rank(message, now))
             else:
+                if message.type == "hello":
+                    self._ranks.add(message.rank)
                 self.workers.note(message)
                 self.judge.observe_event(message, now)
                 out.events.append(message)

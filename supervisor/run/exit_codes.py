@@ -59,7 +59,7 @@ def for_failure(remedy: Remedy | None, step: int, requeued_at: Sequence[int]) ->
     finding = remedy.finding
     ev = finding.evidence
     incident = finding.incident
-    machine = (incident in (Incident.NODE_LOST, Incident.SDC, Incident.HANG)
+    machine = (incident in (Incident.NODE_LOST, Incident.SDC, Incident.GPU_FAULT, Incident.HANG)
                or (incident is Incident.CRASH and ev.get("class") in MACHINE_CRASHES))
     if ev.get("follows") in ("data", "code") or ev.get("deterministic") or not machine:
         return Verdict(STOP, f"the job's own: {remedy.reason}")

@@ -22,6 +22,7 @@ from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent, mfu_inputs
 from babysit.supervisor.node import launcher, standby
 from babysit.supervisor.node.aggregate import StepAggregator, metrics_row
+from babysit.supervisor.node.gpu_watch import GpuWatch
 from babysit.supervisor.node.printed import SOURCE
 from babysit.supervisor.node.stacks import Diagnosis
 from babysit.supervisor.node.tick import NodeTick, OwnNode
@@ -252,8 +253,9 @@ class LocalMembers(OnThisNode):
         self.watch = watch
         self.workers = NodeWorkers(plan, plan.run_dir)
         self.judge = LocalJudge(watch, plan.world_size or 1)
-        self.node: OwnNode[list[StepRecord]] = OwnNode(self.workers, self.judge,
-                                                        flush_on_exit=False)
+        self.node: OwnNode[list[StepRecord]] = OwnNode(
+            self.workers, self.judge, flush_on_exit=False,
+            gpus=GpuWatch(plan.config.schedule.health_every_s))
         launch = plan.config.launch
         gpus = standby.gpus_visible(launch)
         self.standby = standby.Trigger(standby.off_reason(launch, gpus),
@@ -345,7 +347,7 @@ class LocalMembers(OnThisNode):
                      for records in tick.outputs for record in records]
         self.record_tick(tick, out)
         out.entries += self._keep_standby(tick, now, watching)
-        out.findings += [hang.finding for hang in tick.hangs]
+        out.findings += [hang.finding for hang in tick.hangs] + tick.faults
         if tick.exit is not None:
             out.end = JobEnd(tick.exit.code, tick.exit.tails, tick.exit.root, tick.exit.exits)
         return out

@@ -20,6 +20,7 @@ decode bitmasks, how we survive "not supported") is our code and is what the fak
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import importlib
 import os
@@ -67,6 +68,24 @@ _NVML_TEMPERATURE_GPU = 0
 _NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
 _NVML_VOLATILE_ECC = 0
 _NVML_FEATURE_ENABLED = 1
+_NVML_EVENT_XID_CRITICAL = 0x8  # nvmlEventTypeXidCriticalError
+
+MACHINE_XIDS: dict[int, str] = {
+    48: "double-bit ECC error",
+    63: "ECC page retirement or row remapping",
+    64: "row remapping failure",
+    74: "NVLink error",
+    79: "fallen off the bus",
+    92: "high single-bit ECC error rate",
+    94: "contained ECC error",
+    95: "uncontained ECC error",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+}
+"""The Xids (NVIDIA's numbered driver errors) that are the machine's, from NVIDIA's Xid
+catalogue: memory, NVLink, the bus, the GPU's own processor. The others (13 a kernel's bad
+access, 31 a page fault, 43 a stopped channel, 45 a killed context, ...) most often follow the
+program and are left to the crash's own classification."""
 
 
 # -- configuration --------------------------------------------------------------------------------
@@ -159,6 +178,9 @@ class GpuSample:
     throttle_reasons: tuple[ThrottleReason, ...] | None
     memory_used_bytes: int | None
     memory_total_bytes: int | None
+    xids: tuple[int, ...] = ()
+    """Critical Xid events the driver raised for this GPU since the last read (NVML's event
+    set, registered at init; empty where the driver does not deliver them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +216,8 @@ class Nvml:
         self._module = module
         self._ready = False
         self._failure: str | None = None
+        self._events: Any = None
+        """The event set critical Xids arrive on, or None (not supported: no Xids read)."""
 
     def read(self) -> tuple[tuple[GpuSample, ...] | None, str | None]:
         """``(gpus, None)``, or ``(None, why not)`` when NVML is unavailable. Never raises."""
@@ -205,9 +229,17 @@ class Nvml:
             handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         except Exception as exc:  # any NVML error means "cannot read GPUs now"
             return None, f"NVML query failed: {exc}"
-        return tuple(_read_gpu(nvml, i, h) for i, h in enumerate(handles)), None
+        if self._events is None:
+            self._events = _watch_xids(nvml, handles)
+        xids = _drain_xids(nvml, self._events, handles) if self._events else {}
+        return tuple(dataclasses.replace(_read_gpu(nvml, i, h), xids=tuple(xids.get(i, ())))
+                     for i, h in enumerate(handles)), None
 
     def close(self) -> None:
+        if self._events and self._module is not None:
+            with contextlib.suppress(Exception):
+                self._module.nvmlEventSetFree(self._events)
+        self._events = None
         if self._ready and self._module is not None:
             # Shutting down: an error here has nothing left to protect.
             with contextlib.suppress(Exception):
@@ -232,6 +264,37 @@ class Nvml:
             return None
         self._ready = True
         return self._module
+
+
+def _watch_xids(nvml: ModuleType, handles: list[object]) -> Any:
+    """An event set on which every GPU delivers its critical Xid errors; False where NVML
+    cannot (an older driver, a GPU without the event): not asked again."""
+    try:
+        events = nvml.nvmlEventSetCreate()
+    except Exception:
+        return False
+    registered = False
+    for handle in handles:
+        with contextlib.suppress(Exception):  # NotSupported on this GPU: the others still can
+            nvml.nvmlDeviceRegisterEvents(handle, _NVML_EVENT_XID_CRITICAL, events)
+            registered = True
+    return events if registered else False
+
+
+def _drain_xids(nvml: ModuleType, events: Any, handles: list[object]
+                ) -> dict[int, list[int]]:
+    """The Xids waiting on ``events``, by GPU index; never waits (a timeout of 0 ms)."""
+    wait = getattr(nvml, "nvmlEventSetWait_v2", None) or nvml.nvmlEventSetWait
+    found: dict[int, list[int]] = {}
+    for _ in range(64):  # a storm of events is not read all at once: the rest next time
+        try:
+            event = wait(events, 0)
+        except Exception:  # NVML_ERROR_TIMEOUT: none waiting (or the set is gone)
+            break
+        if event.eventType & _NVML_EVENT_XID_CRITICAL:
+            index = next((i for i, h in enumerate(handles) if h == event.device), -1)
+            found.setdefault(index, []).append(int(event.eventData))
+    return found
 
 
 def _read_gpu(nvml: ModuleType, index: int, handle: object) -> GpuSample:
@@ -367,6 +430,7 @@ class HealthKind(str, enum.Enum):
     GPU_ECC_ERRORS = "gpu_ecc_errors"
     GPU_PAGES_PENDING = "gpu_pages_pending"
     GPU_THROTTLED = "gpu_throttled"
+    GPU_XID = "gpu_xid"
 
 
 @dataclass(frozen=True, slots=True)
@@ -513,6 +577,16 @@ def _gpu(g: GpuSample, before: GpuSample | None, c: HealthConfig) -> list[Health
             f"errors; they take effect only after a GPU reset. Reset the GPU before the next job.",
             {"gpu": g.index},
         ))
+    for xid in dict.fromkeys(g.xids):
+        meaning = MACHINE_XIDS.get(xid)
+        out.append(HealthWarning(
+            HealthKind.GPU_XID, f"{subject} xid {xid}",
+            f"GPU {g.index} raised Xid {xid}" + (
+                f" ({meaning}): the machine's, not the program's. Drain the node for a GPU "
+                f"reset or replacement." if meaning else
+                ": see NVIDIA's Xid catalogue; most such errors follow the program."),
+            {"gpu": g.index, "xid": xid, "machine": meaning is not None},
+        ))
     bad = [r for r in g.throttle_reasons or () if r in c.gpu_throttle_reasons]
     if bad:
         out.append(HealthWarning(
@@ -522,6 +596,21 @@ def _gpu(g: GpuSample, before: GpuSample | None, c: HealthConfig) -> list[Health
             {"gpu": g.index, "reasons": bad, "temperature_c": g.temperature_c},
         ))
     return out
+
+
+def machine_faults(g: GpuSample, before: GpuSample | None) -> list[str]:
+    """What in ``g`` is a fault of the machine, in words: uncorrectable ECC errors new since
+    ``before`` (the count is the driver's since it loaded, so the first look is only a
+    baseline), and each Xid of ``MACHINE_XIDS``. Pure."""
+    faults = []
+    if before is not None and g.ecc_uncorrected_volatile is not None \
+            and before.ecc_uncorrected_volatile is not None \
+            and g.ecc_uncorrected_volatile > before.ecc_uncorrected_volatile:
+        new = g.ecc_uncorrected_volatile - before.ecc_uncorrected_volatile
+        faults.append(f"{new} uncorrectable ECC error(s)")
+    faults += [f"Xid {x} ({MACHINE_XIDS[x]})" for x in dict.fromkeys(g.xids)
+               if x in MACHINE_XIDS]
+    return faults
 
 
 # -- warn once (small state) -----------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -411,6 +412,36 @@ def test_a_node_whose_ranks_keep_segfaulting_is_evicted_and_the_run_goes_on(
     assert run.events("run_finished")[-1]["state"] == "succeeded"
     status = run_babysit("status", str(run.run_dir), cwd=tmp_path).stdout
     assert "evicted     node 1" in status
+
+
+def test_a_gpu_that_raises_a_machine_xid_gets_its_node_evicted_at_once(tmp_path: Path) -> None:
+    """Node 1's GPU falls off the bus (Xid 79) mid-run, as NVML tells it: node 1's babysitter
+    sees it at its next look at its GPUs, the leader evicts node 1 at once (no second chance),
+    and rolls back to before the last clean look, nothing skipped, on node 0 alone as
+    `--nnodes 1:2` allows. NVML is faked at its seam: ``tests/fake_nvml/pynvml.py`` on node 1's
+    path; node 0 has no NVML and says so."""
+    state = tmp_path / "nvml.json"
+    state.write_text(json.dumps({"gpus": [{"name": "H100", "ecc": 0}], "xids": []}))
+    run = Nodes(tmp_path, nnodes="1:2", steps=60, extra="schedule: {health_every_s: 1}\n")
+    run.start(0)
+    run.start(1, FAKE_NVML_STATE=str(state), PYTHONPATH=os.pathsep.join(
+        [str(ROOT / "tests" / "fake_nvml"), babysit_env()["PYTHONPATH"]]))
+    run.until("step 15", lambda: _step(run) >= 15)
+    state.write_text(json.dumps({"gpus": [{"name": "H100", "ecc": 0}], "xids": [[0, 79]]}))
+    codes = run.wait()
+    assert codes == {0: 0, 1: 75}, run.logs()
+    [fault] = [e["finding"] for e in run.events("finding")
+               if e["finding"]["incident"] == "gpu_fault"]
+    assert fault["evidence"]["node"] == 1 and fault["ranks"] == [2, 3], fault
+    assert fault["evidence"]["gpus"] == {"0": ["Xid 79 (fallen off the bus)"]}
+    [evicted] = run.events("node_evicted")
+    assert evicted["node"] == 1 and "Xid 79 (fallen off the bus)" in evicted["why"], evicted
+    launches = run.events("launch")
+    assert [e["nodes"] for e in launches] == [[0, 1], [0]], launches
+    resume = launches[1]["directive"]["resume"]
+    assert resume is not None and resume["step"] < fault["onset_step"], (resume, fault)
+    assert launches[1]["directive"]["skip"] == [] and launches[1]["directive"]["lr_scale"] == 1.0
+    assert run.events("run_finished")[-1]["state"] == "succeeded"
 
 
 def test_losing_the_leader_hands_the_run_to_a_follower_and_a_hot_spare_keeps_its_size(

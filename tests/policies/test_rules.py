@@ -191,6 +191,16 @@ def test_sdc_rollback_skips_no_data_and_keeps_the_lr_then_stops() -> None:
     assert rules.on_finding(finding(sdc, step=600, onset=501), 20.0).action is Action.STOP
 
 
+def test_a_gpu_fault_rolls_back_to_before_the_last_clean_look_keeping_data_and_lr() -> None:
+    rules = Rules(policy())
+    first = rules.on_finding(finding(Incident.GPU_FAULT, step=500, onset=401, cursor=401), 0.0)
+    assert first.action is Action.ROLLBACK
+    assert (first.skip_before, first.skip_after, first.lr_scale) == (0, 0, 1.0)
+    assert "a GPU fault is the machine's" in first.reason and "LR kept" in first.reason
+    assert rules.on_finding(finding(Incident.GPU_FAULT, step=600, onset=501), 20.0).action \
+        is Action.STOP
+
+
 def test_rank_departure_alerts_with_a_cooldown() -> None:
     rules = Rules(policy())
     rd = Incident.RANK_DEPARTURE

@@ -76,6 +76,15 @@ def test_a_corruption_the_vote_placed_on_a_node_makes_it_evictable_at_once() -> 
     assert NodeFaults(evict_after=0).add(sdc(1, 20, ["majority"])) is None
 
 
+def test_a_gpu_fault_nvml_reported_on_a_node_makes_it_evictable_at_once() -> None:
+    gpu = Finding(incident=Incident.GPU_FAULT, detector="gpu", severity=Severity.CRITICAL,
+                  step=40, onset_step=31, message="m", ranks=(2, 3),
+                  evidence={"node": 1, "gpus": {"0": ["Xid 79 (fallen off the bus)"]}})
+    assert machine_fault(gpu) == "GPU fault"
+    assert NodeFaults(evict_after=2).add(gpu) == \
+        "GPU fault at step 40 (GPU 0: Xid 79 (fallen off the bus)) on its rank(s)"
+
+
 def test_transient_faults_on_the_same_node_count_like_crashes() -> None:
     # A spike the rerun did not reproduce, first seen on a rank of node 1, twice.
     faults = NodeFaults(evict_after=2)

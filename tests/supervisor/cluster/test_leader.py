@@ -1136,6 +1136,29 @@ def slow(node_ranks: tuple[int, ...], slowdown: float, step: int = 200,
                                                "slowdown": slowdown})
 
 
+def test_a_gpu_fault_on_a_followers_node_evicts_it_at_the_next_launch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follower's GPU reported Xid 79 (its ``gpu_watch``, sent as a node finding): the
+    leader places it on node 1 and the relaunch the policy answers with runs without it."""
+    with leading(tmp_path, monkeypatch, "1:2") as members:
+        said = Said()
+        join(members, said)
+        members.launch(0, Directive(), time.monotonic())
+        members.cluster.rank_node.update({0: 0, 1: 0, 2: 1, 3: 1})
+        fault = Finding(incident=Incident.GPU_FAULT, detector="gpu", severity=Severity.CRITICAL,
+                        step=40, onset_step=31, message="GPU fault at step 40", ranks=(2, 3),
+                        evidence={"gpus": {"0": ["Xid 79 (fallen off the bus)"]}})
+        placed = members.locate(fault)
+        assert placed.evidence["node"] == 1
+        members.prepare(Remedy(Action.ROLLBACK, placed, "gpu_fault -> rollback"), 1)
+        members.launch(1, Directive(attempt=1), time.monotonic())
+        assert members.cluster.attempt.nodes == [0]
+        [evicted] = [f for event, f in said.journal if event == "node_evicted"]
+        assert evicted["node"] == 1
+        assert evicted["why"] == ("GPU fault at step 40 (GPU 0: Xid 79 (fallen off the bus)) "
+                                  "on its rank(s)")
+
+
 class Measured:
     """A connection whose round trip the kernel gave as ``rtt`` (the one seam: a slow link is
     real in ``tests/e2e/test_multinode.py``)."""

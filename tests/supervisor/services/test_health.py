@@ -7,6 +7,7 @@ GPU, so the real "absent" path is tested for real.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from babysit.supervisor.services.health import (
     ThrottleReason,
     WorkerSample,
     judge,
+    machine_faults,
     sample,
 )
 
@@ -294,3 +296,61 @@ def test_watch_keeps_just_enough_history_to_see_a_leak() -> None:
     assert kinds(found) == [HealthKind.WORKER_MEMORY_GROWTH]
     assert len(watch._history) <= 21  # 600 s of 30 s samples
     assert [w.kind for w in watch.active] == [HealthKind.WORKER_MEMORY_GROWTH]
+
+
+# -- Xids: NVML's event set, through the fake at the seam ------------------------------------------
+
+
+class Timeout(Exception):
+    """What pynvml raises (NVMLError_Timeout) when no event waits."""
+
+
+def with_xids(nvml: types.ModuleType, pending: list[tuple[int, int]]) -> types.ModuleType:
+    """``nvml`` with NVML's event API: ``pending`` holds (GPU handle, Xid) events not yet read;
+    GPU 1 does not support the event (its registration fails)."""
+    registered: list[int] = []
+
+    def register(handle: int, kind: int, events: str) -> None:
+        if handle == 1:
+            raise NotSupported("Not Supported")
+        assert kind == 0x8 and events == "set"
+        registered.append(handle)
+
+    def wait(events: str, timeout_ms: int) -> types.SimpleNamespace:
+        assert timeout_ms == 0  # never blocks the loop
+        if not pending:
+            raise Timeout("Timeout")
+        handle, xid = pending.pop(0)
+        return types.SimpleNamespace(device=handle, eventType=0x8, eventData=xid)
+
+    nvml.__dict__.update(registered=registered, nvmlEventSetCreate=lambda: "set",
+                         nvmlDeviceRegisterEvents=register, nvmlEventSetWait_v2=wait,
+                         nvmlEventSetFree=lambda events: None)
+    return nvml
+
+
+def test_xids_are_read_from_nvmls_event_set_without_waiting_and_machine_ones_warn(
+        tmp_path: Path) -> None:
+    gpus: list[dict[str, Any]] = [{"name": "H100", "ecc": 0}, {"name": "H100", "ecc": 0}]
+    pending = [(0, 79), (0, 13)]
+    nvml = with_xids(fake_nvml(gpus), pending)
+    sampler = HealthSampler(Nvml(nvml))
+    first = sampler.sample([], tmp_path)
+    assert nvml.registered == [0]  # GPU 1 cannot deliver events: the others still do
+    assert first.gpus is not None and first.gpus[0].xids == (79, 13) and first.gpus[1].xids == ()
+    warnings = judge(first, HealthConfig())
+    assert [(w.kind, w.subject, w.evidence["machine"]) for w in warnings] == [
+        (HealthKind.GPU_XID, "gpu 0 xid 79", True), (HealthKind.GPU_XID, "gpu 0 xid 13", False)]
+    assert "fallen off the bus" in warnings[0].message
+    second = sampler.sample([], tmp_path)  # read once: the set is drained
+    assert second.gpus is not None and second.gpus[0].xids == ()
+    sampler.close()
+
+
+def test_machine_faults_are_new_uncorrectable_ecc_errors_and_the_machines_xids() -> None:
+    before = gpu(ecc=3)
+    assert machine_faults(gpu(ecc=3), None) == []  # the driver's count: a baseline
+    assert machine_faults(gpu(ecc=3), before) == []
+    assert machine_faults(gpu(ecc=5), before) == ["2 uncorrectable ECC error(s)"]
+    xids = dataclasses.replace(gpu(), xids=(13, 74, 74))
+    assert machine_faults(xids, gpu()) == ["Xid 74 (NVLink error)"]  # 13: the program's
