@@ -21,9 +21,10 @@ after the other, with babysit's default policy and a checkpoint every 25 steps:
 - ``evicted``: the same limit under the default settings: named, its cost weighed, evicted for
   the spare at the attempt's next checkpoint.
 
-A slow step is still a productive one in babysit's ledger, so the figure that shows what a slow
-node costs is the wall time for the same steps; ``pace goodput`` is the steps at the clean run's
-median step time over the wall time (the ledger's goodput is printed beside it).
+babysit's ledger counts a slow rank's forward excess as straggler time, a lower bound (its
+backward's excess is not seen, and a slow link not at all), so the figure that shows what a
+slow node costs is the wall time for the same steps; ``pace goodput`` is the steps at the clean
+run's productive step time over the wall time (the ledger's goodput is printed beside it).
 """
 
 from __future__ import annotations

@@ -53,11 +53,13 @@ Categories (seconds; ``CATEGORIES`` keeps this order):
     ``run_started``, when the first ended without finishing the run (killed, or stopped by a
     signal). A gap after a run that finished (succeeded or failed) is not the run's time at all.
 ``straggler``
-    Per step, when one rank's data wait or compute (``step_time - data_wait``) exceeds the
-    other ranks' median by at least 20 ms and 1.3x (the straggler detector's defaults), the
-    excess, taken out of the step interval. Under synchronous collectives a compute straggler
-    makes every rank's step slow alike and is invisible here (see ``policies.detectors.
-    straggler``); a slow loader is measured.
+    Per step, when one rank's data wait, compute (``step_time - data_wait``) or forward time
+    exceeds the other ranks' median by at least 20 ms and 1.3x (the straggler detector's
+    defaults), the excess, taken out of the step interval; on a multi-node leader's merged rows,
+    the slowest rank's against the median of all. Under synchronous collectives a compute
+    straggler makes every rank's step slow alike, so its step time says nothing: its forward
+    does (``attach(model=...)``), a lower bound of what it costs (its backward's excess is not
+    seen). A slow loader is measured; a slow link is not (every rank waits alike).
 ``shutdown``
     After the last step of an attempt that ended without a fault: the ranks closing, exiting,
     a final checkpoint; or stopped on request (SIGINT/SIGTERM).
@@ -401,25 +403,25 @@ _FINAL_STATES = frozenset({"succeeded", "failed", "stopped"})
 
 
 def straggler_excess(r: Mapping[str, Any]) -> float:
-    """Seconds one rank held the step up, from a metrics row's per-rank data waits and step
-    times: the largest excess of a rank's data wait or compute over the other ranks' median,
-    when it is at least ``STRAGGLER_MIN_EXCESS_S`` and ``STRAGGLER_FACTOR`` x that median;
-    0 without per-rank values (rows of very large worlds carry summaries)."""
+    """Seconds one rank held the step up, from a metrics row: the largest excess of a rank's
+    data wait, compute or forward time over the other ranks' median (per-rank lists), or of the
+    slowest rank's over the median of all (the summaries of merged and very large worlds' rows),
+    when it is at least ``STRAGGLER_MIN_EXCESS_S`` and ``STRAGGLER_FACTOR`` x that median."""
     waits = _floats(r.get("data_wait_per_rank"))
     times = _floats(r.get("step_time_per_rank"))
-    signals = [waits]
+    lists = [waits, _floats(r.get("forward_time_per_rank"))]
     if times is not None and waits is not None and len(times) == len(waits):
-        signals.append([max(0.0, s - w) for s, w in zip(times, waits, strict=True)])
-    worst = 0.0
-    for values in signals:
-        if values is None or len(values) < 2:
-            continue
-        for i, v in enumerate(values):
-            peers = statistics.median(values[:i] + values[i + 1:])
-            excess = v - peers
-            if excess >= STRAGGLER_MIN_EXCESS_S and v >= STRAGGLER_FACTOR * peers:
-                worst = max(worst, excess)
-    return worst
+        lists.append([max(0.0, s - w) for s, w in zip(times, waits, strict=True)])
+    pairs = [(v, statistics.median(values[:i] + values[i + 1:]))
+             for values in lists if values is not None and len(values) >= 2
+             for i, v in enumerate(values)]
+    for name in ("data_wait", "compute", "forward"):
+        top, median = r.get(f"{name}_max"), r.get(f"{name}_p50")
+        if isinstance(top, int | float) and isinstance(median, int | float):
+            pairs.append((float(top), float(median)))
+    return max((v - peers for v, peers in pairs
+                if v - peers >= STRAGGLER_MIN_EXCESS_S and v >= STRAGGLER_FACTOR * peers),
+               default=0.0)
 
 
 def ledger(entries: Iterable[Mapping[str, Any]], rows: Iterable[Mapping[str, Any]],

@@ -152,6 +152,14 @@ def test_a_slow_loader_is_stragglers_excess_and_jitter_is_not() -> None:
     jitter = {"data_wait_per_rank": [0.001, 0.015], "step_time_per_rank": [0.2, 0.21]}
     assert straggler_excess(jitter) == 0.0
     assert straggler_excess({"loss": 1.0}) == 0.0
+    # A slow machine under DDP: every rank's step alike, its forward not (a lower bound).
+    slow_gpu = {"step_time_per_rank": [0.5, 0.5, 0.5], "data_wait_per_rank": [0.0, 0.0, 0.0],
+                "forward_time_per_rank": [0.1, 0.25, 0.1]}
+    assert straggler_excess(slow_gpu) == pytest.approx(0.15)
+    # A multi-node leader's merged row: the slowest rank's against the median of all.
+    merged = {"forward_max": 0.25, "forward_p50": 0.1, "data_wait_max": 0.002,
+              "data_wait_p50": 0.001, "compute_max": 0.5, "compute_p50": 0.49}
+    assert straggler_excess(merged) == pytest.approx(0.15)
     entries = [ev(0.0, "run_started"), launch(0.0, 0), ev(6.0, "run_finished")]
     g = ledger(entries, rows(0, range(1, 6), t0=1.0, **slow))
     assert_sums(g)
