@@ -79,8 +79,8 @@ _ABOUT_AN_ATTEMPT = (Summary, NodeFinding, HangSuspected, HangCleared, RankDied,
 """The follower messages that say something about one attempt (and carry its number)."""
 LOST_EXIT_CODE = 137
 """The exit a lost node's torchrun is counted with: killed, as far as anyone can tell."""
-SLOW_DETECTORS = {"slow_compute": "its compute", "slow_link": "its link's round trip"}
-"""The detectors that name a slow node (weighed for eviction), and what of it is slow."""
+SLOW_DETECTORS = ("slow_compute", "slow_link")
+"""The detectors that name a slow node (weighed for eviction)."""
 
 
 class ClusterMembers(OnThisNode):
@@ -318,8 +318,7 @@ class ClusterMembers(OnThisNode):
         else:
             kept = None
         if kept is None:
-            what = SLOW_DETECTORS[finding.detector]
-            why = f"{what} is {finding.evidence.get('ratio')}x the others' ({cost.describe()})"
+            why = f"{_what_is_slow(finding)} ({cost.describe()})"
             self._slow = (node, why)
         verdict = ("evicting it at the next checkpoint" if kept is None else f"kept: {kept}")
         self.voice.journal("slow_node_cost", node=node, host=host, step=finding.step,
@@ -610,3 +609,15 @@ class ClusterMembers(OnThisNode):
             raise MembersMissing(f"only {len(self.cluster.present())} of at least {low} nodes "
                                  f"came back: {why}", lost=True)
         self.voice.journal("nodes_rejoined", present=self.cluster.present())
+
+
+def _what_is_slow(finding: Finding) -> str:
+    """A slow node's finding in words: its compute's ratio to the others', or its link's round
+    trip against theirs (a ratio of microseconds says little)."""
+    ev = finding.evidence
+    link, median = ev.get("link_s"), ev.get("median_s")
+    if finding.detector == "slow_link" and isinstance(link, float | int) \
+            and isinstance(median, float | int):
+        return (f"its link's round trip is {1000 * link:.3g} ms against the others' "
+                f"{1000 * median:.3g} ms")
+    return f"its compute is {ev.get('ratio')}x the others'"

@@ -552,6 +552,7 @@ def test_a_node_whose_link_slows_down_is_named_and_evicted_for_a_spare_when_it_p
     assert cost["verdict"] == "evict" and cost["node"] == 2
     [evicted] = run.events("node_evicted")
     assert evicted["node"] == 2 and "its link's round trip is" in evicted["why"], evicted
+    assert "ms against the others'" in evicted["why"], evicted
     launches = run.events("launch")
     assert [sorted(e["nodes"]) for e in launches] == [[0, 1, 2], [0, 1, 3]], launches
     assert run.events("run_finished")[-1]["state"] == "succeeded"
