@@ -22,9 +22,12 @@ Its evidence also carries what the slow machine costs the job: ``slowdown``, the
 the job's pace lost, from the job's step time now against its step time before the episode
 (``baseline_step_time_s``: the median of the last steps the named ranks did not hold up:
 neither the slowest of that step nor of more than 2 of the 10 before it; a busy host whose
-leader node is often a little slow still has a pace to compare with), or, with no such step
-seen yet, from the forward's excess over the median alone (a lower bound: the backward's
-excess is not counted).
+leader node is often a little slow still has a pace to compare with), as it stood a quarter
+of ``window_s`` before the episode's first slow step (a signal can lag the slowdown: a slow
+link's round trip climbs as its queue fills, and the job's steps are slow before it crosses
+the line; the paces are marked every twelfth of ``window_s``, the oldest mark standing in when
+none is that old), or, with no such step seen yet, from the forward's excess over the median
+alone (a lower bound: the backward's excess is not counted).
 
 Calling rules: one ``observe`` per merged step (any ``JobStep``); steps without forward times
 (a script that passes no model to ``attach()``) are ignored. Units: seconds.
@@ -47,6 +50,8 @@ CALM_SLOW = 2
 """...the one the slowest in more than this many of them."""
 PACES = 4
 """Paces kept, one per rank that held the job up (and one for none), the latest first."""
+MARKS = 36
+"""Marks of the paces kept, one every twelfth of ``window_s``: three windows back."""
 
 
 class SlowComputeConfig(DetectorConfig):
@@ -117,6 +122,8 @@ class SlowComputeDetector:
         self._window: deque[_Bucket] = deque()
         self._first: float | None = None
         self._paces: dict[int | None, deque[float]] = {}
+        self._marks: deque[tuple[float, list[tuple[int | None, float]]]] = deque(maxlen=MARKS)
+        """(time, each pace's median, the latest last): the paces as they stood then."""
         self._reported = False
         self._recent: deque[int | None] = deque(maxlen=CALM)
 
@@ -135,6 +142,10 @@ class SlowComputeDetector:
         n = sum(b.n for b in self._window)
         share = sum(b.slow for b in self._window) / n
         self._pace(spread.rank if slow else None, record.step_time)
+        if self._paces and (not self._marks
+                            or now >= self._marks[-1][0] + cfg.window_s / (MARKS / 3)):
+            self._marks.append((now, [(held, statistics.median(pace))
+                                      for held, pace in self._paces.items() if pace]))
         if self._reported:
             if share < 0.5:
                 self._reported = False
@@ -173,7 +184,8 @@ class SlowComputeDetector:
         timed = sum(b.timed for b in window)
         now_s = sum(b.times for b in window) / timed if timed else None
         ranks = _dominant(counts)
-        base = self._pace_without(ranks)
+        began = next(b.start for b in window if b.first_slow is not None)
+        base = self._pace_without(ranks, began - self.config.window_s / 4)
         if now_s is not None and base is not None and now_s > 0:
             slowdown, source = max(0.0, 1.0 - base / now_s), "step times before"
         elif now_s:
@@ -220,16 +232,20 @@ class SlowComputeDetector:
         while len(self._paces) > PACES:
             del self._paces[next(iter(self._paces))]
 
-    def _pace_without(self, ranks: tuple[int, ...]) -> float | None:
-        """The latest pace the named ranks did not hold up, or None."""
-        for held, pace in reversed(self._paces.items()):
-            if held not in ranks and pace:
-                return statistics.median(pace)
+    def _pace_without(self, ranks: tuple[int, ...], before: float) -> float | None:
+        """The latest pace the named ranks did not hold up, as marked last at ``before`` (or
+        the oldest mark, when none is that old), or None."""
+        marks = [paces for t, paces in self._marks if t <= before] or \
+            [paces for _, paces in list(self._marks)[:1]]
+        for held, median in reversed(marks[-1] if marks else []):
+            if held not in ranks:
+                return median
         return None
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": [b.to_json() for b in self._window], "first": self._first,
                 "paces": [[held, list(pace)] for held, pace in self._paces.items()],
+                "marks": [[t, [[h, m] for h, m in paces]] for t, paces in self._marks],
                 "reported": self._reported, "recent": list(self._recent)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -237,6 +253,8 @@ class SlowComputeDetector:
         self._first = d["first"]
         self._paces = {held: deque(pace, maxlen=self.config.baseline_steps)
                        for held, pace in d.get("paces", ())}
+        self._marks = deque(((float(t), [(h, float(m)) for h, m in paces])
+                             for t, paces in d.get("marks", ())), maxlen=MARKS)
         self._reported = bool(d["reported"])
         self._recent = deque(d.get("recent", ()), maxlen=CALM)
 

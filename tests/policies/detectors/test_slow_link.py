@@ -70,3 +70,15 @@ def test_its_state_survives_a_json_round_trip_and_keeps_the_link_signal() -> Non
     rest = [f for r in records[100:] if (f := second.observe(r)) is not None]
     assert [(f.step, f.ranks, f.evidence["slowdown"]) for f in rest] \
         == [(f.step, f.ranks, f.evidence["slowdown"]) for f in whole]
+
+
+def test_a_signal_that_lags_the_slowdown_still_finds_the_pace_before() -> None:
+    """A slow link's round trip climbs as its queue fills: the job's steps are slow 25 s before
+    the round trip crosses the line. The pace before is the one marked a quarter of the window
+    before the first slow step, not the slow steps in between."""
+    before = [step(s, {}) for s in range(1, 201)]
+    lagging = [step(s, {}, step_time=0.8) for s in range(201, 226)]
+    slow = [step(s, {2: 0.008}, step_time=0.8) for s in range(226, 500)]
+    [finding] = run(before + lagging + slow)
+    assert finding.ranks == (2,) and finding.onset_step == 226
+    assert finding.evidence["baseline_step_time_s"] == 0.5
