@@ -150,10 +150,11 @@ class Incidents(Section):
     any remedy. ``alert`` keeps the node and only tells."""
     gpu_fault: Response = _ladder(A.ROLLBACK, A.STOP)
     """A GPU reported a machine fault (uncorrectable ECC errors, a hardware Xid; read through
-    NVML every ``schedule.health_every_s``): roll back to the newest good checkpoint from
-    before the last clean look at the GPUs (nothing skipped, LR kept: the data is fine, the
-    GPU is not), on a multi-node run without that node (evicted at once, a spare in its
-    place); again -> stop."""
+    NVML every ``schedule.health_every_s``): roll back, nothing skipped, LR kept (the data is
+    fine, the GPU is not): to before the last clean look at the GPUs for a memory error (what
+    was computed since may be wrong), to the newest good checkpoint for a GPU that stopped
+    (off the bus, NVLink, its GSP); on a multi-node run without that node (evicted at once, a
+    spare in its place); again -> stop."""
     resume: Response = _ladder(A.ROLLBACK, A.STOP)
     """A resume that did not take (a rank's parameters at its first step are not the ones it
     restored, or the first steps' loss is far above the one recorded at the checkpoint): roll

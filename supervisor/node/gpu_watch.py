@@ -5,10 +5,13 @@ off the bus, an NVLink error, row remapping ...) is the machine's fault, whateve
 next: the rank on it may crash, hang, or go on computing with wrong bits. Every node's
 babysitter looks at its own GPUs every ``schedule.health_every_s`` (the same NVML reads as the
 health sampler's, on the control loop: a few ms); what it finds names this node's ranks
-(``Incident.GPU_FAULT``), and the run's policy answers it (``incidents.gpu_fault``: roll back
-to before the last clean look, nothing skipped, LR kept). On a multi-node run the leader
-evicts the node at once (``cluster.eviction``): no second chance, as for a silent data
-corruption.
+(``Incident.GPU_FAULT``), and the run's policy answers it (``incidents.gpu_fault``: roll back,
+nothing skipped, LR kept). A memory error (new uncorrectable ECC errors, a memory Xid) may have
+changed what was computed since the last clean look: its onset is the step after that look,
+and the rollback goes back before it. A GPU that stopped (fallen off the bus, NVLink, its GSP)
+computed nothing wrong before it stopped: its onset is the step it was seen at. On a
+multi-node run the leader evicts the node at once (``cluster.eviction``): no second chance,
+as for a silent data corruption.
 
 Without NVML (no GPU, no driver, ``nvidia-ml-py`` not installed) it looks once, says why in
 ``unavailable``, and never again. Every GPU NVML sees counts, also those the job was not given
@@ -20,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from babysit.policies.types import Finding, Incident, Severity
-from babysit.supervisor.services.health import GpuSample, Nvml, machine_faults
+from babysit.supervisor.services.health import GpuSample, Nvml, machine_faults, may_corrupt
 
 
 class GpuWatch:
@@ -47,6 +50,8 @@ class GpuWatch:
             return []
         faults = {g.index: what for g in gpus
                   if (what := machine_faults(g, self._before.get(g.index)))}
+        memory = any(may_corrupt(g, self._before.get(g.index)) for g in gpus
+                     if g.index in faults)
         self._before = {g.index: g for g in gpus}
         if not faults:
             self._clean_step = step
@@ -54,11 +59,12 @@ class GpuWatch:
         said = "; ".join(f"GPU {index}: {', '.join(what)}" for index, what in faults.items())
         return [Finding(
             incident=Incident.GPU_FAULT, detector="gpu", severity=Severity.CRITICAL,
-            step=step, onset_step=min(self._clean_step + 1, step), ranks=tuple(sorted(ranks)),
+            step=step, onset_step=min(self._clean_step + 1, step) if memory else step,
+            ranks=tuple(sorted(ranks)),
             message=f"GPU fault at step {step}: {said} (the machine's; clean at step "
-                    f"{self._clean_step})",
+                    f"{self._clean_step}" + ("; results since may be wrong)" if memory else ")"),
             evidence={"gpus": {str(i): what for i, what in faults.items()},
-                      "clean_step": self._clean_step})]
+                      "clean_step": self._clean_step, "memory": memory})]
 
     def close(self) -> None:
         self.nvml.close()

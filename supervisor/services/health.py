@@ -86,6 +86,9 @@ MACHINE_XIDS: dict[int, str] = {
 catalogue: memory, NVLink, the bus, the GPU's own processor. The others (13 a kernel's bad
 access, 31 a page fault, 43 a stopped channel, 45 a killed context, ...) most often follow the
 program and are left to the crash's own classification."""
+MEMORY_XIDS = frozenset({48, 63, 64, 92, 94, 95})
+"""The machine Xids of memory errors: what was computed since the last clean look may be
+wrong. The others (the bus, NVLink, the GSP) stop the GPU; what it computed before stands."""
 
 
 # -- configuration --------------------------------------------------------------------------------
@@ -611,6 +614,15 @@ def machine_faults(g: GpuSample, before: GpuSample | None) -> list[str]:
     faults += [f"Xid {x} ({MACHINE_XIDS[x]})" for x in dict.fromkeys(g.xids)
                if x in MACHINE_XIDS]
     return faults
+
+
+def may_corrupt(g: GpuSample, before: GpuSample | None) -> bool:
+    """Whether ``g``'s machine faults (``machine_faults``) may have changed results: new
+    uncorrectable ECC errors, or a memory Xid."""
+    new_ecc = before is not None and g.ecc_uncorrected_volatile is not None \
+        and before.ecc_uncorrected_volatile is not None \
+        and g.ecc_uncorrected_volatile > before.ecc_uncorrected_volatile
+    return new_ecc or any(x in MEMORY_XIDS for x in g.xids)
 
 
 # -- warn once (small state) -----------------------------------------------------------------------

@@ -417,9 +417,9 @@ def test_a_node_whose_ranks_keep_segfaulting_is_evicted_and_the_run_goes_on(
 def test_a_gpu_that_raises_a_machine_xid_gets_its_node_evicted_at_once(tmp_path: Path) -> None:
     """Node 1's GPU falls off the bus (Xid 79) mid-run, as NVML tells it: node 1's babysitter
     sees it at its next look at its GPUs, the leader evicts node 1 at once (no second chance),
-    and rolls back to before the last clean look, nothing skipped, on node 0 alone as
-    `--nnodes 1:2` allows. NVML is faked at its seam: ``tests/fake_nvml/pynvml.py`` on node 1's
-    path; node 0 has no NVML and says so."""
+    and rolls back to its newest good checkpoint (a GPU that stopped computed nothing wrong
+    before), nothing skipped, on node 0 alone as `--nnodes 1:2` allows. NVML is faked at its
+    seam: ``tests/fake_nvml/pynvml.py`` on node 1's path; node 0 has none (nothing watched)."""
     state = tmp_path / "nvml.json"
     state.write_text(json.dumps({"gpus": [{"name": "H100", "ecc": 0}], "xids": []}))
     run = Nodes(tmp_path, nnodes="1:2", steps=60, extra="schedule: {health_every_s: 1}\n")
@@ -439,7 +439,8 @@ def test_a_gpu_that_raises_a_machine_xid_gets_its_node_evicted_at_once(tmp_path:
     launches = run.events("launch")
     assert [e["nodes"] for e in launches] == [[0, 1], [0]], launches
     resume = launches[1]["directive"]["resume"]
-    assert resume is not None and resume["step"] < fault["onset_step"], (resume, fault)
+    assert fault["onset_step"] == fault["step"] and not fault["evidence"]["memory"], fault
+    assert resume is not None and resume["step"] < fault["step"], (resume, fault)
     assert launches[1]["directive"]["skip"] == [] and launches[1]["directive"]["lr_scale"] == 1.0
     assert run.events("run_finished")[-1]["state"] == "succeeded"
 

@@ -23,12 +23,17 @@ def test_a_new_uncorrectable_ecc_error_or_a_machine_xid_names_the_nodes_ranks() 
     assert finding.incident is Incident.GPU_FAULT and finding.severity is Severity.CRITICAL
     assert finding.ranks == (2, 3) and finding.step == 20 and finding.onset_step == 6
     assert finding.evidence == {"gpus": {"0": ["2 uncorrectable ECC error(s)"]},
-                                "clean_step": 5}
+                                "clean_step": 5, "memory": True}
     assert watch.look(20.0, 30, {2, 3}) == []  # counted once
     pending += [(0, 13), (0, 79)]  # 13: the program's; 79: the machine's
     [xid] = watch.look(30.0, 40, {2, 3})
-    assert xid.onset_step == 31 and xid.evidence["gpus"] == {"0": ["Xid 79 (fallen off the bus)"]}
+    assert xid.evidence["gpus"] == {"0": ["Xid 79 (fallen off the bus)"]}
     assert "GPU 0: Xid 79 (fallen off the bus)" in xid.message
+    # A GPU that stopped computed nothing wrong before: its onset is where it was seen.
+    assert xid.onset_step == 40 and xid.evidence["memory"] is False
+    pending += [(1, 94)]  # a contained ECC error: since the last clean look (30) may be wrong
+    [memory] = watch.look(40.0, 50, {2, 3})
+    assert memory.onset_step == 31 and memory.evidence["memory"] is True
 
 
 def test_without_nvml_it_says_why_once_and_never_looks_again() -> None:
