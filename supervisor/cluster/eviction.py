@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from babysit.policies.types import Finding, Incident
+from babysit.supervisor.node.gpu_watch import describe
 
 NATIVE_SIGNALS = {int(signal.SIGSEGV): "SIGSEGV", int(signal.SIGBUS): "SIGBUS",
                   int(signal.SIGILL): "SIGILL"}
@@ -147,8 +148,7 @@ def recall(entries: Iterable[Mapping[str, Any]], evict_after: int
 
 def _fault(what: str, finding: Finding) -> str:
     gpus = finding.evidence.get("gpus") if what == GPU else None
-    said = ("; ".join(f"GPU {i}: {', '.join(w)}" for i, w in gpus.items())
-            if isinstance(gpus, dict) else "")
+    said = describe(gpus) if isinstance(gpus, dict) else ""
     return f"{what} at step {finding.step}" + (f" ({said})" if said else "")
 
 

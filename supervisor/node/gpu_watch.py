@@ -20,7 +20,7 @@ Without NVML (no GPU, no driver, ``nvidia-ml-py`` not installed) it looks once, 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 from babysit.policies.types import Finding, Incident, Severity
 from babysit.supervisor.services.health import GpuSample, Nvml, machine_faults, may_corrupt
@@ -56,7 +56,7 @@ class GpuWatch:
         if not faults:
             self._clean_step = step
             return []
-        said = "; ".join(f"GPU {index}: {', '.join(what)}" for index, what in faults.items())
+        said = describe({str(i): what for i, what in faults.items()})
         return [Finding(
             incident=Incident.GPU_FAULT, detector="gpu", severity=Severity.CRITICAL,
             step=step, onset_step=min(self._clean_step + 1, step) if memory else step,
@@ -68,3 +68,8 @@ class GpuWatch:
 
     def close(self) -> None:
         self.nvml.close()
+
+
+def describe(gpus: Mapping[str, Sequence[str]]) -> str:
+    """A ``gpu_fault`` finding's ``gpus`` evidence in words: "GPU 0: Xid 79 (...); GPU 3: ..."."""
+    return "; ".join(f"GPU {index}: {', '.join(what)}" for index, what in gpus.items())

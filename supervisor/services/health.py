@@ -220,7 +220,8 @@ class Nvml:
         self._ready = False
         self._failure: str | None = None
         self._events: Any = None
-        """The event set critical Xids arrive on, or None (not supported: no Xids read)."""
+        """The event set critical Xids arrive on; None before the first read, False where
+        NVML cannot deliver them (no Xids read)."""
 
     def read(self) -> tuple[tuple[GpuSample, ...] | None, str | None]:
         """``(gpus, None)``, or ``(None, why not)`` when NVML is unavailable. Never raises."""
@@ -605,12 +606,8 @@ def machine_faults(g: GpuSample, before: GpuSample | None) -> list[str]:
     """What in ``g`` is a fault of the machine, in words: uncorrectable ECC errors new since
     ``before`` (the count is the driver's since it loaded, so the first look is only a
     baseline), and each Xid of ``MACHINE_XIDS``. Pure."""
-    faults = []
-    if before is not None and g.ecc_uncorrected_volatile is not None \
-            and before.ecc_uncorrected_volatile is not None \
-            and g.ecc_uncorrected_volatile > before.ecc_uncorrected_volatile:
-        new = g.ecc_uncorrected_volatile - before.ecc_uncorrected_volatile
-        faults.append(f"{new} uncorrectable ECC error(s)")
+    new = _new_ecc(g, before)
+    faults = [f"{new} uncorrectable ECC error(s)"] if new else []
     faults += [f"Xid {x} ({MACHINE_XIDS[x]})" for x in dict.fromkeys(g.xids)
                if x in MACHINE_XIDS]
     return faults
@@ -619,10 +616,15 @@ def machine_faults(g: GpuSample, before: GpuSample | None) -> list[str]:
 def may_corrupt(g: GpuSample, before: GpuSample | None) -> bool:
     """Whether ``g``'s machine faults (``machine_faults``) may have changed results: new
     uncorrectable ECC errors, or a memory Xid."""
-    new_ecc = before is not None and g.ecc_uncorrected_volatile is not None \
-        and before.ecc_uncorrected_volatile is not None \
-        and g.ecc_uncorrected_volatile > before.ecc_uncorrected_volatile
-    return new_ecc or any(x in MEMORY_XIDS for x in g.xids)
+    return _new_ecc(g, before) > 0 or any(x in MEMORY_XIDS for x in g.xids)
+
+
+def _new_ecc(g: GpuSample, before: GpuSample | None) -> int:
+    """Uncorrectable ECC errors counted since ``before``; 0 with no earlier count to compare."""
+    if before is None or g.ecc_uncorrected_volatile is None \
+            or before.ecc_uncorrected_volatile is None:
+        return 0
+    return max(0, g.ecc_uncorrected_volatile - before.ecc_uncorrected_volatile)
 
 
 # -- warn once (small state) -----------------------------------------------------------------------
