@@ -23,11 +23,15 @@ the job's pace lost, from the job's step time now against its step time before t
 (``baseline_step_time_s``: the median of the last steps the named ranks did not hold up:
 neither the slowest of that step nor of more than 2 of the 10 before it; a busy host whose
 leader node is often a little slow still has a pace to compare with), as it stood a quarter
-of ``window_s`` before the episode's first slow step (a signal can lag the slowdown: a slow
-link's round trip climbs as its queue fills, and the job's steps are slow before it crosses
-the line; the paces are marked every twelfth of ``window_s``, the oldest mark standing in when
-none is that old), or, with no such step seen yet, from the forward's excess over the median
-alone (a lower bound: the backward's excess is not counted).
+of ``window_s`` before the episode began (a signal can lag the slowdown: a slow link's round
+trip climbs as its queue fills, and the job's steps are slow before it crosses the line; the
+paces are marked every twelfth of ``window_s``, the oldest mark standing in when none is that
+old), or, with no such step seen yet, from the forward's excess over the median alone (a lower
+bound: the backward's excess is not counted). The episode began where the named ranks began
+holding the job up in most steps (each mark also counts who held it up since the one before;
+the start of the stretch whose tally leads the most), not at the window's first slow step: a
+machine throttled in bursts can take minutes to be slow in ``min_share`` of a window, and by
+then the window starts long after the slowdown did.
 
 Calling rules: one ``observe`` per merged step (any ``JobStep``); steps without forward times
 (a script that passes no model to ``attach()``) are ignored. Units: seconds.
@@ -35,6 +39,7 @@ Calling rules: one ``observe`` per merged step (any ``JobStep``); steps without 
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter, deque
 from typing import Any
@@ -52,6 +57,11 @@ PACES = 4
 """Paces kept, one per rank that held the job up (and one for none), the latest first."""
 MARKS = 36
 """Marks of the paces kept, one every twelfth of ``window_s``: three windows back."""
+
+Held = Counter[int | None]
+"""Steps by the rank holding the job up then (None: nobody), between two marks."""
+Mark = tuple[float, list[tuple[int | None, float]], Held]
+"""(time, each pace's median, the latest last, who held the job up since the mark before)."""
 
 
 class SlowComputeConfig(DetectorConfig):
@@ -122,8 +132,9 @@ class SlowComputeDetector:
         self._window: deque[_Bucket] = deque()
         self._first: float | None = None
         self._paces: dict[int | None, deque[float]] = {}
-        self._marks: deque[tuple[float, list[tuple[int | None, float]]]] = deque(maxlen=MARKS)
-        """(time, each pace's median, the latest last): the paces as they stood then."""
+        self._marks: deque[Mark] = deque(maxlen=MARKS)
+        self._held: Held = Counter()
+        """Who held the job up in the steps since the last mark."""
         self._reported = False
         self._recent: deque[int | None] = deque(maxlen=CALM)
 
@@ -141,11 +152,13 @@ class SlowComputeDetector:
             self._first = now
         n = sum(b.n for b in self._window)
         share = sum(b.slow for b in self._window) / n
-        self._pace(spread.rank if slow else None, record.step_time)
+        self._held[self._pace(spread.rank if slow else None, record.step_time)] += 1
         if self._paces and (not self._marks
                             or now >= self._marks[-1][0] + cfg.window_s / (MARKS / 3)):
             self._marks.append((now, [(held, statistics.median(pace))
-                                      for held, pace in self._paces.items() if pace]))
+                                      for held, pace in self._paces.items() if pace],
+                                self._held))
+            self._held = Counter()
         if self._reported:
             if share < 0.5:
                 self._reported = False
@@ -184,8 +197,7 @@ class SlowComputeDetector:
         timed = sum(b.timed for b in window)
         now_s = sum(b.times for b in window) / timed if timed else None
         ranks = _dominant(counts)
-        began = next(b.start for b in window if b.first_slow is not None)
-        base = self._pace_without(ranks, began - self.config.window_s / 4)
+        base = self._pace_without(ranks, self._began(ranks) - self.config.window_s / 4)
         if now_s is not None and base is not None and now_s > 0:
             slowdown, source = max(0.0, 1.0 - base / now_s), "step times before"
         elif now_s:
@@ -213,30 +225,49 @@ class SlowComputeDetector:
                       "slowdown": r4(slowdown) if slowdown is not None else None,
                       "slowdown_from": source})
 
-    def _pace(self, slowest: int | None, step_time: float | None) -> None:
+    def _pace(self, slowest: int | None, step_time: float | None) -> int | None:
         """File the step's time under the rank holding the job up lately (the slowest of more
-        than CALM_SLOW of the last CALM steps), or None. Not a quick forward between slow ones
-        as a healthy step: a throttled machine is slow in bursts, and the steps between wait
-        for it in the backward, so they are filed under it too."""
+        than CALM_SLOW of the last CALM steps), or None; return that rank. Not a quick forward
+        between slow ones as a healthy step: a throttled machine is slow in bursts, and the
+        steps between wait for it in the backward, so they are filed under it too."""
         counts = Counter(r for r in self._recent if r is not None)
         full = len(self._recent) == CALM
         self._recent.append(slowest)
-        if not full or step_time is None or step_time <= 0:
-            return
         held = next((r for r, n in counts.most_common(1) if n > CALM_SLOW), None)
+        if not full or step_time is None or step_time <= 0:
+            return held
         if slowest is not None and slowest != held:
-            return  # a step one other rank held up: no pace of anyone's
+            return held  # a step one other rank held up: no pace of anyone's
         pace = self._paces.pop(held, None) or deque(maxlen=self.config.baseline_steps)
         pace.append(step_time)
         self._paces[held] = pace  # latest last
         while len(self._paces) > PACES:
             del self._paces[next(iter(self._paces))]
+        return held
+
+    def _began(self, ranks: tuple[int, ...]) -> float:
+        """When the named ranks began holding the job up: the mark before the stretch of marks
+        up to now in which they held it up in the most steps more than in half of them (the
+        oldest mark when that stretch is all of them; the latest when it is none)."""
+        def lead(held: Held) -> int:
+            return 2 * sum(held[r] for r in ranks) - sum(held.values())
+
+        marks = list(self._marks)
+        if not marks:
+            return -math.inf
+        total = best = lead(self._held)
+        began = marks[-1][0]
+        for i in range(len(marks) - 1, -1, -1):
+            total += lead(marks[i][2])
+            if total >= best:
+                best, began = total, marks[i - 1][0] if i else -math.inf
+        return began
 
     def _pace_without(self, ranks: tuple[int, ...], before: float) -> float | None:
         """The latest pace the named ranks did not hold up, as marked last at ``before`` (or
         the oldest mark, when none is that old), or None."""
-        marks = [paces for t, paces in self._marks if t <= before] or \
-            [paces for _, paces in list(self._marks)[:1]]
+        marks = [paces for t, paces, _ in self._marks if t <= before] or \
+            [paces for _, paces, _ in list(self._marks)[:1]]
         for held, median in reversed(marks[-1] if marks else []):
             if held not in ranks:
                 return median
@@ -245,7 +276,9 @@ class SlowComputeDetector:
     def state_dict(self) -> dict[str, Any]:
         return {"window": [b.to_json() for b in self._window], "first": self._first,
                 "paces": [[held, list(pace)] for held, pace in self._paces.items()],
-                "marks": [[t, [[h, m] for h, m in paces]] for t, paces in self._marks],
+                "marks": [[t, [[h, m] for h, m in paces], list(held.items())]
+                          for t, paces, held in self._marks],
+                "held": list(self._held.items()),
                 "reported": self._reported, "recent": list(self._recent)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -253,8 +286,10 @@ class SlowComputeDetector:
         self._first = d["first"]
         self._paces = {held: deque(pace, maxlen=self.config.baseline_steps)
                        for held, pace in d.get("paces", ())}
-        self._marks = deque(((float(t), [(h, float(m)) for h, m in paces])
-                             for t, paces in d.get("marks", ())), maxlen=MARKS)
+        self._marks = deque(((float(m[0]), [(h, float(p)) for h, p in m[1]],
+                              Counter(dict((h, int(n)) for h, n in m[2]) if len(m) > 2 else {}))
+                             for m in d.get("marks", ())), maxlen=MARKS)
+        self._held = Counter(dict((h, int(n)) for h, n in d.get("held", ())))
         self._reported = bool(d["reported"])
         self._recent = deque(d.get("recent", ()), maxlen=CALM)
 
