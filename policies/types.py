@@ -99,6 +99,13 @@ class StepRecord:
         return sum(values) if values else None
 
     @property
+    def samples(self) -> float | None:
+        """Samples the whole job processed in this step; None unless every rank reported it
+        (a dropped report would count a smaller batch)."""
+        values = [r.samples for r in self.ranks if r.samples is not None]
+        return sum(values) if values and len(values) == self.world_size else None
+
+    @property
     def tokens_per_s(self) -> float | None:
         """Tokens per second of the whole job: ``tokens / step_time``; None when either is not
         reported (or the step time is not a positive number)."""
@@ -187,6 +194,8 @@ class JobStep(Protocol):
     def step_time(self) -> float | None: ...
     @property
     def tokens(self) -> float | None: ...
+    @property
+    def samples(self) -> float | None: ...
     @property
     def tokens_per_s(self) -> float | None: ...
     @property

@@ -21,6 +21,8 @@ RankDeparture     StepRecord           RANK_DEPARTURE: WARNING naming the rank
 Sdc               per-rank digests     SDC: CRITICAL, names the ranks that disagree
 ResumeLoss        a resume's first     RESUME: CRITICAL, the loss far above what was recorded
                   steps' loss          at the checkpoint's step
+ResumeData        a resume's first     RESUME: WARNING, a global batch of another size than
+                  steps' samples       the checkpoint's cursor counted (a resize)
 classify()        exit + log tail      CrashVerdict (class, signature, deterministic)
 ================  ===================  ===========================================
 """
@@ -35,6 +37,7 @@ from babysit.policies.detectors.rank_departure import (
     RankDepartureDetector,
     loss_spread,
 )
+from babysit.policies.detectors.resume_data import GlobalBatch, ResumeData
 from babysit.policies.detectors.resume_loss import ResumeLoss, ResumeLossConfig
 from babysit.policies.detectors.sdc import SdcConfig, SdcDetector
 from babysit.policies.detectors.slow_compute import SlowComputeConfig, SlowComputeDetector
@@ -46,6 +49,7 @@ __all__ = [
     "CrashClass",
     "CrashSignature",
     "CrashVerdict",
+    "GlobalBatch",
     "GradNormConfig",
     "GradNormDetector",
     "HangConfig",
@@ -56,6 +60,7 @@ __all__ = [
     "NonFiniteDetector",
     "RankDepartureConfig",
     "RankDepartureDetector",
+    "ResumeData",
     "ResumeLoss",
     "ResumeLossConfig",
     "SdcConfig",

@@ -548,6 +548,11 @@ class SummaryRecord:
         return self.summary.tokens
 
     @property
+    def samples(self) -> float | None:
+        summary = self.summary
+        return summary.samples if summary.n_ranks == summary.world_size else None
+
+    @property
     def tokens_per_s(self) -> float | None:
         return types.tokens_per_s(self.tokens, self.step_time)
 

@@ -19,6 +19,7 @@ from babysit.policies.detectors.crash import (
     CrashSignature,
     CrashVerdict,
 )
+from babysit.policies.detectors.resume_data import GlobalBatch, ResumeData
 from babysit.policies.detectors.resume_loss import ResumeLoss
 from babysit.policies.detectors.sdc import SdcDetector
 from babysit.policies.loader import load_policy
@@ -129,6 +130,11 @@ class Watch:
         per attempt)."""
         self._resume_loss: ResumeLoss | None = None
         """The loss check of this attempt's resume (``detectors/resume_loss.py``)."""
+        self._batches = GlobalBatch()
+        self._resume_data: ResumeData | None = None
+        """The data check of this attempt's resume: the same global batch as before it
+        (``detectors/resume_data.py``)."""
+        self._restored_cursor: int | None = None
         self._first_record = True
         """No step of this attempt judged yet: the first one says where it resumed."""
         self._restored: int | None = None
@@ -174,6 +180,8 @@ class Watch:
         self._resume_failed = False
         self._resume_loss, self._first_record = None, True
         self._restored = directive.resume.step if directive.resume is not None else restored
+        self._restored_cursor = directive.resume.cursor if directive.resume is not None else None
+        self._batches.new_attempt()
         self.hang.start(now)
         if directive.attempt > 0:
             self.pipeline.new_attempt()
@@ -237,6 +245,12 @@ class Watch:
             self._resume_loss = ResumeLoss.start(self.policy.detectors.resume_loss,
                                                  record.step - 1, self.trace.losses(),
                                                  self._restored)
+            # The job's global batch: a node's own ranks' share of it changes with the job's
+            # size by design.
+            self._resume_data = ResumeData.start(self._batches, self._restored,
+                                                 self._restored_cursor) \
+                if self.pipeline.scope != "node" else None
+        batch = self._batches.observe(record)
         per_rank = {r.rank: r.loss for r in record.ranks if r.loss is not None} \
             if isinstance(record, StepRecord) and record.world_size <= PER_RANK_LIMIT else {}
         seen = Seen(record.cursor, record.loss, record.grad_norm, per_rank)
@@ -249,6 +263,9 @@ class Watch:
             if failed is not None:
                 self._resume_failed = True
                 findings.append(failed)
+        if self._resume_data is not None and \
+                (changed := self._resume_data.observe(record.step, batch)) is not None:
+            findings.append(changed)
         if self.rerun is None:
             return findings
         first = self.rerun.finding

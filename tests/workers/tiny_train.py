@@ -36,6 +36,8 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
                            every attempt: a Python decoder meeting a corrupt sample
     --drop-batch CURSOR    the data set without that global batch (what a person's fix of a bad
                            batch trains on), for a reference run
+    --global-batch G       G rows a global batch at any world size (each rank its G / world
+                           size), not 4 per rank: a resize resumes on the same samples
     --reinit-after-attach  on a resume, re-initialise the model right after attach() restored
                            it: a "load pretrained" line placed after attach()
     --slow-data RANK:SEC[:START:END]  that rank waits SEC seconds for every batch (a slow
@@ -122,10 +124,16 @@ class Work(torch.nn.Module):
 
 
 class Batches:
-    """Rank ``rank``'s 4 rows of global batch ``i``, for any ``i``; ``seek`` moves the start."""
+    """Rank ``rank``'s rows of global batch ``i``, for any ``i``; ``seek`` moves the start.
+    A global batch is 4 rows per rank, or ``--global-batch G`` rows at any world size (each
+    rank takes its G / world size): the same samples whatever the world size."""
 
     def __init__(self, rank: int, world_size: int, args: argparse.Namespace) -> None:
         self.rank, self.world_size, self.args, self.start = rank, world_size, args, 0
+        rows = args.global_batch or 4 * world_size
+        if rows % world_size:
+            raise SystemExit(f"--global-batch {rows} does not split over {world_size} ranks")
+        self.rows = rows // world_size
 
     def seek(self, cursor: int) -> None:
         self.start = cursor
@@ -138,9 +146,11 @@ class Batches:
             i = position + 1 if drop is not None and position >= drop else position
             position += 1
             g = torch.Generator().manual_seed(1000 + i)
-            # The global batch is 4 rows per rank; for 2 ranks exactly the batches the tests'
-            # expected values were computed with.
-            x = torch.randn(4 * self.world_size, 16, generator=g)[self.rank * 4:(self.rank + 1) * 4]
+            # By default 4 rows per rank; for 2 ranks exactly the batches the tests' expected
+            # values were computed with.
+            rows = self.rows
+            x = torch.randn(rows * self.world_size, 16,
+                            generator=g)[self.rank * rows:(self.rank + 1) * rows]
             y = x.sum(dim=1, keepdim=True)
             bad = self.args.bad_shard
             if bad and bad[0] == self.rank and i >= bad[1]:
@@ -184,6 +194,7 @@ def main() -> None:
     p.add_argument("--bad-batch", type=pair)
     p.add_argument("--raise-batch", type=pair)
     p.add_argument("--drop-batch", type=int)
+    p.add_argument("--global-batch", type=int)
     p.add_argument("--reinit-after-attach", action="store_true")
     p.add_argument("--slow-data", type=lambda t: [float(x) if "." in x else int(x)
                                                   for x in t.split(":")])
@@ -289,7 +300,8 @@ def main() -> None:
                 model.eval()  # no dropout: and so no draw from the training RNG stream
                 scalars = {"eval_loss": torch.nn.functional.mse_loss(model(ex), ey).item()}
                 model.train()
-        if run.step(loss=loss.item(), grad_norm=float(gnorm), tokens=4, scalars=scalars):
+        if run.step(loss=loss.item(), grad_norm=float(gnorm), tokens=4, samples=len(x),
+                    scalars=scalars):
             opt.step()
         if faults_on and args.corrupt and args.corrupt == (rank, run.step_count):
             flip_bit(layers[0].weight)
