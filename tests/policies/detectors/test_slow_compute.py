@@ -168,3 +168,20 @@ def test_a_slowdown_named_long_after_it_began_still_finds_the_pace_before() -> N
     assert finding.ranks == (4,)
     assert finding.evidence["baseline_step_time_s"] == 0.5
     assert finding.evidence["slowdown"] == 0.5
+
+
+def test_where_the_episode_began_survives_a_json_round_trip() -> None:
+    """A leader that takes over mid-episode reads the marks' tallies back from the journal:
+    the same pace before as the detector that saw it all."""
+    import json
+
+    steps = [record(s, {}) for s in range(1, 201)] + \
+        [record(s, {4: 0.3} if s % 25 < 10 else {}, step_time=1.0) for s in range(201, 501)] + \
+        [record(s, {4: 0.3}, step_time=1.0) for s in range(501, 800)]
+    first = SlowComputeDetector()
+    for r in steps[:350]:
+        assert first.observe(r) is None
+    second = SlowComputeDetector()
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    [finding] = [f for r in steps[350:] if (f := second.observe(r)) is not None]
+    assert finding.evidence["baseline_step_time_s"] == 0.5
