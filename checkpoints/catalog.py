@@ -201,7 +201,26 @@ class Catalog:
         pinned so retention keeps it. Journal ``refused``: it says what was wrong and where.
         """
         wanted = {Verdict.GOOD, Verdict.PENDING} if allow_pending else {Verdict.GOOD}
-        candidates = [c for c in self.checkpoints() if c.verdict in wanted and c.step < onset_step]
+        return self._choose([c for c in self.checkpoints()
+                             if c.verdict in wanted and c.step < onset_step], verify)
+
+    def choose_trained_on(self, after_step: int, before_step: int, upto_cursor: int, reason: str,
+                          *, verify: bool = True) -> RollbackChoice:
+        """Pick the newest checkpoint saved at a step ``after_step < step < before_step`` that
+        has consumed no batch at or past ``upto_cursor``, whatever its verdict but corrupt, for
+        a caller that vouches for such weights: a rerun replayed those steps on the same
+        batches the remedy trains on (``Recovery.resume_for``). The chosen one is verified and
+        pinned like ``choose_for_rollback``'s, and a SUSPECT one becomes PENDING (``reason``):
+        the remedy's attempt proves it or not, as for any new checkpoint."""
+        choice = self._choose([c for c in self.checkpoints()
+                               if after_step < c.step < before_step and c.cursor <= upto_cursor
+                               and c.verdict is not Verdict.CORRUPT], verify)
+        if choice.checkpoint is not None and choice.checkpoint.verdict is Verdict.SUSPECT:
+            self._set([choice.checkpoint], Verdict.PENDING, reason)
+        return choice
+
+    def _choose(self, candidates: list[Checkpoint], verify: bool) -> RollbackChoice:
+        """The newest of ``candidates`` (in step order) that verifies, pinned."""
         refused = []
         for ckpt in reversed(candidates):
             problems = verify_manifest(ckpt.manifest, ckpt.path, full=True) if verify else []

@@ -171,6 +171,9 @@ class Plan:
     """New batches to skip (added to the earlier ones), or None."""
     orders: Orders = Orders()
     """The LR orders of the attempt, from its first step."""
+    save_at: int | None = None
+    """A rerun's: the cursor its data's rollback would skip from, were the rerun to reproduce
+    the anomaly; the rerun saves a checkpoint there, for that rollback to resume from."""
 
     @property
     def base(self) -> float:
@@ -244,17 +247,21 @@ def plan(finding: Finding, section: Section, memory: Sequence[Region],
     shelf = known.shelf
     possible = shelf is None or can_roll_back(finding, shelf)
     checkpoint = offer(finding, shelf) if shelf is not None else None
-    if finding.incident in KEEPS_DATA or rerun.asked(finding):
-        # Not a bad region of data (or not known to be one yet): skipping batches or lowering
-        # the LR would change the run for nothing. Roll back to before the corruption (or to the
-        # checkpoint before the one whose restore did not take) and replay the same steps.
-        return Plan(finding, True, possible, checkpoint, orders=known.orders,
-                    note=_kept_why(finding, checkpoint))
     onset, same = _same_region(finding, section, memory)
     gen = 1 + max((r.gen for r in same), default=-1)
     widen = section.escalation_skip_factor ** gen
     before = round(section.skip_before * widen)
     after = round(section.skip_after * widen)
+    if finding.incident in KEEPS_DATA or rerun.asked(finding):
+        # Not a bad region of data (or not known to be one yet): skipping batches or lowering
+        # the LR would change the run for nothing. Roll back to before the corruption (or to the
+        # checkpoint before the one whose restore did not take) and replay the same steps.
+        # A rerun saves where the data's rollback would skip from.
+        skip = _place(finding, before, after, 1.0, None, known, None)[0] \
+            if rerun.asked(finding) else None
+        return Plan(finding, True, possible, checkpoint, orders=known.orders,
+                    note=_kept_why(finding, checkpoint),
+                    save_at=skip.start if skip is not None else None)
     note = ""
     if gen:
         note = (f"; onset {onset} is inside the region of {len(same)} earlier rollback(s), so "

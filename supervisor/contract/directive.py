@@ -120,6 +120,10 @@ class Directive:
     reshard: bool = False
     """The job may resume at another world size than its checkpoint's: an elastic multi-node
     run (``launch.nnodes`` MIN:MAX) relaunched on the nodes it has (``checkpoints.load``)."""
+    save_at: int | None = None
+    """Save a checkpoint when the data cursor reaches this, whatever the cadence, and wait for
+    it to commit: a rerun's, where the data's remedy would skip from (``policies/rerun.py``),
+    so that remedy need not train the same steps a third time."""
 
     def scale_at(self, cursor: int) -> float:
         """The LR scale of the optimizer step that trains on the batch before data cursor
@@ -157,6 +161,7 @@ class Directive:
             grad_guard=dict(obj.get("grad_guard", {})),
             sdc_every=int(obj.get("sdc_every", 0)),
             reshard=bool(obj.get("reshard", False)),
+            save_at=None if obj.get("save_at") is None else int(obj["save_at"]),
         )
 
     def write(self, path: Path) -> None:

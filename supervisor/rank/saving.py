@@ -100,7 +100,9 @@ class Checkpointer:
             return  # without attach(model=...) there is nothing of babysit's to save
         requested = self._read_control(step)
         final = self._final_target(step)
-        if step % self.every(step) and step != requested and step != final:
+        # A rerun's save where the data's remedy would resume: waited for, like a final one.
+        wait = cursor == self.directive.save_at
+        if step % self.every(step) and step != requested and step != final and not wait:
             return
         from babysit import checkpoints
 
@@ -124,14 +126,14 @@ class Checkpointer:
         # The stall training paid: the whole save when synchronous, the staging copy (and any
         # wait for the previous async save) when asynchronous; the writes overlap training.
         blocking = time.perf_counter() - started
-        if step == final:
+        if step == final or wait:
             # The supervisor waits for this one; a final checkpoint is never left in flight.
             try:
                 handle.wait()
             except checkpoints.CheckpointError as exc:
                 self._failed(step, exc)
                 return
-            self._announce(handle, time.perf_counter() - started, final=True)
+            self._announce(handle, time.perf_counter() - started, final=step == final)
         elif handle.committed:
             self._announce(handle, blocking)
         else:

@@ -292,7 +292,7 @@ class Supervisor:
         if self._takeover is not None and attempt == self._first_attempt and remedy is None:
             resume, entries = self.recovery.resume_latest(self._takeover.prior.last_step)
         else:
-            resume, entries = self.recovery.resume_for(remedy)
+            resume, entries = self.recovery.resume_for(remedy, self.watch.replayed(remedy))
         self._journal_all(entries)
         prepared = self.members.prepare(remedy, attempt)
         self._journal_all(prepared)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from babysit.checkpoints import Catalog, Verdict
+from babysit.checkpoints import Catalog, RollbackChoice, Verdict
 from babysit.policies import rollback
 from babysit.policies.rollback import Saved, Shelf
 from babysit.policies.types import Action, Finding, Remedy
@@ -131,9 +131,17 @@ class Recovery:
         return Shelf(tuple(Saved(c.step, c.cursor, c.verdict is Verdict.GOOD) for c in listed),
                      self.probation_steps)
 
-    def resume_for(self, remedy: Remedy | None) -> tuple[Resume | None, list[Entry]]:
+    def resume_for(self, remedy: Remedy | None, replayed: tuple[int, int] | None = None
+                   ) -> tuple[Resume | None, list[Entry]]:
         """The checkpoint the next attempt starts from (None: from scratch), and what was
-        refused on the way. Also cleans checkpoints a killed attempt left half-written."""
+        refused on the way. Also cleans checkpoints a killed attempt left half-written.
+
+        ``replayed``: ``(after_step, upto_cursor)`` of the data's rollback after a rerun that
+        reproduced its anomaly (``Watch.replayed``): the rerun trained the steps after
+        ``after_step`` on the very batches this remedy trains on before its skip range (which
+        starts at ``upto_cursor``), so a checkpoint it saved there is as good as the one it
+        started from plus those steps: the newest such is taken (a suspect one made pending),
+        and the remedy does not train them a third time. None found: the rule below."""
         entries: list[Entry] = []
         try:
             cleaned = self.catalog.clean_incomplete()
@@ -144,6 +152,20 @@ class Recovery:
             entries.append(("checkpoint_cleaned", {"paths": [str(p) for p in cleaned]}))
         if remedy is None:
             return None, entries
+        if replayed is not None:
+            after, upto = replayed
+            reason = (f"replayed by the rerun of steps {after + 1}-{remedy.finding.step} on the "
+                      f"batches its remedy trains on (before batch {upto})")
+            try:
+                choice = self.catalog.choose_trained_on(after, remedy.finding.step + 1, upto,
+                                                        reason)
+            except OSError as exc:
+                entries.append(_storage_error("choosing a checkpoint", exc))
+            else:
+                resume = self._chosen(choice, remedy.finding.step + 1, entries,
+                                      {"replayed": reason})
+                if resume is not None:
+                    return resume, entries
         before, allow_pending = rollback.resume_bound(remedy)
         return self._choose(before, allow_pending, entries)
 
@@ -182,19 +204,33 @@ class Recovery:
             entries.append(("resume", {"from": None, "before_step": before,
                                        "reason": "checkpoint storage unusable: starting over"}))
             return None, entries
+        resume = self._chosen(choice, before, entries)
+        if resume is None:
+            entries.append(("resume", {"from": None, "before_step": before,
+                                       "reason": "no usable checkpoint: starting from scratch"}))
+        return resume, entries
+
+    @staticmethod
+    def _chosen(choice: RollbackChoice, before: int, entries: list[Entry],
+                extra: dict[str, Any] | None = None) -> Resume | None:
+        """The resume of the catalog's ``choice`` (None: none), its refusals and the choice
+        journaled in ``entries``."""
         for refusal in choice.refused:
             entries.append(("checkpoint_refused", {"checkpoint_step": refusal.step,
                                                    "path": str(refusal.path),
                                                    "problems": list(refusal.problems)}))
         chosen = choice.checkpoint
         if chosen is None:
-            entries.append(("resume", {"from": None, "before_step": before,
-                                       "reason": "no usable checkpoint: starting from scratch"}))
-            return None, entries
+            return None
+        verdict = chosen.verdict
+        if extra is not None and verdict is Verdict.SUSPECT:  # made pending by the choice
+            entries.append(("checkpoint_verdict", {"checkpoint_step": chosen.step,
+                                                   "verdict": "pending", **extra}))
+            verdict = Verdict.PENDING
         entries.append(("resume", {"from": str(chosen.path), "checkpoint_step": chosen.step,
-                                   "cursor": chosen.cursor, "verdict": chosen.verdict.value,
-                                   "before_step": before}))
+                                   "cursor": chosen.cursor, "verdict": verdict.value,
+                                   "before_step": before, **(extra or {})}))
         external = chosen.manifest.external_path
         return Resume(path=external or str(chosen.path), step=chosen.step, cursor=chosen.cursor,
-                      external=external is not None), entries
+                      external=external is not None)
 

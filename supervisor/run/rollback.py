@@ -32,6 +32,8 @@ class RollbackPlan:
     that stays)."""
     base: float
     """The scale the run returns to, and keeps after this attempt's ramp."""
+    save_at: int | None = None
+    """A rerun's checkpoint at this cursor (``Plan.save_at``), when past its resume."""
 
     def describe(self) -> str:
         """The LR orders in words, e.g. ``LR x0.5, back to x1 over batches 251-300``."""
@@ -59,7 +61,10 @@ def in_directive(plan: Plan, resume: Resume | None) -> RollbackPlan:
     skip = None if plan.skip is None else SkipRange(plan.skip.start, plan.skip.end)
     r = plan.orders.ramp
     ramp = None if r is None else LrRamp(cut=r.cut, start=r.start, end=r.end, to=r.to)
-    return RollbackPlan(resume, skip, plan.orders.scale, ramp, plan.base)
+    save_at = plan.save_at
+    if save_at is not None and save_at <= (resume.cursor if resume is not None else 0):
+        save_at = None  # the rerun starts there: nothing to save
+    return RollbackPlan(resume, skip, plan.orders.scale, ramp, plan.base, save_at)
 
 
 def plan_relaunch(remedy: Remedy | None, resume: Resume | None, cursor_at: Mapping[int, int],

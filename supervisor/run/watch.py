@@ -24,7 +24,7 @@ from babysit.policies.detectors.resume_loss import ResumeLoss
 from babysit.policies.detectors.sdc import SdcDetector
 from babysit.policies.loader import load_policy
 from babysit.policies.pipeline import Pipeline
-from babysit.policies.rerun import Rerun, Seen, Trace, Verdict, asked
+from babysit.policies.rerun import REPRODUCED, Rerun, Seen, Trace, Verdict, asked
 from babysit.policies.rollback import Known, Orders, Plan, Shelf
 from babysit.policies.schema import Policy
 from babysit.policies.types import (
@@ -135,6 +135,8 @@ class Watch:
         """The data check of this attempt's resume: the same global batch as before it
         (``detectors/resume_data.py``)."""
         self._restored_cursor: int | None = None
+        self._rerun_from: int | None = None
+        """The step the rerun in flight (or just concluded) resumed from."""
         self._first_record = True
         """No step of this attempt judged yet: the first one says where it resumed."""
         self._restored: int | None = None
@@ -444,8 +446,23 @@ class Watch:
             checkpoint_every=self.checkpoint_every if checkpoint_every is None
             else checkpoint_every, checkpoint_async=self._checkpoint_async,
             grad_guard=guard, sdc_every=self.sdc_every, reshard=self.reshard,
+            save_at=plan.save_at,
         )
+        self._rerun_from = None
+        if self.rerun is not None:
+            self._rerun_from = plan.resume.step if plan.resume is not None else 0
         return directive, changes
+
+    def replayed(self, remedy: Remedy | None) -> tuple[int, int] | None:
+        """For the data's rollback after a rerun that reproduced its anomaly: the step the
+        rerun resumed after and the cursor the rollback skips from (``Recovery.resume_for``:
+        what the rerun saved in between is the rollback's to resume from); else None."""
+        planned = self._planned
+        if remedy is None or remedy.action is not Action.ROLLBACK or self._rerun_from is None \
+                or remedy.finding.evidence.get("rerun") != REPRODUCED or planned is None \
+                or planned.finding != remedy.finding or planned.skip is None:
+            return None
+        return self._rerun_from, planned.skip.start
 
 
 def _ramp_json(ramp: LrRamp | None) -> dict[str, Any] | None:

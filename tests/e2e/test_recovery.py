@@ -79,8 +79,11 @@ def user_folder(at: Path) -> Path:
 def test_loss_spike_rolls_back_skips_the_bad_batches_and_lowers_the_lr(tmp_path: Path) -> None:
     # From a folder whose own checkpoints.py and policies/ must not meet babysit's.
     script = user_folder(tmp_path / "project")
-    result, run_dir = babysat(tmp_path, "spike", "--steps", "60", "--spike", "25:40",
-                              script=script)
+    # Checkpoints every 20 steps, as a real job's are sparser than the 10 batches skipped before
+    # a spike's onset: the rerun's own save at the skip range's start pays.
+    result, run_dir = babysat(tmp_path, "spike", "--steps", "70", "--spike", "35:50",
+                              script=script,
+                              checkpoints="{every_steps: 20, probation_steps: 5, async_save: false}")
     assert result.returncode == 0, result.stdout + result.stderr
     asked, data = (e for e in journal(run_dir, "finding") if e["remedy"]["action"] == "rollback")
     assert asked["finding"]["incident"] in ("loss_spike", "grad_spike")
@@ -90,24 +93,29 @@ def test_loss_spike_rolls_back_skips_the_bad_batches_and_lowers_the_lr(tmp_path:
     assert rerun_launch["directive"]["skip"] == [] and rerun_launch["directive"]["lr_scale"] == 1
     # Back at the same batches: the data's.
     (verdict,) = journal(run_dir, "rerun")
-    assert verdict["verdict"] == "reproduced" and verdict["batches"][0] <= 25
+    assert verdict["verdict"] == "reproduced" and verdict["batches"][0] <= 35
     assert data["finding"]["evidence"]["rerun"] == "reproduced"
     assert data["remedy"]["reason"].startswith(verdict["summary"])
-    # Both from the newest good checkpoint strictly before the onset (26: batch 25 is the
-    # first poisoned).
+    # The rerun from the newest good checkpoint strictly before the onset (36: batch 35 is the
+    # first poisoned), told to save where the data's rollback would skip from; the data's
+    # rollback resumes from that save: the rerun's steps up to it are not trained a third time.
     first, resume = journal(run_dir, "resume")
-    assert resume["verdict"] == "good" and resume["checkpoint_step"] < 26
-    assert first["checkpoint_step"] == resume["checkpoint_step"]
+    assert first["verdict"] == "good" and first["checkpoint_step"] == 20
     directive = launch["directive"]
     assert directive["lr_scale"] == 0.5
     (skip,) = directive["skip"]
-    assert skip["start"] <= 25 and skip["end"] >= 40  # the whole poisoned stretch
+    assert skip["start"] <= 35 and skip["end"] >= 50  # the whole poisoned stretch
+    assert rerun_launch["directive"]["save_at"] == skip["start"] > first["cursor"]
+    assert resume["cursor"] == skip["start"] and resume["checkpoint_step"] > first["checkpoint_step"]
+    assert resume["replayed"].startswith(f"replayed by the rerun of steps {first['checkpoint_step'] + 1}-")
+    assert [e["attempt"] for e in journal(run_dir, "checkpoint_saved")
+            if e["step"] == resume["checkpoint_step"]][-1] == 1  # the rerun's own save
     # The relaunched attempt never trained on a poisoned batch and finished healthy.
     rows = read_jsonl(run_dir / "metrics.jsonl")
     attempt1 = [m for m in rows if m["attempt"] == 2]
     assert attempt1[0]["step"] == resume["checkpoint_step"] + 1
-    assert all(not (25 < m["cursor"] <= 40) for m in attempt1)
-    healthy = max(m["loss"] for m in rows if m["attempt"] == 0 and 15 <= m["step"] <= 25)
+    assert all(not (35 < m["cursor"] <= 50) for m in attempt1)
+    healthy = max(m["loss"] for m in rows if m["attempt"] == 0 and 25 <= m["step"] <= 35)
     assert max(m["loss"] for m in attempt1[-10:]) < 3 * healthy
     assert read_jsonl(run_dir / "events.jsonl")[-1]["state"] == "succeeded"
 

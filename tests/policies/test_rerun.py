@@ -114,6 +114,9 @@ def test_a_spikes_rollback_reruns_first_and_the_reproduction_skips_without_a_new
     assert "rerun steps from step 41 to 110 first" in first.reason
     assert plan is not None and plan.skip is None and plan.region is None
     assert plan.checkpoint == Saved(40, 80, good=True)  # the spike's own checkpoint rule
+    # The rerun saves where the data's rollback would skip from: onset 100's batch 199, less
+    # the 10 batches before it.
+    assert plan.save_at == 199 - 10
 
     run = Rerun.start(first.finding, first_pass())
     assert run is not None
@@ -192,15 +195,22 @@ def test_the_watch_turns_a_reproduced_spike_into_the_datas_rollback() -> None:
     for s in range(1, 111):
         watch.observe_record(record(s, (2.0, 14.0 if s >= 100 else 2.0)))
     remedy = watch.judge(spike(), 0.0, SHELF)
+    assert watch.replayed(remedy) is None  # no rerun yet
     directive, _ = watch.launch(1, remedy, Resume(path="/ckpt/40", step=40, cursor=80))
+    assert directive.save_at is not None and directive.save_at > 80
     watch.new_attempt(0.0, directive)
     found = [f for s in range(41, 111)
              for f in watch.observe_record(record(s, (2.0, 14.0 if s >= 100 else 2.0)))]
     (again,) = [f for f in found if f.incident is Incident.LOSS_SPIKE]  # not re-detected
     assert rerun.reproduced(again)
     data = watch.judge(again, 60.0, SHELF)
+    # What the rerun saved from step 40 up to the skip's start is the data's rollback's.
+    skip_start = watch.replayed(data)
+    assert skip_start == (40, directive.save_at)
     directive, entries = watch.launch(2, data, Resume(path="/ckpt/40", step=40, cursor=80))
-    assert directive.skip and directive.lr_scale == 0.5 and entries
+    assert directive.skip and directive.skip[0].start == skip_start[1]
+    assert directive.lr_scale == 0.5 and entries and directive.save_at is None
+    assert watch.replayed(data) is None  # once
     assert watch.rerun is None
 
 

@@ -323,7 +323,7 @@ class Rank:
     """One rank's Checkpointer over a tiny real model, saving into its own folder."""
 
     def __init__(self, root: Path, every: int, control: Path | None, rank: int = 0,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, save_at: int | None = None) -> None:
         import torch
 
         model = torch.nn.Linear(2, 2)
@@ -331,7 +331,7 @@ class Rank:
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.ckpt = Checkpointer(
             Directive(checkpoint_dir=str(root), checkpoint_every=every,
-                      checkpoint_async=async_save),
+                      checkpoint_async=async_save, save_at=save_at),
             rank, model, torch.optim.SGD(model.parameters(), lr=0.1), None,
             lambda type_, **data: self.events.append((type_, data)))
         self.ckpt.control = control
@@ -367,6 +367,18 @@ def test_saves_on_the_directive_cadence_without_a_control_file(tmp_path: Path,
     rank = Rank(tmp_path / "r0", every=5, control=control)
     rank.run_to(16)
     assert rank.saved_steps() == [5, 10, 15]
+
+
+def test_a_rerun_saves_where_its_data_remedy_would_resume_and_waits_for_it(
+        tmp_path: Path, control: Path) -> None:
+    """``save_at`` (a rerun's: the cursor the data's rollback would skip from): saved there
+    beside the cadence, committed before the next step even when saves are asynchronous, and
+    announced as an ordinary checkpoint (not the final one a preemption asks for)."""
+    rank = Rank(tmp_path / "r0", every=10, control=control, async_save=True, save_at=7)
+    rank.run_to(8)
+    assert rank.saved_steps() == [7]
+    [saved] = rank.announced()
+    assert saved["step"] == 7 and "final" not in saved
 
 
 def test_a_cadence_change_applies_from_its_step(tmp_path: Path, control: Path) -> None:

@@ -72,3 +72,34 @@ def test_a_spike_that_only_warns_leaves_its_checkpoints_good(tmp_path: Path) -> 
     entries = recovery.on_finding(spike, Remedy(Action.ROLLBACK, spike, "not healed"))
     assert [e[1]["checkpoint_step"] for e in entries] == [300, 350, 400]  # near and after it
     assert Catalog(tmp_path).get(300).verdict is Verdict.SUSPECT  # type: ignore[union-attr]
+
+
+def test_the_data_remedy_after_a_rerun_resumes_from_the_reruns_own_save(tmp_path: Path) -> None:
+    """A spike at step 160 (onset 155) rerun from the good checkpoint of step 100: the rerun
+    saved at step 125 (cursor 250), where the data's rollback skips from (batch 260). The steps
+    since 100 were trained on the batches the remedy trains on, so it resumes there, not from
+    100 a third time: the suspect verdict the onset gave it becomes pending. A save past the
+    skip's start, or none in the rerun, leaves the rule as it was."""
+    recovery = Recovery(Catalog(tmp_path), probation_steps=50, keep=10)
+    make_ckpt(tmp_path, 100, size=100)
+    recovery.on_progress(150)  # 100 is good
+    make_ckpt(tmp_path, 125, size=100)
+    make_ckpt(tmp_path, 150, size=100)
+    spike = Finding(Incident.LOSS_SPIKE, "loss_spike", Severity.CRITICAL, step=160,
+                    onset_step=155, message="reproduced on the rerun",
+                    evidence={"rerun": "reproduced"})
+    remedy = Remedy(Action.ROLLBACK, spike, "the data's")
+    recovery.on_finding(spike, remedy)
+    assert Catalog(tmp_path).get(125).verdict is Verdict.SUSPECT  # type: ignore[union-attr]
+
+    before, _ = recovery.resume_for(remedy, (100, 240))  # 125 consumed batch 249: past it
+    assert before is not None and before.step == 100
+    resume, entries = recovery.resume_for(remedy, (100, 260))
+    assert resume is not None and (resume.step, resume.cursor) == (125, 250)
+    verdict, chosen = entries[-2:]
+    assert verdict == ("checkpoint_verdict", {"checkpoint_step": 125, "verdict": "pending",
+                                              "replayed": chosen[1]["replayed"]})
+    assert chosen[0] == "resume" and chosen[1]["verdict"] == "pending"
+    assert chosen[1]["replayed"].startswith("replayed by the rerun of steps 101-160")
+    assert Catalog(tmp_path).get(125).verdict is Verdict.PENDING  # type: ignore[union-attr]
+    assert Catalog(tmp_path).get(150).verdict is Verdict.SUSPECT  # type: ignore[union-attr]
