@@ -52,9 +52,15 @@ def test_babysit_recovers_a_data_spike_that_torchrun_does_not(tmp_path: Path) ->
 
     journal = read_jsonl(tmp_path / "spike" / "events.jsonl")
     # Rerun from there first, nothing skipped; the spike came back at the same batches (the
-    # data's), so back once more, skipping them.
+    # data's), so back once more, skipping them: from the rerun's own save where the skip
+    # starts, not from step 100 a third time.
     resumes = [e for e in journal if e["event"] == "resume" and e.get("from")]
-    assert [(e["checkpoint_step"], e["verdict"]) for e in resumes] == [(100, "good")] * 2
+    assert (resumes[0]["checkpoint_step"], resumes[0]["verdict"]) == (100, "good")
+    launches = [e for e in journal if e["event"] == "launch"]
+    skip_start = launches[-1]["directive"]["skip"][0]["start"]
+    assert launches[1]["directive"]["save_at"] == skip_start > 100
+    assert (resumes[1]["cursor"], resumes[1]["verdict"]) == (skip_start, "pending")
+    assert resumes[1]["replayed"].startswith("replayed by the rerun of steps 101-")
     (rerun,) = [e for e in journal if e["event"] == "rerun"]
     assert rerun["verdict"] == "reproduced"
     # The LR cut is temporary, and on the record: journal, status.

@@ -83,7 +83,8 @@ def test_loss_spike_rolls_back_skips_the_bad_batches_and_lowers_the_lr(tmp_path:
     # a spike's onset: the rerun's own save at the skip range's start pays.
     result, run_dir = babysat(tmp_path, "spike", "--steps", "70", "--spike", "35:50",
                               script=script,
-                              checkpoints="{every_steps: 20, probation_steps: 5, async_save: false}")
+                              checkpoints="{every_steps: 20, probation_steps: 5, "
+                                          "async_save: false}")
     assert result.returncode == 0, result.stdout + result.stderr
     asked, data = (e for e in journal(run_dir, "finding") if e["remedy"]["action"] == "rollback")
     assert asked["finding"]["incident"] in ("loss_spike", "grad_spike")
@@ -106,8 +107,10 @@ def test_loss_spike_rolls_back_skips_the_bad_batches_and_lowers_the_lr(tmp_path:
     (skip,) = directive["skip"]
     assert skip["start"] <= 35 and skip["end"] >= 50  # the whole poisoned stretch
     assert rerun_launch["directive"]["save_at"] == skip["start"] > first["cursor"]
-    assert resume["cursor"] == skip["start"] and resume["checkpoint_step"] > first["checkpoint_step"]
-    assert resume["replayed"].startswith(f"replayed by the rerun of steps {first['checkpoint_step'] + 1}-")
+    assert resume["cursor"] == skip["start"]
+    assert resume["checkpoint_step"] > first["checkpoint_step"]
+    assert resume["replayed"].startswith(
+        f"replayed by the rerun of steps {first['checkpoint_step'] + 1}-")
     assert [e["attempt"] for e in journal(run_dir, "checkpoint_saved")
             if e["step"] == resume["checkpoint_step"]][-1] == 1  # the rerun's own save
     # The relaunched attempt never trained on a poisoned batch and finished healthy.

@@ -100,7 +100,13 @@ def test_json_agrees_with_the_journal_and_metrics(run_dir: Path) -> None:
     assert again["skip"] == [[r["start"], r["end"]] for r in told["skip"]] and again["skip"]
     assert again["lr_scale"] == told["lr_scale"] == 0.5
     assert again["cause"]["incident"] == "nonfinite" and s["attempt_history"][0]["cause"] is None
-    assert s["checkpoints"] == [] and s["checkpoint_dir"] == str(run_dir / "checkpoints")
+    # No checkpoint of the cadence's (every 100 steps) in 60 steps: the rerun from scratch
+    # saved one where the data's rollback skips from, and that rollback resumed there.
+    [saved] = s["checkpoints"]
+    assert (saved["step"], saved["verdict"]) == (again["resume_step"], "pending") == (
+        again["skip"][0][0], "pending")
+    assert saved["reason"].startswith("replayed by the rerun of steps 1-")
+    assert s["checkpoint_dir"] == str(run_dir / "checkpoints")
     # The ledger of this run (a NaN rollback): its categories make up its wall time.
     g = s["goodput"]
     assert g["wall_s"] == pytest.approx(s["elapsed_s"], abs=0.01)
@@ -114,7 +120,7 @@ def test_human_view_says_the_same_compactly(run_dir: Path) -> None:
     lines = out.splitlines()
     assert lines[0] == f"babysit status: demo_train  ({run_dir})"
     labels = [line[2:14].strip() for line in lines[1:] if line.startswith("  ") and line[2] != " "]
-    assert labels == ["state", "time", "progress", "speed", "rank loss", "goodput",
+    assert labels == ["state", "time", "progress", "speed", "rank loss", "cadence", "goodput",
                       "rerun", "incidents", "attempts", "checkpoints", "journal"]
     assert re.search(r"  goodput     \d+\.\d% of [0-9.]+ s productive; badput .*lost", out)
     assert "  state       succeeded (workers finished), exit code 0" in lines
