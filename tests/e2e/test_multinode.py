@@ -143,24 +143,43 @@ class Nodes:
                          for n in self.procs)
 
 
-def test_a_spike_on_one_nodes_rank_rolls_back_every_node_alike(tmp_path: Path) -> None:
-    run = Nodes(tmp_path, "--spike", "20:24", "--spike-rank", "3")
+def test_a_hang_then_a_spike_on_one_nodes_rank_are_named_and_every_node_acts_alike(
+        tmp_path: Path) -> None:
+    """One run, two faults on node 1's rank 3 (one run shared by the assertions of both): it
+    hangs at step 10 of the first attempt (named with its node and host, relaunched on every
+    node), then its shard of batches 20-23 is poisoned: the leader sees the spike in the
+    merged summaries and the whole job reruns, then rolls back past the batches."""
+    run = Nodes(tmp_path, "--hang", "3:10", "--spike", "20:24", "--spike-rank", "3")
     run.start(0), run.start(1)
     codes = run.wait()
     assert codes == {0: 0, 1: 0}, run.logs()
     # The leader merged the nodes' summaries: every step of the job, all 4 ranks in each.
     rows = read_jsonl(run.run_dir / "metrics.jsonl")
     assert {r["n_ranks"] for r in rows} == {4} and rows[-1]["step"] == 40
-    # It saw the spike that only rank 3's shard had, and rolled the whole job back.
-    interventions = [e for e in run.events("state") if e["new"] == "intervening"]
-    assert interventions and "rollback" in interventions[0]["reason"]
+
+    # The hang: named with the node and host of the stuck rank, from that node's stacks.
+    hangs = [e["finding"] for e in run.events("finding") if e["finding"]["incident"] == "hang"]
+    assert len(hangs) == 1, hangs
+    hang = hangs[0]
+    node = {e["rank"]: e["data"]["node"] for e in run.events("worker_hello")
+            if e["attempt"] == 0}[3]
+    assert hang["ranks"] == [3]
+    assert hang["evidence"]["node"] == node and hang["evidence"]["host"]
+    assert f"node {node}, host {hang['evidence']['host']}" in hang["message"]
+    assert "stacks" in hang["evidence"]  # the node with the stuck rank read its stacks
+    # Every relaunch went to every node, and the hang (first attempt only) did not come back.
+    assert [e["attempt"] for e in run.events("launch", node=1)] == [0, 1, 2, 3]
+
+    # The spike that only rank 3's shard had: the whole job rolled back.
+    interventions = [e["reason"] for e in run.events("state") if e["new"] == "intervening"]
+    assert "hang" in interventions[0] and "rollback" in interventions[1], interventions
     # First a rerun of the same steps, nothing skipped: the spike came back on it (the leader
     # compared the merged summaries), so the data's rollback followed.
     (rerun,) = run.events("rerun")
     assert rerun["verdict"] == "reproduced"
-    assert [e["directive"]["skip"] for e in run.events("launch") if e["attempt"] == 1] == [[]]
-    leader = [e for e in run.events("launch") if e["attempt"] == 2]
-    follower = [e for e in run.events("launch", node=1) if e["attempt"] == 2]
+    assert [e["directive"]["skip"] for e in run.events("launch") if e["attempt"] == 2] == [[]]
+    leader = [e for e in run.events("launch") if e["attempt"] == 3]
+    follower = [e for e in run.events("launch", node=1) if e["attempt"] == 3]
     assert leader and follower
     # One checkpoint, one skip range, one LR scale: the same directive on every node.
     assert leader[0]["directive"] == follower[0]["directive"]
@@ -175,24 +194,6 @@ def test_a_spike_on_one_nodes_rank_rolls_back_every_node_alike(tmp_path: Path) -
     # The follower's own journal says what it did, the leader's is the run's record.
     assert run.events("follower_finished", node=1)[0]["exit_code"] == 0
     assert run.events("run_finished")[-1]["state"] == "succeeded"
-
-
-def test_a_hang_on_one_node_is_named_with_its_host_and_rank(tmp_path: Path) -> None:
-    run = Nodes(tmp_path, "--hang", "3:10")
-    run.start(0), run.start(1)
-    codes = run.wait()
-    assert codes == {0: 0, 1: 0}, run.logs()
-    hangs = [e["finding"] for e in run.events("finding") if e["finding"]["incident"] == "hang"]
-    assert len(hangs) == 1, hangs
-    hang = hangs[0]
-    node = {e["rank"]: e["data"]["node"] for e in run.events("worker_hello")
-            if e["attempt"] == 0}[3]
-    assert hang["ranks"] == [3]
-    assert hang["evidence"]["node"] == node and hang["evidence"]["host"]
-    assert f"node {node}, host {hang['evidence']['host']}" in hang["message"]
-    assert "stacks" in hang["evidence"]  # the node with the stuck rank read its stacks
-    # The relaunch went to every node, and the fault (first attempt only) is gone.
-    assert [e["attempt"] for e in run.events("launch", node=1)] == [0, 1]
 
 
 NO_NETNS = netns.available()
