@@ -287,11 +287,16 @@ class SlowComputeDetector:
         self._paces = {held: deque(pace, maxlen=self.config.baseline_steps)
                        for held, pace in d.get("paces", ())}
         self._marks = deque(((float(m[0]), [(h, float(p)) for h, p in m[1]],
-                              Counter(dict((h, int(n)) for h, n in m[2]) if len(m) > 2 else {}))
+                              _held(m[2] if len(m) > 2 else ()))
                              for m in d.get("marks", ())), maxlen=MARKS)
-        self._held = Counter(dict((h, int(n)) for h, n in d.get("held", ())))
+        self._held = _held(d.get("held", ()))
         self._reported = bool(d["reported"])
         self._recent = deque(d.get("recent", ()), maxlen=CALM)
+
+
+def _held(pairs: Any) -> Held:
+    """A ``Held`` tally from its JSON form, ``[[rank or null, steps], ...]``."""
+    return Counter({h: int(n) for h, n in pairs})
 
 
 def _dominant(counts: Counter[int]) -> tuple[int, ...]:

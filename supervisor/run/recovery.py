@@ -154,16 +154,15 @@ class Recovery:
             return None, entries
         if replayed is not None:
             after, upto = replayed
-            reason = (f"replayed by the rerun of steps {after + 1}-{remedy.finding.step} on the "
+            detected = remedy.finding.step
+            reason = (f"replayed by the rerun of steps {after + 1}-{detected} on the "
                       f"batches its remedy trains on (before batch {upto})")
             try:
-                choice = self.catalog.choose_trained_on(after, remedy.finding.step + 1, upto,
-                                                        reason)
+                choice = self.catalog.choose_trained_on(after, detected + 1, upto, reason)
             except OSError as exc:
                 entries.append(_storage_error("choosing a checkpoint", exc))
             else:
-                resume = self._chosen(choice, remedy.finding.step + 1, entries,
-                                      {"replayed": reason})
+                resume = self._chosen(choice, detected + 1, entries, {"replayed": reason})
                 if resume is not None:
                     return resume, entries
         before, allow_pending = rollback.resume_bound(remedy)

@@ -130,7 +130,9 @@ class Watch:
         per attempt)."""
         self._resume_loss: ResumeLoss | None = None
         """The loss check of this attempt's resume (``detectors/resume_loss.py``)."""
-        self._batches = GlobalBatch()
+        self._batches = GlobalBatch() if scope != "node" else None
+        """The job's global batches (a node's own ranks' share of one changes with the job's
+        size by design: a node's watch keeps none)."""
         self._resume_data: ResumeData | None = None
         """The data check of this attempt's resume: the same global batch as before it
         (``detectors/resume_data.py``)."""
@@ -183,7 +185,8 @@ class Watch:
         self._resume_loss, self._first_record = None, True
         self._restored = directive.resume.step if directive.resume is not None else restored
         self._restored_cursor = directive.resume.cursor if directive.resume is not None else None
-        self._batches.new_attempt()
+        if self._batches is not None:
+            self._batches.new_attempt()
         self.hang.start(now)
         if directive.attempt > 0:
             self.pipeline.new_attempt()
@@ -247,12 +250,10 @@ class Watch:
             self._resume_loss = ResumeLoss.start(self.policy.detectors.resume_loss,
                                                  record.step - 1, self.trace.losses(),
                                                  self._restored)
-            # The job's global batch: a node's own ranks' share of it changes with the job's
-            # size by design.
             self._resume_data = ResumeData.start(self._batches, self._restored,
                                                  self._restored_cursor) \
-                if self.pipeline.scope != "node" else None
-        batch = self._batches.observe(record)
+                if self._batches is not None else None
+        batch = self._batches.observe(record) if self._batches is not None else None
         per_rank = {r.rank: r.loss for r in record.ranks if r.loss is not None} \
             if isinstance(record, StepRecord) and record.world_size <= PER_RANK_LIMIT else {}
         seen = Seen(record.cursor, record.loss, record.grad_norm, per_rank)
