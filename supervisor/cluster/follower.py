@@ -64,7 +64,7 @@ from babysit.supervisor.cluster.node_view import NodeView
 from babysit.supervisor.cluster.wire import AuthError, Peer, connect
 from babysit.supervisor.config.address import format_address, parse_address
 from babysit.supervisor.config.plan import RunPlan
-from babysit.supervisor.node import incident, launcher
+from babysit.supervisor.node import ahead, incident, launcher
 from babysit.supervisor.node.gpu_watch import GpuWatch
 from babysit.supervisor.node.sketch import StepSummary
 from babysit.supervisor.node.tick import Hang, OwnNode
@@ -82,14 +82,15 @@ FORWARDED = ("hello", "close", "skip", "checkpoint", "checkpoint_failed", "check
 class Follower:
     """Runs a follower node to the end of the run; ``run()`` returns the exit code."""
 
-    def __init__(self, plan: RunPlan, console: Console, secret: bytes) -> None:
+    def __init__(self, plan: RunPlan, console: Console, secret: bytes,
+                 early: ahead.Early | None = None) -> None:
         self.plan = plan
         self.console = console
         self.node = plan.node_rank
         self.view = NodeView.from_plan(plan, self.node)
         self.host = self.view.host
         self.secret = secret
-        self.workers = NodeWorkers(plan, plan.run_dir)
+        self.workers = NodeWorkers(plan, plan.run_dir, early)
         # Reading stacks takes seconds: the leader waits for this view rather than settle on
         # another node's, whose ranks only wait in the collective.
         self.own: OwnNode[tuple[list[StepSummary], list[Finding]]] = OwnNode(

@@ -55,7 +55,7 @@ from babysit.supervisor.cluster.node_view import NodeView, located
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent, mfu_inputs
-from babysit.supervisor.node import standby
+from babysit.supervisor.node import ahead, standby
 from babysit.supervisor.node.aggregate import with_rates
 from babysit.supervisor.node.gpu_watch import GpuWatch
 from babysit.supervisor.node.launcher import Placement
@@ -89,7 +89,7 @@ class ClusterMembers(OnThisNode):
     scope = "job"
 
     def __init__(self, plan: RunPlan, secret: bytes, term: Term, lease: Lease,
-                 expect: list[int] | None = None) -> None:
+                 expect: list[int] | None = None, early: ahead.Early | None = None) -> None:
         """``term``: the leadership this babysitter won (``cluster.leadership``); ``lease``:
         its own, beating. ``expect``: after taking over from a lost leader, the nodes of the
         last attempt still to be waited for (briefly); None waits for ``launch.nnodes``."""
@@ -98,7 +98,7 @@ class ClusterMembers(OnThisNode):
         self.term, self.lease, self.expect = term, lease, expect
         self._term_checked = 0.0
         self.fenced: str | None = None
-        self.workers = NodeWorkers(plan, plan.run_dir)
+        self.workers = NodeWorkers(plan, plan.run_dir, early)
         self.view = NodeView.from_plan(plan, plan.node_rank)
         self.node: OwnNode[tuple[list[StepSummary], list[Finding]]] = OwnNode(
             self.workers, self.view, flush_on_exit=True,

@@ -25,6 +25,7 @@ from babysit.supervisor.cluster.leader import ClusterMembers
 from babysit.supervisor.cluster.leadership import Lease, LeaseWatch, Term
 from babysit.supervisor.cluster.node_view import node_name
 from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.node import ahead
 from babysit.supervisor.run import journal
 from babysit.supervisor.run.console import Console
 from babysit.supervisor.run.loop import Supervisor
@@ -32,8 +33,9 @@ from babysit.supervisor.run.loop import Supervisor
 POLL_S = 0.2
 
 
-def run_node(plan: RunPlan, console: Console) -> int:
-    """Run this node's babysitter to the end of the run; returns its exit code."""
+def run_node(plan: RunPlan, console: Console, early: ahead.Early | None = None) -> int:
+    """Run this node's babysitter to the end of the run; returns its exit code. ``early``:
+    the first attempt's torchrun started ahead, for whichever role launches first."""
     secret = plan.secret()
     plan.shared_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     lease = Lease(plan.shared_dir, plan.node_rank, node_name(), plan.config.nodes.heartbeat_s)
@@ -42,13 +44,14 @@ def run_node(plan: RunPlan, console: Console) -> int:
         term = _first_term(plan) if plan.node_rank == 0 else None
         expect: list[int] | None = None
         if term is None or term.node != plan.node_rank:
-            following = Follower(plan.following(), console, secret).run()
+            following = Follower(plan.following(), console, secret, early).run()
             if isinstance(following, int):
                 return following
             term, expect = following, survivors(plan, following)
         leading = for_term(plan, term)
         return Supervisor(leading, console,
-                          members=ClusterMembers(leading, secret, term, lease, expect)).run()
+                          members=ClusterMembers(leading, secret, term, lease, expect,
+                                                 early)).run()
     finally:
         lease.leave()
 

@@ -23,7 +23,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from babysit.supervisor.node.ahead import Early
 
 EXIT_USAGE = 2
 DEFAULT_CHECKPOINT_EVERY = 100
@@ -247,6 +250,38 @@ def _plan(args: argparse.Namespace) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from babysit.supervisor.node.ahead import Early
+
+    # The first attempt's torchrun starts now, its import of torch beside babysit's own start
+    # (node/ahead.py); the first launch takes it where it fits, and it is stopped otherwise.
+    early = Early() if _early_wanted(args) else None
+    try:
+        return _supervise(args, early)
+    finally:
+        if early is not None:
+            early.stop()
+
+
+def _early_wanted(args: argparse.Namespace) -> bool:
+    """A config file that turns ``launch.torchrun_ahead`` off, or names another interpreter,
+    gets no first torchrun started ahead: a look at its raw YAML (the config is read, checked
+    and reported properly later; a file that cannot be read here is that reading's to say)."""
+    if args.module or not args.target.endswith((".yaml", ".yml")):
+        return True
+    import yaml
+
+    try:
+        config = yaml.safe_load(Path(args.target).read_text())
+    except (OSError, yaml.YAMLError):
+        return True
+    launch = config.get("launch") if isinstance(config, dict) else None
+    if not isinstance(launch, dict):
+        return True
+    return launch.get("torchrun_ahead") is not False and \
+        launch.get("python") in (None, sys.executable)
+
+
+def _supervise(args: argparse.Namespace, early: Early | None) -> int:
     from babysit.supervisor.run.console import Console
     from babysit.supervisor.run.loop import Supervisor
 
@@ -261,10 +296,10 @@ def _run(args: argparse.Namespace) -> int:
         console.log("babysit: not starting: fix the failures above, or pass --skip-doctor.")
         return 1
     if not plan.config.launch.multinode:
-        return Supervisor(plan, console).run()
+        return Supervisor(plan, console, early=early).run()
     from babysit.supervisor.cluster.roles import run_node
 
-    return run_node(plan, console)  # leader or follower, and a follower may take over
+    return run_node(plan, console, early)  # leader or follower, and a follower may take over
 
 
 def _validate(args: argparse.Namespace) -> int:

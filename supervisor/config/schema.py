@@ -115,7 +115,11 @@ class LaunchConfig(DashedSection):
     attempt made a step: its interpreter up and ``torch.distributed.run`` imported, waiting for
     its command line. A relaunch then skips torchrun's own start (about 1.2 s of a cold
     relaunch on a small CPU machine). It touches no GPU and runs no rank: one interpreter with
-    torch imported (about 0.3 GB resident). ``false``: every relaunch starts torchrun anew."""
+    torch imported (about 0.3 GB resident). The first attempt's torchrun is started the same
+    way by ``babysit run`` itself, first thing, beside babysit's own start (about 0.5 s sooner
+    to the first step on a small CPU machine); it is stopped unused where ``launch.python``
+    is another interpreter or ``launch.env`` sets a ``PYTHON*`` or ``LD_*`` variable (read as
+    an interpreter starts). ``false``: every launch starts torchrun anew."""
     max_restarts: int | None = Field(None, ge=0)
     """Relaunches allowed after crashes; overrides the policy's crash budget when set. babysit
     owns restarts, so torchrun itself always runs with ``--max-restarts 0``."""

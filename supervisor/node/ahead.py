@@ -15,14 +15,27 @@ holds no rank and reads nothing of the run; it costs one interpreter with torch 
 0.3 GB resident) and its start-up, about 1.7 CPU-seconds. A closed standard input (babysit gone,
 or the process dropped) ends it. ``launch.torchrun_ahead: false`` turns it off.
 
-Pure but for ``main`` (the process itself): the order's encoding, and when one fits an attempt.
+The first attempt's torchrun is started ahead too, whatever serves the relaunches: by
+``babysit run`` itself, first thing (``Early``), before babysit imports its own modules, reads
+the config and opens its services, so that its start-up and torchrun's overlap (about 0.5 s
+of babysit's own against 1-2 s of torchrun's on this 2-core machine). Its environment is
+babysit's own, not yet the attempt's (the order brings that), so the first launch takes it
+only where that makes no difference (``Early.unfit``); otherwise, or where it is off, it is
+stopped and the launch is cold as before.
+
+Pure but for ``main`` (the process itself) and ``Early``: the order's encoding, and when one
+fits an attempt.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +74,62 @@ class Order:
 def command(python: str) -> list[str]:
     """The command line of a torchrun started ahead with interpreter ``python``."""
     return [python, "-m", MODULE]
+
+
+INTERPRETER_ENV = ("PYTHON", "LD_")
+"""Prefixes of the variables an interpreter reads as it starts (which modules, which native
+libraries): set by ``launch.env``, they must be there before ``import torch``, so a torchrun
+started with babysit's own environment cannot take the order."""
+
+
+class Early:
+    """The first attempt's torchrun, started ahead by ``babysit run`` before anything else
+    (see the module docstring). ``take`` hands its process to the first launch, once;
+    ``stop`` ends it when nobody took it (idempotent)."""
+
+    def __init__(self, python: str = sys.executable) -> None:
+        self.python = python
+        self.env = {**os.environ}
+        self.env.setdefault("PYTHONUNBUFFERED", "1")  # as every attempt's (NodeWorkers._env)
+        self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+            command(python), env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def unfit(self, python: str, launch_env: Mapping[str, str], on: bool,
+              command_: list[str]) -> str | None:
+        """Why the launch of ``command_`` (with ``python``, the config's ``launch.env`` and
+        ``launch.torchrun_ahead`` as ``on``) cannot take this process, or None. Pure."""
+        if not on:
+            return "launch.torchrun_ahead is false"
+        if python != self.python:
+            return f"the run's interpreter is {python}, not {self.python}"
+        if Order.of(command_, {}, "") is None:
+            return "the launch is not torchrun's"
+        read = sorted(k for k in launch_env if k.startswith(INTERPRETER_ENV)
+                      and launch_env[k] != self.env.get(k))
+        if read:
+            return f"launch.env sets {', '.join(read)}, read as the interpreter starts"
+        return None
+
+    def take(self) -> subprocess.Popen[bytes] | None:
+        """The process, still running, for the first launch to feed; None after the first
+        call, or when it ended on its own."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is not None:
+            return None
+        return proc
+
+    def stop(self) -> None:
+        """End the process if nobody took it: it has imported torch and holds nothing."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 def main() -> None:

@@ -239,8 +239,11 @@ class WorkerGroup:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
-    def start(self) -> None:
-        self._proc = subprocess.Popen(
+    def start(self, started: subprocess.Popen[bytes] | None = None) -> None:
+        """Launch ``command``; or, given ``started`` (a process already running ``command``
+        with ``env``, its standard input and output pipes, in a session of its own: an
+        ``ahead.Early``), take it over."""
+        self._proc = started or subprocess.Popen(
             self.command, env=self._env, cwd=self._cwd,
             stdin=subprocess.PIPE if self._fed else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
@@ -403,14 +406,17 @@ def stop_leftovers(pids: tuple[int, ...], run_dir: Path, grace_s: float) -> list
     """Stop what a killed supervisor of ``run_dir`` left running; returns the pids stopped.
 
     Only processes whose environment names this run directory count (with their children):
-    pids are reused, and a stranger's process must never be signalled.
+    pids are reused, and a stranger's process must never be signalled. A torchrun whose own
+    environment does not (the first attempt's, started before babysit read the config:
+    ``ahead.Early``) counts by its children's.
     """
     ours: dict[int, psutil.Process] = {}
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             proc = psutil.Process(pid)
-            if proc.environ().get("BABYSIT_RUN_DIR") == str(run_dir):
-                for p in [proc, *proc.children(recursive=True)]:
+            tree = [proc, *proc.children(recursive=True)]
+            if any(_names(p, run_dir) for p in tree[:1] + proc.children()):
+                for p in tree:
                     ours[p.pid] = p
     procs = [p for p in ours.values() if _alive(p)]
     if not procs:
@@ -421,6 +427,13 @@ def stop_leftovers(pids: tuple[int, ...], run_dir: Path, grace_s: float) -> list
         signal_groups(alive, signal.SIGKILL)
         psutil.wait_procs(alive, timeout=5)
     return sorted(p.pid for p in procs)
+
+
+def _names(proc: psutil.Process, run_dir: Path) -> bool:
+    """``proc``'s environment names ``run_dir`` (it was started for one of its attempts)."""
+    with contextlib.suppress(psutil.Error):
+        return proc.environ().get(ENV_RUN_DIR) == str(run_dir)
+    return False
 
 
 def _alive(p: psutil.Process) -> bool:

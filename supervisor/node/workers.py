@@ -30,7 +30,9 @@ from babysit.supervisor.node.printed import Entry, PrintedProgress, rank_pids
 class NodeWorkers:
     """Starts, watches and stops the attempts of one node. ``open()`` binds the socket."""
 
-    def __init__(self, plan: RunPlan, run_dir: Path) -> None:
+    def __init__(self, plan: RunPlan, run_dir: Path, early: ahead.Early | None = None) -> None:
+        """``early``: the first attempt's torchrun, started by ``babysit run`` before it read
+        the config: the first launch takes it where it fits (``ahead.Early.unfit``)."""
         self.plan = plan
         self.run_dir = run_dir
         self.token = secrets.token_bytes(protocol.TOKEN_BYTES)
@@ -63,6 +65,7 @@ class NodeWorkers:
         """The running attempt's torchrun was started ahead."""
         self._ahead_failed = False
         """One started ahead exited on its own: this run starts none again."""
+        self._early = early
         launch = plan.config.launch
         self._ahead_on = launch.torchrun_ahead and \
             standby.off_reason(launch, standby.gpus_visible(launch)) is not None
@@ -98,6 +101,8 @@ class NodeWorkers:
             self.group.stop(self.plan.config.launch.stop_grace_s)
         self.drop_standby("the run ended")
         self._drop_ahead()
+        if self._early is not None:
+            self._early.stop()
         self.intake.close()
 
     def attempt_dir(self, attempt: int) -> Path:
@@ -131,7 +136,8 @@ class NodeWorkers:
             rdzv_endpoint=rdzv_endpoint, log_dir=attempt_dir / "torchrun")
         self._new_attempt()
         env = {**self._env(attempt_dir, attempt), **extra_env}
-        self.group = self._from_ahead(attempt, command, env)
+        self.group = self._from_early(command, env, attempt_dir) or \
+            self._from_ahead(attempt, command, env)
         self.launched_ahead = self.group is not None
         if self.group is None:
             self.group = self._group(command, attempt_dir, attempt, self.lines, env)
@@ -155,6 +161,35 @@ class NodeWorkers:
         assert group.pid is not None
         self._launchers.add(group.pid)
         self.ahead = (attempt, group)
+
+    def _from_early(self, command: list[str], env: dict[str, str], attempt_dir: Path
+                    ) -> launcher.WorkerGroup | None:
+        """The torchrun ``babysit run`` started first thing, now running ``command``, at this
+        node's first launch; None (and it stopped) when it does not fit (``Early.unfit``), and
+        at every later launch."""
+        early, self._early = self._early, None
+        if early is None:
+            return None
+        launch = self.plan.config.launch
+        why = early.unfit(self.plan.python, launch.env, launch.torchrun_ahead, command)
+        if why is not None:
+            early.stop()
+            self.standby_entries.append(("ahead_unused", {"why": why}))
+            return None
+        order = ahead.Order.of(command, env, str(Path.cwd()))
+        proc = early.take()
+        if proc is None or order is None:
+            early.stop()
+            return None
+        group = launcher.WorkerGroup(
+            ahead.command(early.python), early.env, Path.cwd(), attempt_dir / "launcher.log",
+            self.lines, launch.role, siblings=self._launchers, fed=True)
+        group.start(proc)
+        self._launchers.add(proc.pid)
+        if not group.feed(order.encode(), command, env):
+            self._stop_group(group)
+            return None
+        return group
 
     def _ahead_fits(self, attempt: int) -> bool:
         """A torchrun started ahead is up for ``attempt``; one for another attempt, or one that

@@ -33,7 +33,7 @@ from babysit.checkpoints import Catalog
 from babysit.policies import decide as sm
 from babysit.policies.types import Finding, Remedy, Severity
 from babysit.supervisor.config.plan import RunPlan
-from babysit.supervisor.node import launcher, standby
+from babysit.supervisor.node import ahead, launcher, standby
 from babysit.supervisor.run import exit_codes, preemption, run_dir, takeover
 from babysit.supervisor.run import journal as journal_mod
 from babysit.supervisor.run.background import Services
@@ -72,11 +72,12 @@ class Supervisor:
 
     def __init__(self, plan: RunPlan, console: Console,
                  clock: Callable[[], float] = time.monotonic,
-                 members: Members | None = None) -> None:
+                 members: Members | None = None, early: ahead.Early | None = None) -> None:
         self.plan, self.console, self.clock = plan, console, clock
         self.machine = sm.Machine()
         self.watch = Watch.from_plan(plan, scope=members.scope if members else "all")
-        self.members = members if members is not None else LocalMembers(plan, self.watch)
+        self.members = members if members is not None else LocalMembers(plan, self.watch,
+                                                                                  early)
         c = plan.config.checkpoints
         self.recovery = Recovery(Catalog(plan.checkpoint_dir), c.probation_steps, c.keep,
                                  sdc_checks=plan.config.sdc.every_steps > 0)

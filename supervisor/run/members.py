@@ -20,7 +20,7 @@ from babysit.policies.types import Finding, JobStep, RankStep, Remedy, Severity,
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent, mfu_inputs
-from babysit.supervisor.node import launcher, standby
+from babysit.supervisor.node import ahead, launcher, standby
 from babysit.supervisor.node.aggregate import StepAggregator, metrics_row
 from babysit.supervisor.node.gpu_watch import GpuWatch
 from babysit.supervisor.node.printed import SOURCE
@@ -248,10 +248,10 @@ class LocalMembers(OnThisNode):
 
     scope = "all"
 
-    def __init__(self, plan: RunPlan, watch: Watch) -> None:
+    def __init__(self, plan: RunPlan, watch: Watch, early: ahead.Early | None = None) -> None:
         self.plan = plan
         self.watch = watch
-        self.workers = NodeWorkers(plan, plan.run_dir)
+        self.workers = NodeWorkers(plan, plan.run_dir, early)
         self.judge = LocalJudge(watch, plan.world_size or 1)
         self.node: OwnNode[list[StepRecord]] = OwnNode(
             self.workers, self.judge, flush_on_exit=False,

@@ -35,6 +35,8 @@ def test_config_run_to_completion(tmp_path: Path, write_config) -> None:
         "launch", "state", "state", "run_finished"]
     assert journal[-1]["state"] == "succeeded" and journal[-1]["exit_code"] == 0
     assert {e["rank"] for e in journal if e["event"] == "worker_hello"} == {0, 1}
+    # Its torchrun was the one `babysit run` started first thing, before it read the config.
+    assert [e["torchrun_ahead"] for e in journal if e["event"] == "launch"] == [True]
     # Telemetry from both ranks, merged per step, written as metrics.
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 13))

@@ -1,13 +1,17 @@
 """A torchrun command line works under ``babysit run`` as it is: every option of this torch's
-``torch.distributed.run`` is accepted, and its output reads as cleanly as under torchrun."""
+``torch.distributed.run`` is accepted, and its output reads as cleanly as under torchrun. And
+which runs get their first torchrun started ahead (``node.ahead.Early``)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import pytest
 from torch.distributed.run import get_args_parser
 
+from babysit.supervisor.commands import cli
 from babysit.supervisor.commands.cli import _launch_overrides, build_parser
 from babysit.supervisor.config import schema
 from babysit.supervisor.node.launcher import newest_state, rank_prefix, split_rank
@@ -63,3 +67,22 @@ def test_torchrun_prefixes_inside_a_redrawn_bar_are_removed() -> None:
     assert split_rank("[trainer3]:hello", rank_prefix("trainer")) == split_rank(
         "[default3]:hello", rank_prefix())
     assert split_rank("[default0]:hi", rank_prefix("trainer")).rank is None  # not a worker's
+
+
+def test_a_config_that_turns_torchrun_ahead_off_gets_no_first_torchrun_started_ahead(
+        tmp_path: Path) -> None:
+    def wanted(text: str | None, *args: str) -> bool:
+        target = tmp_path / "run.yaml"
+        if text is not None:
+            target.write_text(text)
+        return cli._early_wanted(cli.build_parser().parse_args(["run", *args, str(target)]))
+
+    assert wanted("launch: {script: t.py}\n")
+    assert not wanted("launch: {script: t.py, torchrun_ahead: false}\n")
+    assert not wanted("launch: {script: t.py, python: /opt/other/bin/python}\n")
+    assert wanted(f"launch: {{script: t.py, python: {sys.executable}}}\n")
+    # What the config's own reading reports is left to it: started, then stopped if unfit.
+    assert wanted("launch: [not, a, mapping]\n") and wanted("{{ not yaml")
+    (tmp_path / "run.yaml").unlink()
+    assert wanted(None)
+    assert cli._early_wanted(cli.build_parser().parse_args(["run", "train.py"]))

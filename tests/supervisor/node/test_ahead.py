@@ -1,13 +1,23 @@
-"""torchrun started ahead (``node.ahead``): the order it reads, and which runs get one. The
-process itself, started and fed, under real torchrun: ``tests/e2e/test_standby.py``."""
+"""torchrun started ahead (``node.ahead``): the order it reads, which runs get one, and the
+first attempt's, started by ``babysit run`` itself. The process itself, started and fed, under
+real torchrun: ``tests/e2e/test_standby.py`` (and every e2e run's first launch)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
+
 from babysit.supervisor.config import plan as plan_mod
+from babysit.supervisor.contract.protocol import ENV_RUN_DIR
 from babysit.supervisor.node import ahead
-from babysit.supervisor.node.launcher import torchrun_command
+from babysit.supervisor.node.launcher import stop_leftovers, torchrun_command
 from babysit.supervisor.node.workers import NodeWorkers
 
 
@@ -44,3 +54,75 @@ def test_only_runs_no_warm_standby_serves_start_torchrun_ahead(tmp_path: Path) -
     assert on(warm_standby=False)
     assert on(rdzv_endpoint="127.0.0.1:29500")
     assert not on(warm_standby=False, torchrun_ahead=False)
+
+
+def test_the_first_attempts_torchrun_fits_a_launch_only_where_its_start_makes_no_difference(
+        ) -> None:
+    """``babysit run`` starts it before reading the config (``ahead.Early``), with babysit's
+    own interpreter and environment: a launch that asks for another, or sets what an
+    interpreter reads as it starts, cannot take it. A real process, stopped at the end."""
+    early, proc = ahead.Early(), None
+    try:
+        command = [sys.executable, "-m", "torch.distributed.run", "train.py"]
+        assert early.unfit(sys.executable, {"OMP_NUM_THREADS": "1"}, True, command) is None
+        assert early.unfit(sys.executable, {}, False, command) == \
+            "launch.torchrun_ahead is false"
+        assert "not" in (early.unfit("/opt/other/python", {}, True, command) or "")
+        assert early.unfit(sys.executable, {}, True, [sys.executable, "train.py"]) == \
+            "the launch is not torchrun's"
+        assert early.unfit(sys.executable, {"LD_PRELOAD": "x.so", "PYTHONPATH": "/p"}, True,
+                           command) == \
+            "launch.env sets LD_PRELOAD, PYTHONPATH, read as the interpreter starts"
+        same = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
+        assert early.unfit(sys.executable, same, True, command) is None
+        proc = early.take()
+        assert proc is not None and proc.poll() is None
+        assert early.take() is None  # once
+        early.stop()  # taken: not its to stop
+        assert proc.poll() is None
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_an_untaken_first_torchrun_is_stopped_at_once_and_stopping_twice_is_harmless() -> None:
+    early = ahead.Early()
+    proc = early._proc
+    assert proc is not None
+    started = time.monotonic()
+    early.stop()
+    early.stop()
+    assert proc.poll() is not None and time.monotonic() - started < 5
+    assert early.take() is None
+
+
+def test_leftovers_are_known_by_the_run_they_were_started_for(tmp_path: Path) -> None:
+    """A takeover stops what the dead supervisor of this run left: processes whose
+    environment names the run directory, with their children, and a torchrun started before
+    babysit read the config (its own environment names no run) by its ranks'. A stranger's
+    process (a reused pid) is never signalled."""
+    def tree(child_env: dict[str, str]) -> subprocess.Popen[bytes]:
+        code = ("import os, subprocess, sys, time\n"
+                "subprocess.Popen(['sleep', '60'], env={**os.environ, **eval(sys.argv[1])})\n"
+                "time.sleep(60)\n")
+        return subprocess.Popen([sys.executable, "-c", code, repr(child_env)],
+                                start_new_session=True)
+
+    run_dir = tmp_path / "run"
+    ours = tree({ENV_RUN_DIR: str(run_dir)})
+    stranger = tree({ENV_RUN_DIR: str(tmp_path / "another run")})
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+                psutil.Process(p.pid).children() for p in (ours, stranger)):
+            time.sleep(0.05)
+        child = psutil.Process(ours.pid).children()[0].pid
+        stopped = stop_leftovers((ours.pid, stranger.pid), run_dir, grace_s=2)
+        assert stopped == sorted([ours.pid, child])
+        assert ours.wait(timeout=5) is not None and stranger.poll() is None
+    finally:
+        for p in (ours, stranger):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
