@@ -1,22 +1,22 @@
-"""The demo model with a corrupted stretch of data, three ways: clean, under plain torchrun, and
-under babysit (torchrun-style, no config). babysit's run must end within 1 % of the clean one;
-torchrun's clearly worse. (benchmarks/eval_detectors.py --e2e measures the full-size demo.)
+"""The demo model with a corrupted stretch of data, under babysit (torchrun-style, no config),
+against the same job clean: babysit's run must end within 1 % of the clean one.
 
 The corruption (random targets for global batches 220-249) is in the data, so it would come back
-after a rollback unless those batches are skipped; it ends 10 steps before the run does, so the
-damage is still visible at the end of the unprotected run.
+after a rollback unless those batches are skipped; it ends 10 steps before the run does. Plain
+torchrun on the same data ends 39 % worse (3.197 against 2.297, docs/recovery.md); that run is
+not repeated here: the journal below shows the spike caught, rerun, reproduced and skipped, which
+is what made the difference. ``benchmarks/eval_detectors.py --e2e`` measures all three at the
+demo's full size.
 """
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, babysit_env, read_jsonl, run_babysit
+from tests.conftest import ROOT, read_jsonl, run_babysit
 
 pytestmark = pytest.mark.e2e
 
@@ -31,18 +31,11 @@ def eval_loss(output: str) -> float:
     return float(match.group(1))
 
 
-def test_babysit_recovers_a_data_spike_that_torchrun_does_not(tmp_path: Path) -> None:
+def test_babysit_recovers_a_data_spike_to_within_1_percent_of_the_clean_run(
+        tmp_path: Path) -> None:
     clean = run_babysit("run", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "clean"),
                         str(DEMO), *ARGS, cwd=tmp_path, timeout=300)
     assert clean.returncode == 0, clean.stdout[-3000:]
-
-    plain = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--standalone", str(DEMO), *ARGS, *CORRUPT],
-        cwd=tmp_path, env=babysit_env(), capture_output=True, text=True, timeout=300)
-    # Its training finished and said so (gloo in torch 2.13 sometimes aborts a rank in its
-    # teardown after that, and plain torchrun then exits 1).
-    assert plain.returncode == 0 or "eval loss" in plain.stdout, plain.stderr[-3000:]
 
     # The torchrun-style invocation, no config: babysit checkpoints by default (every 100 steps,
     # then the cadence advice's interval), so the spike at step 221 goes back to step 100.
@@ -68,8 +61,6 @@ def test_babysit_recovers_a_data_spike_that_torchrun_does_not(tmp_path: Path) ->
     assert lr["lr_scale"] == 0.5 and lr["lr_ramp"]["to"] == 1.0
     status = run_babysit("status", str(tmp_path / "spike"), cwd=tmp_path, timeout=60)
     assert "back to x1 over batches" in status.stdout, status.stdout
-    reference, protected, unprotected = (eval_loss(r.stdout) for r in (clean, spiked, plain))
-    print(f"final eval loss: clean {reference:.3f}, babysit {protected:.3f}, "
-          f"torchrun {unprotected:.3f}")
+    reference, protected = eval_loss(clean.stdout), eval_loss(spiked.stdout)
+    print(f"final eval loss: clean {reference:.3f}, babysit {protected:.3f}")
     assert protected <= reference * 1.01
-    assert unprotected >= reference * 1.05

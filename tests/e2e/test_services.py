@@ -22,7 +22,7 @@ def test_metrics_endpoint_and_scheduled_jobs_on_a_live_run(tmp_path: Path) -> No
     config = tmp_path / "run.yaml"
     config.write_text(
         f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
-        f"  args: [--steps, '150', --step-sleep, '0.05', --slow-data, '1:0.06']\n"
+        f"  args: [--steps, '80', --step-sleep, '0.05', --slow-data, '1:0.06']\n"
         f"run_dir: {run_dir}\n"
         "prometheus: {enabled: true, port: 0, linger_s: 0}\n"
         "schedule: {health_every_s: 0.5, digest_every_s: 2.0}\n")

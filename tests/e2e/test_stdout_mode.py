@@ -59,7 +59,7 @@ def test_a_printing_script_shows_progress_and_a_frozen_rank_is_relaunched(
     config = tmp_path / "frozen.yaml"
     config.write_text(
         f"launch:\n  script: {SCRIPT}\n  nproc-per-node: 2\n  stop-grace-s: 2\n"
-        f"  args: [--max_iters=150, --sleep=0.03, --out_dir={tmp_path / 'out'}]\n"
+        f"  args: [--max_iters=80, --sleep=0.03, --out_dir={tmp_path / 'out'}]\n"
         f"run_dir: {run_dir}\npolicy: {{name: {FAST_POLICY}}}\n"
         + ("tensorboard: {enabled: true}\n" if TENSORBOARD else "")
         + ("wandb: {enabled: true, mode: offline, project: frozen}\n" if WANDB else ""))
@@ -95,20 +95,20 @@ def test_a_printing_script_shows_progress_and_a_frozen_rank_is_relaunched(
     assert len(journal(run_dir, "launch")) == 2
     # The relaunched attempt ran to the end; every step is in metrics.jsonl, with its loss.
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["attempt"] == 1]
-    assert [r["step"] for r in rows] == list(range(150))
+    assert [r["step"] for r in rows] == list(range(80))
     assert all(r["loss"] > 0 for r in rows)
     acted = [f for f in findings if f["remedy"]["action"] != "ignore"]  # in the dashboards
     if TENSORBOARD:  # the same story, where the team looks
         events = TENSORBOARD.EventAccumulator(str(run_dir / "tensorboard"),
                                               size_guidance={TENSORBOARD.TENSORS: 0})
         events.Reload()
-        assert len(events.Scalars("babysit/loss")) >= 160
+        assert len(events.Scalars("babysit/loss")) >= 90
         texts = [t.tensor_proto.string_val[0].decode()
                  for t in events.Tensors("babysit/incidents/text_summary")]
         assert len(texts) == len(acted) and "hang" in texts[0]
     if WANDB:  # and in W&B's own records of its offline run
         logged = WANDB.history(WANDB.run_file(run_dir))
-        assert len([r for r in logged if "babysit/loss" in r]) >= 160
+        assert len([r for r in logged if "babysit/loss" in r]) >= 90
         *_, incidents = [r["babysit/incidents"] for r in logged if "babysit/incidents" in r]
         table = json.loads(next(run_dir.glob(f"wandb/*/files/{incidents['path']}")).read_text())
         assert len(table["data"]) == len(acted)  # the newest table holds every incident
