@@ -15,8 +15,11 @@ them). The finding names the ranks that were the slowest in at least a quarter a
 steps as the rank most often slowest (a healthy rank a busy moment made the slowest of a few
 steps is left out; how often each was, in its evidence): a multi-node leader evicts a node
 only when they are all on it (``cluster.eviction``), and a slowness that follows the data
-names many ranks. The episode
-ends when fewer than half the window's steps are slow; a new one is reported again.
+names many ranks. A finding that names more than half the ranks (a busy host whose every rank
+is late by turns, long sequences landing anywhere) is no one machine's; if fewer of them then
+stand out, the slowest in ``min_share`` of the steps on their own (a machine throttled on a
+host that was noisy already), they are reported again, by themselves. The episode ends when
+fewer than half the window's steps are slow; a new one is reported again.
 
 Its evidence also carries what the slow machine costs the job: ``slowdown``, the fraction of
 the job's pace lost, from the job's step time now against its step time before the episode
@@ -135,7 +138,8 @@ class SlowComputeDetector:
         self._marks: deque[Mark] = deque(maxlen=MARKS)
         self._held: Held = Counter()
         """Who held the job up in the steps since the last mark."""
-        self._reported = False
+        self._named: tuple[int, ...] | None = None
+        """The ranks this episode's finding named; None: no finding in this episode."""
         self._recent: deque[int | None] = deque(maxlen=CALM)
 
     def observe(self, record: JobStep) -> Finding | None:
@@ -159,14 +163,30 @@ class SlowComputeDetector:
                                       for held, pace in self._paces.items() if pace],
                                 self._held))
             self._held = Counter()
-        if self._reported:
+        if self._named is not None:
             if share < 0.5:
-                self._reported = False
+                self._named = None
+            # Told already, unless fewer of the ranks it named now hold the job up in most
+            # steps on their own: a machine standing out of what was everyone's.
+            if self._named is None or len(self._named) == 1 or not self._narrower(n):
+                return None
+        elif share < cfg.min_share or now - self._first < cfg.window_s:
             return None
-        if share < cfg.min_share or now - self._first < cfg.window_s:
-            return None
-        self._reported = True
-        return self._finding(record.step, share)
+        finding = self._finding(record.step, share, spread.count)
+        self._named = finding.ranks
+        return finding
+
+    def _narrower(self, steps: int) -> bool:
+        """Fewer of the ranks named so far are the slowest of at least ``min_share`` of the
+        window's ``steps`` on their own."""
+        counts = self._counts()
+        ranks = _dominant(counts)
+        return set(ranks) < set(self._named or ()) and \
+            sum(counts[r] for r in ranks) >= self.config.min_share * steps
+
+    def _counts(self) -> Counter[int]:
+        """How often each rank was the slowest of a slow step in the window."""
+        return sum((b.ranks for b in self._window), Counter())
 
     def _add(self, now: float, step: int, slow: bool, rank: int, forward: float,
              median: float, step_time: float | None) -> None:
@@ -188,10 +208,10 @@ class SlowComputeDetector:
         while self._window[0].start + width <= now - self.config.window_s:
             self._window.popleft()
 
-    def _finding(self, step: int, share: float) -> Finding:
+    def _finding(self, step: int, share: float, count: int) -> Finding:
         window = self._window
         slow = sum(b.slow for b in window)
-        counts: Counter[int] = sum((b.ranks for b in window), Counter())
+        counts = self._counts()
         forward = sum(b.forward for b in window) / slow
         median = sum(b.median for b in window) / slow
         timed = sum(b.timed for b in window)
@@ -214,7 +234,9 @@ class SlowComputeDetector:
                      f"{forward:.3g}s vs "
                      f"median {median:.3g}s in {share:.0%} of the steps of the last "
                      f"{span:.0f}s"
-                     + (f"; the job runs {slowdown:.0%} slower for it" if slowdown else "")),
+                     + (f"; the job runs {slowdown:.0%} slower for it" if slowdown else "")
+                     + (f"; {len(ranks)} of {count} ranks were the slowest by turns: no one "
+                        "machine" if _spread(ranks, count) else "")),
             evidence={"signal": self.signal,
                       "slowest": {str(k): n for k, n in counts.items()},
                       "share": r4(share), "window_s": r4(span),
@@ -236,7 +258,7 @@ class SlowComputeDetector:
         held = next((r for r, n in counts.most_common(1) if n > CALM_SLOW), None)
         if not full or step_time is None or step_time <= 0:
             return held
-        if slowest is not None and slowest != held:
+        if held is not None and slowest is not None and slowest != held:
             return held  # a step one other rank held up: no pace of anyone's
         pace = self._paces.pop(held, None) or deque(maxlen=self.config.baseline_steps)
         pace.append(step_time)
@@ -279,7 +301,9 @@ class SlowComputeDetector:
                 "marks": [[t, [[h, m] for h, m in paces], list(held.items())]
                           for t, paces, held in self._marks],
                 "held": list(self._held.items()),
-                "reported": self._reported, "recent": list(self._recent)}
+                "reported": self._named is not None,
+                "named": list(self._named) if self._named is not None else None,
+                "recent": list(self._recent)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self._window = deque(_Bucket.from_json(b) for b in d["window"])
@@ -290,13 +314,19 @@ class SlowComputeDetector:
                               _held(m[2] if len(m) > 2 else ()))
                              for m in d.get("marks", ())), maxlen=MARKS)
         self._held = _held(d.get("held", ()))
-        self._reported = bool(d["reported"])
+        named = d.get("named")
+        self._named = tuple(named) if named is not None else (() if d["reported"] else None)
         self._recent = deque(d.get("recent", ()), maxlen=CALM)
 
 
 def _held(pairs: Any) -> Held:
     """A ``Held`` tally from its JSON form, ``[[rank or null, steps], ...]``."""
     return Counter({h: int(n) for h, n in pairs})
+
+
+def _spread(ranks: tuple[int, ...], count: int) -> bool:
+    """``ranks`` are more than half of the ``count`` ranks compared: no one machine."""
+    return len(ranks) > max(1, count // 2)
 
 
 def _dominant(counts: Counter[int]) -> tuple[int, ...]:

@@ -62,6 +62,24 @@ def test_a_slowdown_shorter_than_the_window_or_that_follows_the_data_names_nobod
     assert len(finding.ranks) >= 4  # a multi-node leader places this on no node
 
 
+def test_a_machine_that_stands_out_of_a_noisy_host_is_named_after_the_noise() -> None:
+    """The CI run that named three ranks and evicted nobody: on a busy host every rank's
+    forward read late by turns in most steps, so the window was "slow" with every rank named
+    (no one machine) before rank 4 was throttled at all. Once rank 4 holds the job up in most
+    steps it is named on its own, with the pace before it, and a leader can act on it."""
+    noisy = [record(s, {s % WORLD: 0.2}) for s in range(1, 201)]  # slow by turns, every step
+    slow = [record(s, {4: 0.4}, step_time=1.0) for s in range(201, 500)]
+    spread, machine = run(noisy + slow)
+    assert len(spread.ranks) == WORLD and "no one machine" in spread.message
+    # Once its own share of the window's steps reached 80% (rank 4 was among the noisy too).
+    assert machine.ranks == (4,) and 280 < machine.step < 300
+    assert "no one machine" not in machine.message
+    # The pace before: the noisy steps nobody held up for long. The job runs half as fast;
+    # the window still holds some noisy 0.5 s steps, so "now" reads 0.88 s: 43%.
+    assert machine.evidence["baseline_step_time_s"] == 0.5
+    assert 0.4 < machine.evidence["slowdown"] <= 0.5
+
+
 def test_a_healthy_rank_that_was_the_slowest_of_a_few_busy_steps_is_left_out() -> None:
     steps = [record(s, {1: 0.3} if s % 12 == 0 else {4: 0.3}) for s in range(1, 400)]
     [finding] = run(steps)
