@@ -18,8 +18,9 @@ and only verifies the chosen checkpoint on disk. Pure: no I/O, no clock, no supe
   again: the sizes grow by ``escalation_skip_factor`` per repeat. The onset is the finding's
   own cursor (the step where it has none), so escalation reads the same after a takeover.
 - skip range: ``[cursor(onset) - 1 - skip_before, cursor(detected) + skip_after)`` in batches
-  (the batch behind step s is cursor(s) - 1); the finding's onset cursor stands in for an empty
-  cursor memory (after a takeover).
+  (the batch behind step s is cursor(s) - 1), never starting before the resumed checkpoint's
+  cursor (what it trained on is in its weights); the finding's onset cursor stands in for an
+  empty cursor memory (after a takeover).
 - LR: the scale drops to ``base x lr_factor`` where the skipped batches begin (the replayed
   steps before them trained well the first time, at ``base``) and returns linearly to ``base``
   over ``lr_rewarm_steps`` batches past them. A repeat of the same region keeps the lower scale
@@ -353,7 +354,9 @@ def _place(finding: Finding, before: int, after: int, factor: float, rewarm: int
         detected = max(detected, onset)  # a fault's onset is the step after the last it saw
     skip = None
     if onset is not None and detected is not None:
-        skip = Span(max(0, onset - 1 - before), detected + after)
+        # Not before the resume: batches the resumed checkpoint trained on are in its weights
+        # (saves denser than skip_before), and a skip over them would only overstate it.
+        skip = Span(max(0, onset - 1 - before, resume_cursor or 0), detected + after)
     if factor == 1.0:
         return skip, Orders(base)
     cut = base * factor

@@ -141,11 +141,13 @@ def test_the_watch_launches_the_plan_the_rules_made(tmp_path: Path) -> None:
     resume, _ = recovery.resume_for(remedy)
     assert resume is not None and resume.step == 50
     directive, entries = watch.launch(1, remedy, resume)
-    assert directive.skip == (SkipRange(89, 170),)
-    assert (directive.lr_scale, directive.lr_ramp) == (0.5, LrRamp(89, 170, 220, 1.0))
+    # From 89 by the policy's margin, but the checkpoint resumed at batch 100 (its cursor) has
+    # batches 89-99 in its weights: the skip and the cut start where the resume does.
+    assert directive.skip == (SkipRange(100, 170),)
+    assert (directive.lr_scale, directive.lr_ramp) == (0.5, LrRamp(100, 170, 220, 1.0))
     assert entries == [("lr_scale", {"lr_scale": 0.5, "lr_ramp": {
-        "cut": 89, "start": 170, "end": 220, "to": 1.0}, "base": 1.0, "was": 1.0,
-        "summary": "LR x0.5 from batch 89, back to x1 over batches 170-219"})]
+        "cut": 100, "start": 170, "end": 220, "to": 1.0}, "base": 1.0, "was": 1.0,
+        "summary": "LR x0.5 from batch 100, back to x1 over batches 170-219"})]
     # A relaunch changes neither the skips nor the LR orders, and journals nothing.
     hang = Finding(Incident.HANG, "hang", Severity.CRITICAL, 140, 140, "stalled")
     again, entries = watch.launch(2, watch.judge(hang, 60.0, recovery.shelf()), resume)
