@@ -31,6 +31,8 @@ MEMORY = 4096
 """Steps whose global batch is remembered (a resume goes back at most a checkpoint interval)."""
 SEEN = 3
 """Steps of a resumed attempt whose median global batch is compared, and of those before."""
+STATE_RUNS = 256
+"""Runs of steps alike kept in the journaled state (``GlobalBatch.state_dict``)."""
 
 
 class GlobalBatch:
@@ -60,6 +62,28 @@ class GlobalBatch:
 
     def new_attempt(self) -> None:
         """A relaunch: its first step follows no step observed."""
+        self._last = None
+
+    def state_dict(self) -> list[list[float]]:
+        """Its memory, as runs of consecutive steps alike: ``[first, last, batch, world]``
+        (a job that keeps its global batch is one run per resize, a few hundred bytes, where
+        step by step it was 4096 entries): journaled with the watch, so a supervisor taking
+        over still checks the next resume's data. The newest ``STATE_RUNS`` runs: a global
+        batch that changes every step (batches packed by tokens) keeps that many steps."""
+        runs: list[list[float]] = []
+        for step, (batch, world) in sorted(self._by_step.items()):
+            if runs and runs[-1][1] == step - 1 and runs[-1][2:] == [batch, world]:
+                runs[-1][1] = step
+            else:
+                runs.append([step, step, batch, world])
+        return runs[-STATE_RUNS:]
+
+    def load_state_dict(self, runs: list[list[float]]) -> None:
+        self._by_step = OrderedDict(
+            (step, (float(batch), int(world)))
+            for first, last, batch, world in runs for step in range(int(first), int(last) + 1))
+        while len(self._by_step) > self._memory:
+            self._by_step.popitem(last=False)
         self._last = None
 
     def before(self, step: int) -> tuple[float, int] | None:

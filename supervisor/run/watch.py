@@ -360,7 +360,8 @@ class Watch:
     def state_dict(self) -> dict[str, Any]:
         """What a supervisor taking over this run needs to judge as this one would: the rules'
         ladders and budget (so no remedy is spent twice), the crash history (so a deterministic
-        crash is still recognised), and the skip ranges and LR scale decided so far."""
+        crash is still recognised), the skip ranges and LR scale decided so far, and the
+        global batches of recent steps (so the next resume's data is still checked)."""
         detectors = self.pipeline.state_dict()["detectors"]
         if self._world > PER_RANK_LIMIT:
             # Its per-rank windows are megabytes at thousands of ranks (27.7 MB a line at
@@ -371,7 +372,9 @@ class Watch:
                 "skips": [[r.start, r.end] for r in self.skips], "lr_scale": self.lr_scale,
                 "lr_ramp": _ramp_json(self.lr_ramp), "detectors": detectors,
                 "sdc": self.sdc.state_dict(),
-                "rerun": self.rerun.to_json() if self.rerun is not None else None}
+                "rerun": self.rerun.to_json() if self.rerun is not None else None,
+                **({"global_batch": self._batches.state_dict()}
+                   if self._batches is not None else {})}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.rules.load_state_dict(d["rules"])
@@ -383,6 +386,8 @@ class Watch:
             self.sdc.load_state_dict(d["sdc"])
         if d.get("rerun"):  # a rerun in flight goes on being compared
             self.rerun = Rerun.from_json(d["rerun"])
+        if self._batches is not None and d.get("global_batch"):  # the next resume is checked
+            self._batches.load_state_dict(d["global_batch"])
         if "detectors" in d:  # the baselines: a taken-over run judges at once, no new warm-up
             self.pipeline.load_state_dict({"detectors": d["detectors"],
                                            "rules": self.rules.state_dict()})

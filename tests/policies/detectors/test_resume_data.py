@@ -98,3 +98,32 @@ def test_the_watch_checks_a_resized_resume_once_and_a_rollback_on_the_same_size_
     assert [f.step for f in found] == [19]
     remedy = watch.judge(found[0], 3.0, None)
     assert remedy.action.value == "alert"  # a warning, under the resume ladder's act_on
+
+
+def test_a_supervisor_that_takes_over_still_checks_the_next_resume() -> None:
+    """The global batches are in the watch's journaled state, in runs of steps alike (a few
+    entries, not one per step): a new leader, or a restarted babysit, reads them back and
+    checks the next resize as the one that saw the steps would have."""
+    import json
+
+    watch = Watch(load_policy("default"))
+    watch.new_attempt(0.0, Directive(attempt=0))
+    for s in range(1, 21):
+        watch.observe_record(record(s, 3))
+    state = json.loads(json.dumps(watch.state_dict()))
+    assert state["global_batch"] == [[2, 20, 12.0, 3]]  # the first step tells no batch
+    heir = Watch(load_policy("default"))
+    heir.load_state_dict(state)
+    heir.new_attempt(1.0, Directive(attempt=1, resume=Resume("ckpt", 15, 15)))
+    found = [f for s in range(16, 40) for f in heir.observe_record(record(s, 2))
+             if f.detector == "resume_data"]
+    assert [f.evidence["batch_before"] for f in found] == [12.0]
+    # A resize mid-memory is two runs, and reads back exactly.
+    memory = GlobalBatch()
+    for r in [record(s, 3) for s in range(1, 6)] + [record(s, 2) for s in range(6, 10)]:
+        memory.observe(r)
+    again = GlobalBatch()
+    again.load_state_dict(memory.state_dict())
+    assert memory.state_dict() == [[2, 5, 12.0, 3], [6, 9, 8.0, 2]]
+    assert again.before(5) == memory.before(5) == (12.0, 3)
+    assert again.before(9) == (8.0, 2)
