@@ -21,6 +21,8 @@ from tests.conftest import FAST_POLICY, babysat, journal, run_babysit
 pytestmark = pytest.mark.e2e
 
 STEPS = ("--steps", "30", "--eval-every", "10")
+NO_STANDBY = "  warm_standby: false\n"
+"""For the reference runs, which never relaunch: no standby's start-up beside their training."""
 
 
 def last_eval(run_dir: Path) -> float:
@@ -34,7 +36,7 @@ def last_eval(run_dir: Path) -> float:
 def fixed(tmp_path_factory: pytest.TempPathFactory) -> float:
     """The final evaluation of a clean run on the data set without global batch 10."""
     tmp = tmp_path_factory.mktemp("fixed")
-    result, run_dir = babysat(tmp, "fixed", *STEPS, "--drop-batch", "10")
+    result, run_dir = babysat(tmp, "fixed", *STEPS, "--drop-batch", "10", launch_extra=NO_STANDBY)
     assert result.returncode == 0, result.stdout + result.stderr
     return last_eval(run_dir)
 
@@ -43,7 +45,7 @@ def fixed(tmp_path_factory: pytest.TempPathFactory) -> float:
 def clean(tmp_path_factory: pytest.TempPathFactory) -> float:
     """The final evaluation of a run without any fault."""
     tmp = tmp_path_factory.mktemp("clean")
-    result, run_dir = babysat(tmp, "clean", *STEPS)
+    result, run_dir = babysat(tmp, "clean", *STEPS, launch_extra=NO_STANDBY)
     assert result.returncode == 0, result.stdout + result.stderr
     return last_eval(run_dir)
 

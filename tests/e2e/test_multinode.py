@@ -230,7 +230,8 @@ def clean_fsdp(tmp_path_factory: pytest.TempPathFactory) -> float:
     """The final evaluation of an uninterrupted FSDP2 run of 3 ranks (on one node)."""
     tmp = tmp_path_factory.mktemp("clean")
     _, run_dir = babysat(tmp, "clean", "--fsdp", "--steps", str(STEPS), "--step-sleep", "0.05",
-                         "--eval-every", "10", "--global-batch", "12", nproc=3)
+                         "--eval-every", "10", "--global-batch", "12", nproc=3,
+                         launch_extra="  warm_standby: false\n")  # it never relaunches
     return _final_eval(read_jsonl(run_dir / "events.jsonl"), STEPS)
 
 
