@@ -24,8 +24,11 @@ babysit never met stops the script with an error rather than a flattering figure
 
 babysit's own badput is its ledger's badput less the job's own delays, which the same job pays
 under any launcher: the injected slow loader (the ``straggler`` category) and the job's start-up
-and exit as plain torchrun measures them on the calibration run (never more than the ledger's
-``startup`` and ``shutdown``). The gross figures are printed beside it.
+and exit as plain torchrun measures them on the calibration run, from the command to its first
+step and from its last step to its exit (never more than the ledger's ``startup`` and
+``shutdown``), plus the babysit process's seconds outside its ledger (its interpreter and
+imports before the run's first journal entry, its exit after the last), over the babysit
+process's whole wall time. The gross figures are printed beside it.
 
 torchrun (``python -m torch.distributed.run --standalone``) gets the same faults, all in its
 only attempt. It trains through the spike, then hangs: gloo would wait 30 minutes before its
@@ -218,12 +221,16 @@ def main() -> None:
         # plain torchrun (the slow loader; starting and ending its processes, measured above).
         sec = ledger["seconds"]
         gross = sum(v for k, v in sec.items() if k != "productive")
+        # ...and the seconds of the babysit process outside its ledger (its interpreter and
+        # imports before the run's first journal entry, its exit after the last).
+        outside = max(0.0, b["wall_s"] - ledger["wall_s"])
         own = gross - straggler - min(sec.get("startup", 0.0), job_start_s) \
-            - min(sec.get("shutdown", 0.0), job_exit_s)
-        print(f"          babysit's own badput: {own:.1f} s, {100 * own / ledger['wall_s']:.1f}% "
-              f"of the wall time (its badput {gross:.1f} s, less the straggler {straggler:.1f} s "
-              f"and the job's own start {job_start_s:.1f} s and exit {job_exit_s:.1f} s under "
-              f"plain torchrun)", flush=True)
+            - min(sec.get("shutdown", 0.0), job_exit_s) + outside
+        print(f"          babysit's own badput: {own:.1f} s, {100 * own / b['wall_s']:.1f}% "
+              f"of the process's wall time {b['wall_s']:.1f} s (its badput {gross:.1f} s, "
+              f"less the straggler {straggler:.1f} s and the job's own start {job_start_s:.1f} s "
+              f"and exit {job_exit_s:.1f} s under plain torchrun, plus {outside:.1f} s of its "
+              f"process outside the ledger)", flush=True)
         if args.no_torchrun:
             return
         t = under_torchrun(workdir, steps, at, args.stall_s)
