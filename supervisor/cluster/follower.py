@@ -33,7 +33,7 @@ import os
 import signal
 import time
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 from babysit.policies.types import Finding
 from babysit.supervisor.cluster import leadership
@@ -387,6 +387,8 @@ class Follower:
         for fields in tick.cleared:
             self._journal("hang_cleared", **fields)
             self._send(HangCleared(self.attempt))
+        for event_name, fields in self.workers.take_standby_entries():  # torchrun ahead's
+            self._journal(event_name, **cast(dict[str, Any], fields))
         for hang in tick.hangs:
             self._report_hang(hang)
         if tick.rank_died:  # the leader holds any hang elsewhere until our exit explains it

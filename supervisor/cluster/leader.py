@@ -254,6 +254,7 @@ class ClusterMembers(OnThisNode):
             if end is not None:
                 out.end = self._job_end(end, out)
         out.entries.extend(self.cluster.accept())
+        out.entries.extend(self.workers.take_standby_entries())  # its torchrun ahead's
         for node, message in self.cluster.receive():
             self._node_message(node, message, out, watching)
         return out

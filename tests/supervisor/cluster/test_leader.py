@@ -67,6 +67,7 @@ from babysit.supervisor.config.plan import SECRET_ENV, RunPlan, from_mapping
 from babysit.supervisor.config.schema import ConfigError
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
+from babysit.supervisor.node import ahead
 from babysit.supervisor.node.launcher import free_port
 from babysit.supervisor.node.sketch import StepSummary
 from babysit.supervisor.run.members import Fenced, Gathered, MembersMissing, Voice
@@ -839,9 +840,10 @@ def members(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster
 
 @contextlib.contextmanager
 def leading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nnodes: str,
-            expect: list[int] | None = None) -> Iterator[ClusterMembers]:
+            expect: list[int] | None = None, early: ahead.Early | None = None
+            ) -> Iterator[ClusterMembers]:
     """The ``members`` fixture's leader, for ``launch.nnodes`` ``nnodes``; ``expect``: the
-    nodes a leader taking over waits for."""
+    nodes a leader taking over waits for; ``early``: its first torchrun started ahead."""
     monkeypatch.setenv(SECRET_ENV, SECRET)
     fake = tmp_path / "fake-python"
     fake.write_text("#!/bin/sh\nexec sleep 60\n")
@@ -858,7 +860,7 @@ def leading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nnodes: str,
     term = leadership.claim(plan.shared_dir, 0, 0, "gpu-0", plan.leader_address)
     assert term is not None
     lease = Lease(plan.shared_dir, 0, "gpu-0", every_s=0.2).start()
-    m = ClusterMembers(plan, plan.secret(), term, lease, expect)
+    m = ClusterMembers(plan, plan.secret(), term, lease, expect, early)
     m.open()
     yield m
     m.close(0)
@@ -915,6 +917,22 @@ def test_ready_waits_for_the_follower_and_launch_tells_it_the_attempt(
                              rdzv_id="t-0", rdzv_endpoint=fields["rdzv_endpoint"], nnodes=2,
                              node_rank=1)
     assert members.running()
+
+
+def test_a_first_torchrun_started_ahead_that_the_launch_cannot_take_is_journaled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``babysit run`` started it before reading the config; this run turned it off."""
+    early = ahead.Early()
+    try:
+        with leading(tmp_path, monkeypatch, "2", early=early) as m:
+            join(m, Said())
+            m.launch(0, Directive(), time.monotonic())
+            out = gathered(m, lambda g: any(e[0] == "ahead_unused" for e in g.entries))
+            [fields] = [f for event, f in out.entries if event == "ahead_unused"]
+            assert fields == {"why": "launch.torchrun_ahead is false"}
+            assert early.take() is None  # stopped, not left running
+    finally:
+        early.stop()
 
 
 def test_what_a_follower_reports_reaches_the_loop_and_an_unreadable_message_is_refused(
