@@ -217,7 +217,8 @@ class SlowComputeDetector:
         timed = sum(b.timed for b in window)
         now_s = sum(b.times for b in window) / timed if timed else None
         ranks = _dominant(counts)
-        base = self._pace_without(ranks, self._began(ranks) - self.config.window_s / 4)
+        began = self._began(ranks)
+        base = self._pace_without(ranks, began - self.config.window_s / 4, began)
         if now_s is not None and base is not None and now_s > 0:
             slowdown, source = max(0.0, 1.0 - base / now_s), "step times before"
         elif now_s:
@@ -285,15 +286,21 @@ class SlowComputeDetector:
                 best, began = total, marks[i - 1][0] if i else -math.inf
         return began
 
-    def _pace_without(self, ranks: tuple[int, ...], before: float) -> float | None:
+    def _pace_without(self, ranks: tuple[int, ...], before: float,
+                      began: float) -> float | None:
         """The latest pace the named ranks did not hold up, as marked last at ``before`` (or
-        the oldest mark, when none is that old), or None."""
-        marks = [paces for t, paces, _ in self._marks if t <= before] or \
-            [paces for _, paces, _ in list(self._marks)[:1]]
-        for held, median in reversed(marks[-1] if marks else []):
+        the oldest mark, when none is that old), or None. A mark made before the episode
+        ``began`` with only the named ranks' pace (a noisy host made one of them the slowest of
+        a few steps then) still gives that pace: it was the job's before they slowed it."""
+        marks = [(t, paces) for t, paces, _ in self._marks if t <= before] or \
+            [(t, paces) for t, paces, _ in list(self._marks)[:1]]
+        if not marks:
+            return None
+        at, paces = marks[-1]
+        for held, median in reversed(paces):
             if held not in ranks:
                 return median
-        return None
+        return paces[-1][1] if paces and at < began else None
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": [b.to_json() for b in self._window], "first": self._first,

@@ -592,13 +592,15 @@ def test_a_node_slowed_by_a_cpu_limit_is_named_and_evicted_for_a_spare_when_it_p
     forward time, less that wait, names node 2; with the
     run's remaining time given (``nodes.run_left_s``) keeping it costs more than a relaunch
     with the spare, so the attempt's next checkpoint relaunches without it, at full size.
-    (``factor`` 2.5, not the default 1.5: on CI's 2 shared cores the healthy ranks' forward
-    clocks read 1.5-2.2x the median in most steps before the limit, the 8 s window then held
-    three ranks' "slow" steps and named all three; the limited rank's reads 3.4-6x.)"""
+    The default ``factor`` (1.5): on CI's 2 shared cores the healthy ranks' forward clocks read
+    late by turns in most steps before the limit (72% of them over 1.5x in one run), so the
+    first finding may name every rank; node 2 is then named alone once it is the slowest in
+    80% of the window's steps by itself (86% in that run). (A factor of 2.5, tried to stay
+    above that noise, left the throttled rank's share at 68% in another: never named.)"""
     run = Nodes(tmp_path, "--fsdp", "--forward-work", "40", nnodes="3", steps=120, net=net4,
                 nproc=1,
                 nodes=", spares: 1, run_left_s: 600",
-                overrides="{detectors: {slow_compute: {window_s: 8, factor: 2.5}}}")
+                overrides="{detectors: {slow_compute: {window_s: 8}}}")
     with cpulimit.cpu_limit(quota_us=1000, period_us=10000) as limit:
         for node in range(3):
             run.start(node)
@@ -610,8 +612,9 @@ def test_a_node_slowed_by_a_cpu_limit_is_named_and_evicted_for_a_spare_when_it_p
         limit.add(rank.pid)
         codes = run.wait()
     assert codes == {0: 0, 1: 0, 2: 75, 3: 0}, run.logs()
-    [slow] = [e["finding"] for e in run.events("finding")
-              if e["finding"]["detector"] == "slow_compute"]
+    *noisy, slow = [e["finding"] for e in run.events("finding")
+                    if e["finding"]["detector"] == "slow_compute"]
+    assert all(2 in f["ranks"] and len(f["ranks"]) > 1 for f in noisy), noisy
     assert slow["ranks"] == [2] and slow["evidence"]["node"] == 2, slow
     assert slow["evidence"]["cost"]["evict"] and slow["evidence"]["cost"]["spare"], slow
     assert slow["evidence"]["slowdown"] > 0.25, slow  # ~0.1 s steps before the limit, ~0.25 s after

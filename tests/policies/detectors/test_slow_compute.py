@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
+from types import SimpleNamespace
 
 from babysit.policies.detectors.slow_compute import SlowComputeConfig, SlowComputeDetector
-from babysit.policies.types import Finding, Incident, RankStep, StepRecord
+from babysit.policies.types import Finding, Incident, RankStep, Spread, StepRecord
 from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
 
 WORLD = 6
@@ -203,3 +206,41 @@ def test_where_the_episode_began_survives_a_json_round_trip() -> None:
     second.load_state_dict(json.loads(json.dumps(first.state_dict())))
     [finding] = [f for r in steps[350:] if (f := second.observe(r)) is not None]
     assert finding.evidence["baseline_step_time_s"] == 0.5
+
+
+RECORDED = Path(__file__).parent / "recorded"
+
+
+def replay(name: str) -> list[Finding]:
+    """The leader's merged steps of a real CI run of the CPU-limited node (3 nodes, one FSDP2
+    rank each, node 2's rank under a tenth of a core from step 25; ``tests/e2e/test_multinode
+    .py``, its metrics rows cut to what this detector reads), through the detector as that
+    test configures it (``window_s`` 8, the default factor)."""
+    rows = [json.loads(line) for line in (RECORDED / name).read_text().splitlines()]
+    steps = [SimpleNamespace(step=r["step"], time=r["time"], step_time=r["step_time"],
+                             slowest_forward=Spread(r["forward_max_rank"], r["forward_max"],
+                                                    r["forward_p50"], r["n_ranks"])
+                             if r["forward_max"] and r["forward_p50"] else None) for r in rows]
+    detector = SlowComputeDetector(SlowComputeConfig(window_s=8))
+    return [f for r in steps if (f := detector.observe(r)) is not None]  # type: ignore[arg-type]
+
+
+def test_a_real_noisy_host_names_the_throttled_node_after_naming_two() -> None:
+    """The CI run that failed: before the limit the healthy ranks read over 1.5x in 72% of the
+    steps; the first finding names ranks 1 and 2 (no one node), then rank 2 alone once it is
+    the slowest in 80% of the window's steps by itself, with the job's step time before it."""
+    first, second = replay("cpu_limit_noisy_host.jsonl")
+    assert first.ranks == (1, 2) and second.ranks == (2,)
+    assert second.evidence["slowdown_from"] == "step times before"
+    assert second.evidence["slowdown"] > 0.5  # 0.085 s a step before, 0.24 after
+
+
+def test_a_pace_marked_under_the_slow_rank_before_it_slowed_is_the_pace_before() -> None:
+    """Another run: before the limit the noise made rank 2 the slowest of a few steps, so the
+    only pace of the oldest mark is filed under rank 2. Marked before its episode began, it is
+    still the job's pace before (0.10 s), not "no pace" (the forward's excess gave 9%)."""
+    [finding] = replay("cpu_limit_pace_held_by_the_slow_rank.jsonl")
+    assert finding.ranks == (2,)
+    assert finding.evidence["baseline_step_time_s"] == 0.1025
+    assert finding.evidence["slowdown_from"] == "step times before"
+    assert finding.evidence["slowdown"] > 0.5
