@@ -176,20 +176,15 @@ class NodeWorkers:
             early.stop()
             self.standby_entries.append(("ahead_unused", {"why": why}))
             return None
-        order = ahead.Order.of(command, env, str(Path.cwd()))
         proc = early.take()
-        if proc is None or order is None:
-            early.stop()
+        if proc is None:  # it ended on its own
             return None
         group = launcher.WorkerGroup(
             ahead.command(early.python), early.env, Path.cwd(), attempt_dir / "launcher.log",
             self.lines, launch.role, siblings=self._launchers, fed=True)
         group.start(proc)
         self._launchers.add(proc.pid)
-        if not group.feed(order.encode(), command, env):
-            self._stop_group(group)
-            return None
-        return group
+        return self._feed(group, command, env)
 
     def _ahead_fits(self, attempt: int) -> bool:
         """A torchrun started ahead is up for ``attempt``; one for another attempt, or one that
@@ -207,13 +202,21 @@ class NodeWorkers:
         other stopped) when there is none fit for it."""
         if self.ahead is None or not self._ahead_fits(attempt):
             return None
-        order = ahead.Order.of(command, env, str(Path.cwd()))
         _, group = self.ahead
         self.ahead = None
+        fed = self._feed(group, command, env)
+        if fed is not None:
+            fed.redirect(self.lines)
+        return fed
+
+    def _feed(self, group: launcher.WorkerGroup, command: list[str], env: dict[str, str]
+              ) -> launcher.WorkerGroup | None:
+        """``group``, a torchrun started ahead, made to run ``command`` with ``env`` (its
+        ``ahead.Order``); None, and it stopped, when it cannot run it or is gone."""
+        order = ahead.Order.of(command, env, str(Path.cwd()))
         if order is None or not group.feed(order.encode(), command, env):
             self._stop_group(group)
             return None
-        group.redirect(self.lines)
         return group
 
     def _drop_ahead(self) -> None:
