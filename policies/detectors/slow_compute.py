@@ -133,6 +133,8 @@ class SlowComputeDetector:
     def __init__(self, config: SlowComputeConfig | None = None) -> None:
         self.config = config or SlowComputeConfig()
         self._window: deque[_Bucket] = deque()
+        self._slowest: Counter[int] = Counter()
+        """The window's buckets' ``ranks`` added up, kept as buckets come and go."""
         self._first: float | None = None
         self._paces: dict[int | None, deque[float]] = {}
         self._marks: deque[Mark] = deque(maxlen=MARKS)
@@ -186,7 +188,7 @@ class SlowComputeDetector:
 
     def _counts(self) -> Counter[int]:
         """How often each rank was the slowest of a slow step in the window."""
-        return sum((b.ranks for b in self._window), Counter())
+        return self._slowest
 
     def _add(self, now: float, step: int, slow: bool, rank: int, forward: float,
              median: float, step_time: float | None) -> None:
@@ -198,6 +200,7 @@ class SlowComputeDetector:
         if slow:
             b.slow += 1
             b.ranks[rank] += 1
+            self._slowest[rank] += 1
             b.forward += forward
             b.median += median
             if step_time is not None:
@@ -206,7 +209,7 @@ class SlowComputeDetector:
             if b.first_slow is None:
                 b.first_slow = step
         while self._window[0].start + width <= now - self.config.window_s:
-            self._window.popleft()
+            self._slowest -= self._window.popleft().ranks
 
     def _finding(self, step: int, share: float, count: int) -> Finding:
         window = self._window
@@ -314,6 +317,7 @@ class SlowComputeDetector:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self._window = deque(_Bucket.from_json(b) for b in d["window"])
+        self._slowest = sum((b.ranks for b in self._window), Counter())
         self._first = d["first"]
         self._paces = {held: deque(pace, maxlen=self.config.baseline_steps)
                        for held, pace in d.get("paces", ())}
