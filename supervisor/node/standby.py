@@ -137,7 +137,11 @@ class Trigger:
     Or at once, for an attempt that will likely be short (``new_attempt(..., soon=True)``): a
     rerun of a spike's steps (``policies.rerun``) ends in a second relaunch, the skip, as soon as
     it reproduces, which is often before ``after_s``; without a standby that relaunch was cold
-    (4.7 s here against 0.3 s warm). The same ``at_stall`` rule about cores applies.
+    (4.7 s here against 0.3 s warm). Such a standby starts as the rerun is launched, not at its
+    first step: a rerun of 18 steps reproduced 1.4 s after its launch, before a standby started
+    at its first step (0.4 s in) was ready, and the skip waited for the rest. The script is
+    known to attach (an earlier attempt of the run did: ``attached_before``). The same
+    ``at_stall`` rule about cores applies.
     """
 
     def __init__(self, off: str | None, after_s: float = AFTER_S,
@@ -150,6 +154,8 @@ class Trigger:
         self._first_step: float | None = None
         self._tried: set[int] = set()
         self._soon = False
+        self.attached_before = False
+        """Some attempt of this run attached: the script waits in ``attach()``."""
 
     def new_attempt(self, attempt: int, soon: bool = False) -> None:
         """``soon``: this attempt is likely to end in a relaunch within seconds (a rerun)."""
@@ -159,6 +165,7 @@ class Trigger:
     def observe(self, now: float, *, hello: bool, stepped: bool) -> None:
         """What this tick saw of the running attempt (``now``: monotonic seconds)."""
         self._attached = self._attached or hello
+        self.attached_before = self.attached_before or hello
         if stepped and self._first_step is None:
             self._first_step = now
 
@@ -168,10 +175,12 @@ class Trigger:
         the loop watches it; ``have``: the attempt the standby already there is for;
         ``looming``: a stall is half-way to a hang suspicion."""
         target = self.attempt + 1
-        waited = self._first_step is not None and (
-            now - self._first_step >= self.after_s or ((looming or self._soon) and self.at_stall))
-        if (self.off is not None or not running or self.attempt < 0 or not self._attached
-                or not waited or have == target or target in self._tried):
+        at_once = self._soon and self.at_stall and self.attached_before
+        waited = at_once or self._first_step is not None and (
+            now - self._first_step >= self.after_s or (looming and self.at_stall))
+        if (self.off is not None or not running or self.attempt < 0
+                or not (self._attached or at_once) or not waited or have == target
+                or target in self._tried):
             return None
         self._tried.add(target)
         return target

@@ -110,24 +110,32 @@ def test_a_stall_in_the_first_seconds_starts_the_standby_where_cores_allow() -> 
     assert standby.spare_cores(2, cores=2) and not standby.spare_cores(24, cores=2)
 
 
-def test_a_rerun_attempt_starts_its_standby_at_its_first_step() -> None:
+def test_a_rerun_attempt_starts_its_standby_as_it_is_launched() -> None:
     # A rerun that reproduces is followed by the skip's relaunch within seconds: its standby
-    # starts at the rerun's first step, where every rank has a core.
+    # starts with the rerun, before any hello or step of it, where every rank has a core and an
+    # earlier attempt showed that the script attaches.
     soon = standby.Trigger(None, after_s=5.0, at_stall=True)
-    soon.new_attempt(0, soon=True)
-    soon.observe(10.0, hello=True, stepped=False)
-    assert soon.due(10.0, True, None) is None  # not before its first step
-    soon.observe(10.2, hello=False, stepped=True)
-    assert soon.due(10.2, True, None) == 1
-    crowded = standby.Trigger(None, after_s=5.0, at_stall=False)
-    crowded.new_attempt(0, soon=True)
-    crowded.observe(10.0, hello=True, stepped=True)
-    assert crowded.due(10.2, True, None) is None
-    assert crowded.due(15.0, True, None) == 1
+    soon.new_attempt(0)
+    soon.observe(1.0, hello=True, stepped=True)
+    soon.new_attempt(1, soon=True)
+    assert soon.due(10.0, True, None) == 2
     # The next attempt is an ordinary one again.
-    soon.new_attempt(1)
+    soon.new_attempt(2)
     soon.observe(20.0, hello=True, stepped=True)
     assert soon.due(20.2, True, None) is None
+    # Where the ranks outnumber the cores, after its first step and after_s, as any attempt.
+    crowded = standby.Trigger(None, after_s=5.0, at_stall=False)
+    crowded.new_attempt(0)
+    crowded.observe(1.0, hello=True, stepped=True)
+    crowded.new_attempt(1, soon=True)
+    assert crowded.due(10.0, True, None) is None
+    crowded.observe(10.0, hello=True, stepped=True)
+    assert crowded.due(10.2, True, None) is None
+    assert crowded.due(15.0, True, None) == 2
+    # A script no attempt of the run saw attach (stdout mode) would train a second time.
+    never = standby.Trigger(None, after_s=5.0, at_stall=True)
+    never.new_attempt(1, soon=True)
+    assert never.due(10.0, True, None) is None
 
 
 def test_no_standby_when_off() -> None:
