@@ -176,8 +176,8 @@ class Trigger:
         ``looming``: a stall is half-way to a hang suspicion."""
         target = self.attempt + 1
         at_once = self._soon and self.at_stall and self.attached_before
-        waited = at_once or self._first_step is not None and (
-            now - self._first_step >= self.after_s or (looming and self.at_stall))
+        waited = at_once or (self._first_step is not None and (
+            now - self._first_step >= self.after_s or (looming and self.at_stall)))
         if (self.off is not None or not running or self.attempt < 0
                 or not (self._attached or at_once) or not waited or have == target
                 or target in self._tried):
