@@ -19,5 +19,6 @@ install, ruff and mypy all see one package and nothing else at the top level).
 """
 
 from babysit.supervisor.rank.api import Run, attach
+from babysit.supervisor.rank.elastic_data import ElasticSampler
 
-__all__ = ["Run", "attach"]
+__all__ = ["ElasticSampler", "Run", "attach"]

@@ -19,7 +19,8 @@ class Restored:
 
     ``step``: optimizer steps taken when saved (resume at ``step + 1``); ``cursor``: global
     batches consumed (fast-forward the data to it); ``lr_scale``: the LR multiplier saved;
-    ``extra``: this rank's own ``extra`` dict as passed to ``save``.
+    ``extra``: this rank's own ``extra`` dict as passed to ``save``; ``samples``: the samples of
+    the data stream consumed at ``cursor`` (None: the loader did not count them).
     """
 
     step: int
@@ -27,6 +28,7 @@ class Restored:
     lr_scale: float
     path: Path
     extra: dict[str, Any] = field(default_factory=dict)
+    samples: int | None = None
 
 
 def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = None, *,
@@ -129,6 +131,7 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
         lr_scale=manifest.lr_scale,
         path=path,
         extra=rank_state["extra"] or {},
+        samples=manifest.samples,
     )
 
 

@@ -74,6 +74,9 @@ class Manifest:
     owned: bool = True
     """Whether retention may delete the files (external data is the user's unless they say so)."""
     format_version: int = FORMAT_VERSION
+    samples: int | None = None
+    """Samples of the data stream consumed at ``cursor``, when the job's loader counts them
+    (``ElasticSampler``): where a resume on another world size goes on."""
 
     def data_dir(self, ckpt_dir: Path) -> Path:
         """The directory the ``files`` are relative to."""
@@ -109,6 +112,7 @@ class Manifest:
             external_is_file=bool(d.get("external_is_file", False)),
             owned=bool(d.get("owned", True)),
             format_version=int(d["format_version"]),
+            samples=None if d.get("samples") is None else int(d["samples"]),
         )
 
 

@@ -9,6 +9,11 @@ sample 8 C, and train on 4 C samples a second time (the other way round, skip th
 the global batch fixed (each rank's batch = global / world size, or gradient accumulation) is
 what makes a resized resume exact, and keeps the optimiser's hyperparameters right as well.
 
+A script that draws its batches with ``ElasticSampler`` (``rank/elastic_data.py``) keeps its
+own batch size and still resumes at the right sample: the checkpoint records the samples
+consumed at its cursor. Its global batch changes all the same, and with it what the learning
+rate was tuned for: the finding says so, without the data's part.
+
 This check holds the first steps of a resumed attempt against the steps up to its checkpoint:
 each step's samples (the sum of every rank's ``run.step(samples=...)``, only at steps every
 rank reported) per global batch the cursor moved. When the two medians differ, a WARNING
@@ -101,21 +106,26 @@ class ResumeData:
     name = "resume_data"
 
     def __init__(self, checkpoint_step: int, cursor: int | None, batch: float,
-                 world: int) -> None:
+                 world: int, samples: int | None = None) -> None:
         self.checkpoint_step, self.cursor = checkpoint_step, cursor
         self.batch, self.world = batch, world
+        self.samples = samples
+        """The samples of the data stream the checkpoint recorded at its cursor (the job's
+        loader counts them: ``ElasticSampler``), or None."""
         self.seen: list[float] = []
         self.done = False
 
     @classmethod
     def start(cls, memory: GlobalBatch, checkpoint_step: int | None,
-              cursor: int | None) -> ResumeData | None:
-        """The check of an attempt resumed from ``checkpoint_step`` (at data ``cursor``), or
-        None: a fresh start, or no global batch remembered up to the checkpoint."""
+              cursor: int | None, samples: int | None = None) -> ResumeData | None:
+        """The check of an attempt resumed from ``checkpoint_step`` (at data ``cursor`` and,
+        when counted, ``samples``), or None: a fresh start, or no global batch remembered up to
+        the checkpoint."""
         if checkpoint_step is None:
             return None
         before = memory.before(checkpoint_step)
-        return cls(checkpoint_step, cursor, *before) if before is not None else None
+        return cls(checkpoint_step, cursor, *before, samples=samples) \
+            if before is not None else None
 
     def observe(self, step: int, batch: tuple[float, int] | None) -> Finding | None:
         """A step of the resumed attempt and its global batch (None: not told); the finding
@@ -130,17 +140,28 @@ class ResumeData:
         if abs(now - self.batch) <= 1e-6 * self.batch:
             return None
         s, c, was = self.checkpoint_step, self.cursor, self.batch
-        where = "" if c is None else (
-            f": a loader that seeks to global batch {c} by its own batch size starts at "
-            f"sample {c * now:.0f}, not {c * was:.0f}, and "
-            + (f"trains on {c * (was - now):.0f} samples a second time" if now < was
-               else f"never trains on {c * (now - was):.0f} samples"))
+        changed = (f"resume from step {s}: a global batch was {was:.6g} samples at "
+                   f"{self.world} ranks, it is {now:.6g} now at {batch[1]}")
+        if self.samples is not None:
+            # The loader counts samples: the data goes on exactly; the optimizer's batch did not.
+            message = (f"{changed}; the data went on at sample {self.samples} of its stream, "
+                       "none skipped or repeated (ElasticSampler), but the optimizer now steps "
+                       f"on {now / was:.3g}x the samples its learning rate was set for (scale "
+                       "the LR, or keep the global batch fixed: each rank's batch = global / "
+                       "world size, or accumulate)")
+        else:
+            where = "" if c is None else (
+                f": a loader that seeks to global batch {c} by its own batch size starts at "
+                f"sample {c * now:.0f}, not {c * was:.0f}, and "
+                + (f"trains on {c * (was - now):.0f} samples a second time" if now < was
+                   else f"never trains on {c * (now - was):.0f} samples"))
+            message = (f"{changed}; babysit's data cursor counts global batches{where} (keep "
+                       "the global batch fixed across world sizes: each rank's batch = global "
+                       "/ world size, or accumulate; or draw batches with babysit's "
+                       "ElasticSampler, which counts samples)")
         return Finding(
             incident=Incident.RESUME, detector=self.name, severity=Severity.WARNING, step=step,
-            onset_step=s + 1, ranks=(),
-            message=f"resume from step {s}: a global batch was {was:.6g} samples at "
-                    f"{self.world} ranks, it is {now:.6g} now at {batch[1]}; babysit's data "
-                    f"cursor counts global batches{where} (keep the global batch fixed across "
-                    "world sizes: each rank's batch = global / world size, or accumulate)",
+            onset_step=s + 1, ranks=(), message=message,
             evidence={"checkpoint_step": s, "cursor": c, "batch_before": was,
-                      "world_before": self.world, "batch_now": now, "world_now": batch[1]})
+                      "world_before": self.world, "batch_now": now, "world_now": batch[1],
+                      "samples": self.samples})

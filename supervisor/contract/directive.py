@@ -82,6 +82,8 @@ class Resume:
     step: int
     cursor: int
     external: bool = False
+    samples: int | None = None
+    """Samples of the data stream consumed at ``cursor`` (``ElasticSampler``), if counted."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,7 @@ from babysit.supervisor.contract.directive import (
     Resume,
     SkipRange,
 )
+from babysit.supervisor.rank import elastic_data
 from babysit.supervisor.rank.forward_clock import forward_clock
 from babysit.supervisor.rank.saving import Checkpointer
 
@@ -113,6 +114,8 @@ class Run:
         """The digest of the parameters ``attach()`` restored, until the first forward checks
         that they are still the ones training (``_check_restore``)."""
         self._restore_hook: Any = None
+        self._sampler: elastic_data.ElasticSampler | None = None
+        """The ``ElasticSampler`` ``batches()`` placed, once (``rank.elastic_data``)."""
         if optimizer is not None and (directive.lr_scale != 1.0 or directive.lr_ramp):
             self._install_lr_scale(optimizer)
 
@@ -136,8 +139,20 @@ class Run:
         A loader with a ``seek(cursor)`` method (after which ``iter(loader)`` starts at global
         batch ``cursor``) is repositioned for free; any other iterable is advanced by consuming
         and discarding batches. Time spent waiting in ``next()`` is reported as data wait.
+        An ``ElasticSampler`` (``babysit.ElasticSampler``, itself or as a ``DataLoader``'s
+        ``batch_sampler``) is told where the resumed checkpoint left the data, in samples, so a
+        resume on another world size goes on at the next sample (``rank.elastic_data``).
         """
         seek = getattr(loader, "seek", None)
+        sampler = elastic_data.find(loader)
+        if sampler is not None:
+            if sampler is not self._sampler:  # placed once: a second loop goes on where it is
+                before = self._sampler
+                sampler.anchor(self.cursor, before.samples_at(self.cursor) if before is not None
+                               else self._resumed_samples(sampler))
+                self._sampler = sampler
+            seek = sampler.seek
+            self._checkpointer.samples_at = sampler.samples_at
         it = self._position(loader, seek, 0, self.cursor)
         while True:
             # Between steps: the previous step's optimizer and scheduler updates are done and the
@@ -158,6 +173,15 @@ class Run:
             self._data_wait += _perf() - t0
             self.cursor += 1
             yield batch
+
+    def _resumed_samples(self, sampler: elastic_data.ElasticSampler) -> int:
+        """Samples of the stream consumed at this attempt's first cursor: the checkpoint's
+        record; without one (a fresh start, or a checkpoint saved before the script used the
+        sampler), as many global batches of this world size as the cursor counts."""
+        resume = self.directive.resume
+        if resume is not None and resume.samples is not None:
+            return resume.samples
+        return self.cursor * sampler.global_batch
 
     def _watch_restore(self) -> None:
         """After a resume, check once, at the model's first forward (before any optimizer step,

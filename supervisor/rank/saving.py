@@ -61,6 +61,9 @@ class Checkpointer:
         """This rank counted itself in as having read the final request (``_final_target``)."""
         self._background: bool | None = None
         """Async saves, decided by every rank together at the first save (``_in_background``)."""
+        self.samples_at: Callable[[int], int] | None = None
+        """The samples of the data stream consumed at a cursor, when the loader counts them
+        (``Run.batches`` sets it for an ``ElasticSampler``); saved with each checkpoint."""
         self._cadence: list[tuple[int, int]] = [(0, directive.checkpoint_every)]
         """``(from_step, every)`` pieces in step order: the directive's cadence, then each
         change the control file made. Pieces wholly in the past are dropped as steps go by."""
@@ -117,7 +120,8 @@ class Checkpointer:
                 self._finish_pending()
                 handle = checkpoints.save(
                     str(self.directive.checkpoint_dir), step, cursor, lr_scale, self.model,
-                    self.optimizer, self.scheduler, async_save=self._in_background())
+                    self.optimizer, self.scheduler, async_save=self._in_background(),
+                    samples=self.samples_at(cursor) if self.samples_at is not None else None)
         except checkpoints.CheckpointError as exc:
             # Every rank raises together (the save is collective), so every rank trains on: a
             # full disk must cost a checkpoint, never the run. The last good one still stands.

@@ -226,10 +226,12 @@ class Recovery:
             entries.append(("checkpoint_verdict", {"checkpoint_step": chosen.step,
                                                    "verdict": "pending", **extra}))
             verdict = Verdict.PENDING
+        samples = chosen.manifest.samples
         entries.append(("resume", {"from": str(chosen.path), "checkpoint_step": chosen.step,
                                    "cursor": chosen.cursor, "verdict": verdict.value,
-                                   "before_step": before, **(extra or {})}))
+                                   "before_step": before, **(extra or {}),
+                                   **({"samples": samples} if samples is not None else {})}))
         external = chosen.manifest.external_path
         return Resume(path=external or str(chosen.path), step=chosen.step, cursor=chosen.cursor,
-                      external=external is not None)
+                      external=external is not None, samples=samples)
 

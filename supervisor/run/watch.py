@@ -137,6 +137,7 @@ class Watch:
         """The data check of this attempt's resume: the same global batch as before it
         (``detectors/resume_data.py``)."""
         self._restored_cursor: int | None = None
+        self._restored_samples: int | None = None
         self._rerun_from: int | None = None
         """The step the rerun in flight (or just concluded) resumed from."""
         self._first_record = True
@@ -185,6 +186,8 @@ class Watch:
         self._resume_loss, self._first_record = None, True
         self._restored = directive.resume.step if directive.resume is not None else restored
         self._restored_cursor = directive.resume.cursor if directive.resume is not None else None
+        self._restored_samples = directive.resume.samples if directive.resume is not None \
+            else None
         if self._batches is not None:
             self._batches.new_attempt()
         self.hang.start(now)
@@ -251,7 +254,8 @@ class Watch:
                                                  record.step - 1, self.trace.losses(),
                                                  self._restored)
             self._resume_data = ResumeData.start(self._batches, self._restored,
-                                                 self._restored_cursor) \
+                                                 self._restored_cursor,
+                                                 self._restored_samples) \
                 if self._batches is not None else None
         batch = self._batches.observe(record) if self._batches is not None else None
         per_rank = {r.rank: r.loss for r in record.ranks if r.loss is not None} \

@@ -56,7 +56,7 @@ def test_single_process_async_save_commits_on_poll_and_round_trips(tmp_path: Pat
 
     model, opt, sched = tiny()
     handle = save(tmp_path, 7, cursor=70, lr_scale=0.5, model=model, optimizer=opt,
-                  scheduler=sched, extra={"k": 1}, async_save=True)  # fmt: skip
+                  scheduler=sched, extra={"k": 1}, async_save=True, samples=560)  # fmt: skip
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     deadline = time.monotonic() + 30
     while not handle.poll():  # what the worker API does once per step
@@ -74,4 +74,5 @@ def test_single_process_async_save_commits_on_poll_and_round_trips(tmp_path: Pat
         0.5,
         {"k": 1},
     )
+    assert restored.samples == 560 == read_manifest(handle.path).samples
     assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())

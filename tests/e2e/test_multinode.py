@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
+from babysit import ElasticSampler
 from babysit.supervisor.cluster import leadership
 from babysit.supervisor.node.launcher import free_port
 from tests import cpulimit, netns
@@ -405,17 +406,40 @@ def test_a_node_whose_ranks_keep_segfaulting_is_evicted_and_the_run_goes_on(
         tmp_path: Path) -> None:
     """Node 1's machine kills its rank with SIGSEGV at step 10, and again at step 25 of the
     relaunch: the second machine fault on the same node evicts it (nodes.evict_after: 2), and
-    the run finishes on node 0, as `--nnodes 1:2` allows."""
-    run = Nodes(tmp_path, nnodes="1:2", steps=60)
+    the run finishes on node 0, as `--nnodes 1:2` allows. The ranks draw their data with
+    babysit's ElasticSampler, 4 samples each at any world size: the resume on half the ranks
+    goes on at the next sample of the data, none skipped or repeated."""
+    indices = tmp_path / "indices"
+    run = Nodes(tmp_path, "--elastic-data", "100000", "--index-log", str(indices),
+                nnodes="1:2", steps=60)
     run.start(0), run.start(1, TINY_TRAIN_SEGV_AT="0:10,1:25")
     codes = run.wait()
     assert codes == {0: 0, 1: 75}, run.logs()  # 75: the scheduler may replace the machine
-    # Each rank draws 4 samples whatever the world size: the resume on half the ranks is told
-    # that its global batches are half the size its checkpoint counted (an alert).
+    # The resume on half the ranks is told that its global batches are half the size its
+    # checkpoint counted (an alert), and that the data went on at the checkpoint's sample.
     [smaller] = [e for e in run.events("finding") if e["finding"]["detector"] == "resume_data"]
     ev = smaller["finding"]["evidence"]
     assert ev["batch_now"] * 2 == ev["batch_before"] and ev["world_now"] * 2 == ev["world_before"]
     assert smaller["remedy"]["action"] == "alert" and smaller["attempt"] == 2
+    resume = run.events("launch")[-1]["directive"]["resume"]
+    assert ev["samples"] == resume["samples"] == 16 * resume["cursor"]  # 4 ranks of 4 till then
+    assert "none skipped or repeated" in smaller["finding"]["message"]
+    # Every step the run kept (each attempt's up to where the next resumed) drew the stream's
+    # next samples: each step's indices, all ranks', in order, are the sampler's stream.
+    starts = {e["attempt"]: e["directive"]["resume"]["step"] if e["directive"]["resume"]
+              else 0 for e in run.events("launch")}
+    ends = {a: starts.get(a + 1, 60) for a in starts}
+    drawn: dict[int, list[tuple[int, list[int]]]] = {}
+    for log in indices.iterdir():
+        for line in log.read_text().splitlines():
+            attempt, step, world, *idx = map(int, line.split())
+            if starts[attempt] < step <= ends[attempt]:
+                assert world == (4 if step <= resume["step"] else 2)
+                drawn.setdefault(step, []).append((int(log.name), idx))
+    kept = [i for step in range(1, 61) for _, idx in sorted(drawn[step]) for i in idx]
+    stream = iter(ElasticSampler(100000, 1, rank=0, world_size=1, seed=0))
+    assert kept == [next(stream)[0] for _ in kept]
+    assert len(kept) == 4 * (4 * resume["step"] + 2 * (60 - resume["step"]))
     [evicted] = run.events("node_evicted")
     assert evicted["node"] == 1 and evicted["nodes_left"] == [0]
     # The steps the ranks had completed when it struck (just before steps 10 and 25).

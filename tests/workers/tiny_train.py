@@ -38,6 +38,10 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
                            batch trains on), for a reference run
     --global-batch G       G rows a global batch at any world size (each rank its G / world
                            size), not 4 per rank: a resize resumes on the same samples
+    --elastic-data N       N fixed rows drawn by babysit's ElasticSampler, 4 a rank: a resize
+                           resumes at the next sample (its global batch changes)
+    --index-log DIR        with --elastic-data: each rank appends "attempt step world indices"
+                           per step to DIR/<rank>
     --reinit-after-attach  on a resume, re-initialise the model right after attach() restored
                            it: a "load pretrained" line placed after attach()
     --slow-data RANK:SEC[:START:END]  that rank waits SEC seconds for every batch (a slow
@@ -78,6 +82,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -176,6 +181,29 @@ class Batches:
             yield x, y
 
 
+def elastic_batches(run, rank: int, world_size: int, args: argparse.Namespace, attempt: int):
+    """``--elastic-data N``: N fixed rows drawn by babysit's ElasticSampler, 4 a rank at any
+    world size; ``--index-log DIR`` writes each rank's indices per step to DIR/<rank>."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from babysit import ElasticSampler
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(args.elastic_data, 16, generator=g)
+    data = TensorDataset(torch.arange(args.elastic_data), x, x.sum(dim=1, keepdim=True))
+    loader = DataLoader(data, batch_sampler=ElasticSampler(args.elastic_data, 4, seed=0))
+    log = None
+    if args.index_log:
+        Path(args.index_log).mkdir(parents=True, exist_ok=True)
+        log = open(Path(args.index_log) / str(rank), "a")  # noqa: SIM115
+    for index, xb, yb in run.batches(loader):
+        if log is not None:
+            log.write(f"{attempt} {run.step_count + 1} {world_size} "
+                      f"{' '.join(map(str, index.tolist()))}\n")
+            log.flush()
+        yield xb, yb
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
@@ -197,6 +225,8 @@ def main() -> None:
     p.add_argument("--raise-batch", type=pair)
     p.add_argument("--drop-batch", type=int)
     p.add_argument("--global-batch", type=int)
+    p.add_argument("--elastic-data", type=int, default=0)
+    p.add_argument("--index-log")
     p.add_argument("--reinit-after-attach", action="store_true")
     p.add_argument("--slow-data", type=lambda t: [float(x) if "." in x else int(x)
                                                   for x in t.split(":")])
@@ -271,7 +301,11 @@ def main() -> None:
         heartbeat.init_workload_monitoring()
     step_log = open(args.step_log, "a") if args.step_log and rank == 0 else None  # noqa: SIM115
 
-    for x, y in run.batches(Batches(rank, dist.get_world_size(), args)):
+    if args.elastic_data:
+        source = elastic_batches(run, rank, dist.get_world_size(), args, attempt)
+    else:
+        source = run.batches(Batches(rank, dist.get_world_size(), args))
+    for x, y in source:
         if run.step_count >= args.steps:
             break
         upcoming = run.step_count + 1

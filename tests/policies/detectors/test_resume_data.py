@@ -22,12 +22,12 @@ def record(step: int, world: int, per_rank: float | None = 4.0, cursor: int | No
 
 
 def resumed(first: list[StepRecord], then: list[StepRecord], checkpoint: int,
-            cursor: int | None) -> list[Finding]:
+            cursor: int | None, samples: int | None = None) -> list[Finding]:
     memory = GlobalBatch()
     for r in first:
         memory.observe(r)
     memory.new_attempt()
-    check = ResumeData.start(memory, checkpoint, cursor)
+    check = ResumeData.start(memory, checkpoint, cursor, samples)
     assert check is not None
     return [f for r in then if (f := check.observe(r.step, memory.observe(r))) is not None]
 
@@ -44,6 +44,17 @@ def test_three_ranks_resumed_on_two_with_the_same_batch_each_is_told_what_it_rep
         (12.0, 3, 8.0, 2)
     assert "starts at sample 96, not 144, and trains on 48 samples a second time" \
         in finding.message
+
+
+def test_a_loader_that_counts_samples_is_told_only_of_its_optimizers_batch() -> None:
+    """The same resize with an ElasticSampler: the checkpoint recorded sample 144 at its
+    cursor, the data went on there; what changed is the batch the LR was tuned for."""
+    [finding] = resumed([record(s, 3) for s in range(1, 21)],
+                        [record(s, 2) for s in range(13, 30)], 12, 12, samples=144)
+    assert finding.evidence["samples"] == 144
+    assert "went on at sample 144 of its stream, none skipped or repeated" in finding.message
+    assert "0.667x the samples its learning rate was set for" in finding.message
+    assert "a second time" not in finding.message
 
 
 def test_the_same_global_batch_on_another_world_size_is_an_exact_resume() -> None:

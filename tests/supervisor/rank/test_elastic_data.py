@@ -1,0 +1,125 @@
+"""The data cursor in samples (``supervisor/rank/elastic_data.py``): one stream of the dataset
+that every world size splits, and ``Run.batches`` placing it where a checkpoint left it. The
+same runs for real across a node eviction in ``tests/e2e/test_multinode.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from babysit import ElasticSampler
+from babysit.supervisor.contract.directive import Directive, Resume, SkipRange
+from babysit.supervisor.rank.api import Run
+
+
+def ranks(world: int, n: int = 100, batch: int = 4, **kw: object) -> list[ElasticSampler]:
+    return [ElasticSampler(n, batch, rank=r, world_size=world, **kw)  # type: ignore[arg-type]
+            for r in range(world)]
+
+
+def draw(samplers: list[ElasticSampler], cursor: int, batches: int) -> list[int]:
+    """Every rank's indices of ``batches`` global batches from global batch ``cursor``."""
+    out: list[int] = []
+    its = []
+    for s in samplers:
+        s.seek(cursor)
+        its.append(iter(s))
+    for _ in range(batches):
+        for it in its:
+            out += next(it)
+    return out
+
+
+def test_a_resize_goes_on_at_the_next_sample_none_skipped_none_repeated() -> None:
+    """3 ranks of 4 take global batches 0-6 (84 samples); the checkpoint at cursor 7 records
+    84; 2 ranks of 4 resume there and take 10 more; then 4 ranks from that run's cursor 17:
+    the indices are the stream's first 84 + 80 + 160 positions, each once, across epochs."""
+    stream = ElasticSampler(100, 1, rank=0, world_size=1, seed=3)
+    it = iter(stream)  # an endless stream: taken by hand
+    order = [next(it)[0] for _ in range(324)]
+    three = ranks(3, seed=3)
+    seen = draw(three, 0, 7)
+    saved = three[0].samples_at(7)
+    assert saved == 84
+    two = ranks(2, seed=3)
+    for s in two:
+        s.anchor(7, saved)
+    seen += draw(two, 7, 10)
+    four = ranks(4, seed=3)
+    for s in four:
+        s.anchor(17, two[0].samples_at(17))
+    seen += draw(four, 17, 10)
+    assert seen == order  # in stream order, batch by batch: nothing skipped, nothing twice
+    assert sorted(order[:100]) == list(range(100))  # one epoch is a permutation
+    assert order[:100] != order[100:200]  # and the next epoch another
+
+
+def test_a_global_batch_is_the_ranks_slices_in_rank_order() -> None:
+    a, b = ranks(2, n=10, batch=3, shuffle=False)
+    assert (next(iter(a)), next(iter(b))) == ([0, 1, 2], [3, 4, 5])
+    a.seek(1)  # global batch 1: positions 6-11, across the epoch's end
+    assert next(iter(a)) == [6, 7, 8]
+    b.seek(1)
+    assert next(iter(b)) == [9, 0, 1]
+
+
+def test_epochs_end_the_stream_and_drop_a_partial_global_batch() -> None:
+    [only] = ranks(1, n=10, batch=4, shuffle=False, epochs=2)
+    assert len(only) == 5 and len(list(only)) == 5  # 20 samples: 5 batches of 4
+    a, _ = ranks(2, n=10, batch=4, shuffle=False, epochs=1)
+    assert len(list(a)) == 1  # 8 of 10 samples: the second global batch would be partial
+    with pytest.raises(TypeError, match="endless"):
+        len(ranks(1)[0])
+
+
+def test_bad_arguments_say_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="batch_size >= 1"):
+        ElasticSampler(10, 0, rank=0, world_size=1)
+    with pytest.raises(ValueError, match="rank 2 is not one of 2 ranks"):
+        ElasticSampler(10, 2, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="epochs"):
+        ElasticSampler(10, 2, epochs=0, rank=0, world_size=1)
+
+
+def run_for(directive: Directive) -> Run:
+    return Run(rank=0, world_size=1, directive=directive, sock=None, token=b"")
+
+
+def test_run_batches_resumes_a_data_loader_at_the_checkpoints_sample() -> None:
+    """A checkpoint at cursor 5 recorded 37 samples consumed (another world size saved it):
+    the DataLoader's first batch is stream positions 37-40, then skips move it in global
+    batches of this world size, and each save asks the samples at its cursor."""
+    data = TensorDataset(torch.arange(50))
+    sampler = ElasticSampler(50, 4, shuffle=False, rank=0, world_size=1)
+    loader = DataLoader(data, batch_sampler=sampler)
+    run = run_for(Directive(resume=Resume(path="ckpt", step=5, cursor=5, samples=37),
+                            skip=(SkipRange(6, 8),)))
+    got = []
+    for (x,) in run.batches(loader):
+        got.append(x.tolist())
+        if len(got) == 3:
+            break
+    # cursor 5 -> 37..40; cursor 6-7 skipped (positions 41-48); cursor 8 -> 49, 0, 1, 2
+    assert got[:2] == [[37, 38, 39, 40], [49, 0, 1, 2]]
+    assert run._checkpointer.samples_at is not None
+    assert run._checkpointer.samples_at(10) == 37 + 5 * 4
+
+
+def test_run_batches_without_a_record_counts_global_batches_of_this_size(tmp_path: Path) -> None:
+    """A checkpoint saved before the script used the sampler: as many global batches of this
+    world size as the cursor counts (exact when the world size did not change)."""
+    sampler = ElasticSampler(100, 4, shuffle=False, rank=0, world_size=1)
+    run = run_for(Directive(resume=Resume(path=str(tmp_path), step=3, cursor=3)))
+    assert next(iter(run.batches(sampler))) == [12, 13, 14, 15]
+
+
+def test_a_second_loop_over_the_same_sampler_goes_on_where_the_first_stopped() -> None:
+    sampler = ElasticSampler(100, 4, shuffle=False, rank=0, world_size=1)
+    run = run_for(Directive())
+    first = run.batches(sampler)
+    assert [next(first), next(first)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert next(iter(run.batches(sampler))) == [8, 9, 10, 11]
+    assert run._checkpointer.samples_at is not None and run._checkpointer.samples_at(3) == 12
