@@ -49,7 +49,8 @@ as in the journal)::
                                 step, onset_step, incident, severity, ranks, action, reason,
                                 message, dir (its incident folder, or null)}
     attempt_history             every launch: {attempt, time, resume_step (babysit's checkpoint,
-                                or in stdout mode the script's own put back), resume_note, skip:
+                                or in stdout mode the script's own put back), resume_samples
+                                (the samples consumed there, ElasticSampler), resume_note, skip:
                                 [[start, end]] (data-cursor batches), lr_scale, cause: the
                                 incident that made babysit launch it, or null}
     checkpoint_dir              the checkpoint root looked at (str)
@@ -130,9 +131,12 @@ class Attempt:
     """Why it resumed where it did, from the journal's resume entry (e.g. no usable checkpoint)."""
     lr_ramp: dict[str, Any] | None = None
     """How a rollback's LR cut wears off: ``start``/``end`` data cursors and the scale ``to``."""
+    resume_samples: int | None = None
+    """The samples of the data stream its checkpoint recorded (``ElasticSampler``), if any."""
 
     def to_json(self) -> dict[str, Any]:
         return {"attempt": self.attempt, "time": self.time, "resume_step": self.resume_step,
+                "resume_samples": self.resume_samples,
                 "resume_note": self.resume_note, "skip": [list(s) for s in self.skip],
                 "lr_scale": self.lr_scale, "lr_ramp": self.lr_ramp,
                 "cause": self.cause.to_json() if self.cause else None}
@@ -214,7 +218,8 @@ class History:
                     resume_step=resume.get("step") if resume else None,
                     skip=skip, lr_scale=finite_float(d.get("lr_scale")) or 1.0,
                     cause=pending_cause if h.attempts else None, resume_note=resume_note,
-                    lr_ramp=_dict(d.get("lr_ramp")) or None))
+                    lr_ramp=_dict(d.get("lr_ramp")) or None,
+                    resume_samples=_optional_int(resume.get("samples")) if resume else None))
                 pending_cause, resume_note = None, None
                 if d.get("checkpoint_dir"):
                     h.checkpoint_dir = Path(str(d["checkpoint_dir"]))
@@ -251,6 +256,10 @@ def _dict(value: Any) -> dict[str, Any]:
 
 def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _optional_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _incident(e: dict[str, Any], set_aside: bool = False) -> IncidentRecord:

@@ -39,6 +39,8 @@ def describe_attempt(a: dict[str, Any], why: bool = True) -> str:
     """One line: what attempt ``a`` (an ``attempt_history`` entry) was told and, with ``why``,
     what made babysit launch it."""
     told = [f"resume step {a['resume_step']}" if a["resume_step"] is not None else "from start"]
+    if a.get("resume_samples") is not None:
+        told[0] += f" at sample {a['resume_samples']}"
     note = a.get("resume_note") or ""
     if note and (a["resume_step"] is None or note.startswith("the script's own")):
         told[0] += f" ({note.split(':')[0]})"  # the gist: "no usable checkpoint"

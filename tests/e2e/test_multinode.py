@@ -450,6 +450,7 @@ def test_a_node_whose_ranks_keep_segfaulting_is_evicted_and_the_run_goes_on(
     assert run.events("run_finished")[-1]["state"] == "succeeded"
     status = run_babysit("status", str(run.run_dir), cwd=tmp_path).stdout
     assert "evicted     node 1" in status
+    assert f"resume step {resume['step']} at sample {resume['samples']}" in status, status
 
 
 def test_a_gpu_that_raises_a_machine_xid_gets_its_node_evicted_at_once(tmp_path: Path) -> None:
