@@ -34,6 +34,7 @@ sample). Skip ranges of a rollback are global batches of the attempt that skips 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,7 +46,7 @@ class ElasticSampler:
                  seed: int = 0, epochs: int | None = None, rank: int | None = None,
                  world_size: int | None = None) -> None:
         """``rank``/``world_size``: this rank's place (default: ``torch.distributed``'s, or
-        0 of 1 without a process group)."""
+        torchrun's ``RANK``/``WORLD_SIZE`` before the process group exists, else 0 of 1)."""
         if num_samples < 1 or batch_size < 1:
             raise ValueError(f"ElasticSampler needs num_samples >= 1 and batch_size >= 1, got "
                              f"{num_samples} and {batch_size}")
@@ -126,11 +127,14 @@ class ElasticSampler:
 
 
 def _place() -> tuple[int, int]:
+    """This process's rank and world size: the process group's, else torchrun's environment
+    (a sampler built before ``init_process_group`` must not take every rank for rank 0), else
+    0 of 1."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def find(loader: object) -> ElasticSampler | None:

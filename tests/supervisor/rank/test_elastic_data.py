@@ -123,3 +123,11 @@ def test_a_second_loop_over_the_same_sampler_goes_on_where_the_first_stopped() -
     assert [next(first), next(first)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert next(iter(run.batches(sampler))) == [8, 9, 10, 11]
     assert run._checkpointer.samples_at is not None and run._checkpointer.samples_at(3) == 12
+
+
+def test_built_before_the_process_group_it_takes_its_place_from_torchrun(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    sampler = ElasticSampler(30, 2, shuffle=False)
+    assert (sampler.rank, sampler.world_size, next(iter(sampler))) == (2, 3, [4, 5])
