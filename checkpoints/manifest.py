@@ -241,6 +241,7 @@ def register_external(
     lr_scale: float = 1.0,
     world_size: int | None = None,
     owned: bool = False,
+    samples: int | None = None,
 ) -> Path:
     """Make a checkpoint the user's own code saved known to babysit; returns its step directory.
 
@@ -251,6 +252,7 @@ def register_external(
     so the catalog verifies it like any other. ``world_size`` defaults to ``$WORLD_SIZE`` (1).
     Retention deletes the files at an outside ``path`` only with ``owned=True``; the manifest's
     directory is always babysit's. Registering the same step again replaces the old registration.
+    ``samples``: the samples of the data stream consumed at ``cursor`` (``ElasticSampler``).
     """
     data = Path(path).absolute()
     target = step_dir(root, step).absolute()
@@ -281,6 +283,7 @@ def register_external(
             external_path=None if inside else str(data),
             external_is_file=not inside and data.is_file(),
             owned=True if inside else owned,
+            samples=samples,
         )
         write_manifest(target, manifest)
     except OSError as e:

@@ -144,8 +144,9 @@ class ResumeData:
                    f"{self.world} ranks, it is {now:.6g} now at {batch[1]}")
         if self.samples is not None:
             # The loader counts samples: the data goes on exactly; the optimizer's batch did not.
-            message = (f"{changed}; the data went on at sample {self.samples} of its stream, "
-                       "none skipped or repeated (ElasticSampler), but the optimizer now steps "
+            message = (f"{changed}; the checkpoint recorded sample {self.samples} of the "
+                       "data stream, where an ElasticSampler goes on, none skipped or "
+                       "repeated; but the optimizer now steps "
                        f"on {now / was:.3g}x the samples its learning rate was set for (scale "
                        "the LR, or keep the global batch fixed: each rank's batch = global / "
                        "world size, or accumulate)")

@@ -140,7 +140,7 @@ class Trigger:
     (4.7 s here against 0.3 s warm). Such a standby starts as the rerun is launched, not at its
     first step: a rerun of 18 steps reproduced 1.4 s after its launch, before a standby started
     at its first step (0.4 s in) was ready, and the skip waited for the rest. The script is
-    known to attach (an earlier attempt of the run did: ``attached_before``). The same
+    known to attach (a rank of this run said hello: ``attached_before``). The same
     ``at_stall`` rule about cores applies.
     """
 

@@ -148,11 +148,13 @@ class Run:
         if sampler is not None:
             if sampler is not self._sampler:  # placed once: a second loop goes on where it is
                 before = self._sampler
-                sampler.anchor(self.cursor, before.samples_at(self.cursor) if before is not None
-                               else self._resumed_samples(sampler))
+                if before is not None:
+                    sampler.anchor(self.cursor, before.samples_at(self.cursor))
+                else:
+                    sampler.anchor(*self._resume_point(sampler))
                 self._sampler = sampler
             seek = sampler.seek
-            self._checkpointer.samples_at = sampler.samples_at
+        self._checkpointer.samples_at = sampler.samples_at if sampler is not None else None
         it = self._position(loader, seek, 0, self.cursor)
         while True:
             # Between steps: the previous step's optimizer and scheduler updates are done and the
@@ -174,14 +176,15 @@ class Run:
             self.cursor += 1
             yield batch
 
-    def _resumed_samples(self, sampler: elastic_data.ElasticSampler) -> int:
-        """Samples of the stream consumed at this attempt's first cursor: the checkpoint's
-        record; without one (a fresh start, or a checkpoint saved before the script used the
-        sampler), as many global batches of this world size as the cursor counts."""
+    def _resume_point(self, sampler: elastic_data.ElasticSampler) -> tuple[int, int]:
+        """(cursor, samples consumed there) where this attempt's stream position is known: the
+        resumed checkpoint's record; without one (a fresh start, or a checkpoint saved before
+        the script used the sampler), as many global batches of this world size as the
+        cursor counts."""
         resume = self.directive.resume
         if resume is not None and resume.samples is not None:
-            return resume.samples
-        return self.cursor * sampler.global_batch
+            return resume.cursor, resume.samples
+        return self.cursor, self.cursor * sampler.global_batch
 
     def _watch_restore(self) -> None:
         """After a resume, check once, at the model's first forward (before any optimizer step,

@@ -45,8 +45,9 @@ class ElasticSampler:
     def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool = True,
                  seed: int = 0, epochs: int | None = None, rank: int | None = None,
                  world_size: int | None = None) -> None:
-        """``rank``/``world_size``: this rank's place (default: ``torch.distributed``'s, or
-        torchrun's ``RANK``/``WORLD_SIZE`` before the process group exists, else 0 of 1)."""
+        """``rank``/``world_size``: this rank's place among the data-parallel ranks (default:
+        ``torch.distributed``'s, or torchrun's ``RANK``/``WORLD_SIZE`` before the process group
+        exists, else 0 of 1; under tensor or pipeline parallelism pass the data-parallel ones)."""
         if num_samples < 1 or batch_size < 1:
             raise ValueError(f"ElasticSampler needs num_samples >= 1 and batch_size >= 1, got "
                              f"{num_samples} and {batch_size}")

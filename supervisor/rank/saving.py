@@ -304,7 +304,9 @@ class Checkpointer:
             return
         _barrier()
         if self.rank == 0:
-            checkpoints.register_external(root, os.fspath(path), step, cursor, lr_scale)
+            checkpoints.register_external(
+                root, os.fspath(path), step, cursor, lr_scale,
+                samples=self.samples_at(cursor) if self.samples_at is not None else None)
             self._emit("checkpoint", step=step, cursor=cursor, path=str(path), external=True)
         _barrier()
 

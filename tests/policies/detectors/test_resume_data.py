@@ -52,7 +52,8 @@ def test_a_loader_that_counts_samples_is_told_only_of_its_optimizers_batch() -> 
     [finding] = resumed([record(s, 3) for s in range(1, 21)],
                         [record(s, 2) for s in range(13, 30)], 12, 12, samples=144)
     assert finding.evidence["samples"] == 144
-    assert "went on at sample 144 of its stream, none skipped or repeated" in finding.message
+    assert "recorded sample 144 of the data stream, where an ElasticSampler goes on, none " \
+        "skipped or repeated" in finding.message
     assert "0.667x the samples its learning rate was set for" in finding.message
     assert "a second time" not in finding.message
 

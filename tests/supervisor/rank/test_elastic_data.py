@@ -131,3 +131,30 @@ def test_built_before_the_process_group_it_takes_its_place_from_torchrun(
     monkeypatch.setenv("WORLD_SIZE", "3")
     sampler = ElasticSampler(30, 2, shuffle=False)
     assert (sampler.rank, sampler.world_size, next(iter(sampler))) == (2, 3, [4, 5])
+
+
+def test_a_loop_over_another_loader_first_still_places_the_sampler_by_the_record() -> None:
+    """Resumed at cursor 5 with 37 samples recorded; 2 global batches drawn from another
+    loader first (cursor 7): the sampler starts at 37 + 2 x 4. A later loop over a loader
+    without the sampler records no samples with its checkpoints."""
+    run = run_for(Directive(resume=Resume(path="ckpt", step=5, cursor=5, samples=37)))
+    plain = run.batches([["a"], ["b"], ["c"], ["d"], ["e"], ["f"], ["g"], ["h"]])
+    assert [next(plain), next(plain)] == [["f"], ["g"]]
+    sampler = ElasticSampler(100, 4, shuffle=False, rank=0, world_size=1)
+    assert next(iter(run.batches(sampler))) == [45, 46, 47, 48]
+    next(iter(run.batches([[0]] * 20)))
+    assert run._checkpointer.samples_at is None
+
+
+def test_a_checkpoint_the_script_saves_itself_records_the_samples_too(tmp_path: Path) -> None:
+    from babysit.checkpoints import read_manifest, step_dir
+
+    run = run_for(Directive(checkpoint_dir=str(tmp_path / "ckpt")))
+    draws = run.batches(ElasticSampler(100, 4, shuffle=False, rank=0, world_size=1))
+    for _ in range(3):
+        next(draws)
+    run.step_count = 3
+    mine = tmp_path / "mine.pt"
+    mine.write_bytes(b"the script's own state")
+    run.checkpoint_saved(mine)
+    assert read_manifest(step_dir(tmp_path / "ckpt", 3)).samples == 12
