@@ -121,7 +121,7 @@ class Checkpointer:
                 handle = checkpoints.save(
                     str(self.directive.checkpoint_dir), step, cursor, lr_scale, self.model,
                     self.optimizer, self.scheduler, async_save=self._in_background(),
-                    samples=self.samples_at(cursor) if self.samples_at is not None else None)
+                    samples=self._samples(cursor))
         except checkpoints.CheckpointError as exc:
             # Every rank raises together (the save is collective), so every rank trains on: a
             # full disk must cost a checkpoint, never the run. The last good one still stands.
@@ -142,6 +142,10 @@ class Checkpointer:
             self._announce(handle, blocking)
         else:
             self._pending, self._pending_blocking = handle, blocking
+
+    def _samples(self, cursor: int) -> int | None:
+        """The samples of the data stream consumed at ``cursor``, when the loader counts them."""
+        return self.samples_at(cursor) if self.samples_at is not None else None
 
     def _in_background(self) -> bool:
         """Save asynchronously: the directive allows it and, checked once at the first save,
@@ -304,9 +308,8 @@ class Checkpointer:
             return
         _barrier()
         if self.rank == 0:
-            checkpoints.register_external(
-                root, os.fspath(path), step, cursor, lr_scale,
-                samples=self.samples_at(cursor) if self.samples_at is not None else None)
+            checkpoints.register_external(root, os.fspath(path), step, cursor, lr_scale,
+                                          samples=self._samples(cursor))
             self._emit("checkpoint", step=step, cursor=cursor, path=str(path), external=True)
         _barrier()
 

@@ -136,8 +136,8 @@ class Watch:
         self._resume_data: ResumeData | None = None
         """The data check of this attempt's resume: the same global batch as before it
         (``detectors/resume_data.py``)."""
-        self._restored_cursor: int | None = None
-        self._restored_samples: int | None = None
+        self._resume: Resume | None = None
+        """babysit's checkpoint this attempt resumed from (its directive's), if any."""
         self._rerun_from: int | None = None
         """The step the rerun in flight (or just concluded) resumed from."""
         self._first_record = True
@@ -185,9 +185,7 @@ class Watch:
         self._resume_failed = False
         self._resume_loss, self._first_record = None, True
         self._restored = directive.resume.step if directive.resume is not None else restored
-        self._restored_cursor = directive.resume.cursor if directive.resume is not None else None
-        self._restored_samples = directive.resume.samples if directive.resume is not None \
-            else None
+        self._resume = directive.resume
         if self._batches is not None:
             self._batches.new_attempt()
         self.hang.start(now)
@@ -253,10 +251,10 @@ class Watch:
             self._resume_loss = ResumeLoss.start(self.policy.detectors.resume_loss,
                                                  record.step - 1, self.trace.losses(),
                                                  self._restored)
-            self._resume_data = ResumeData.start(self._batches, self._restored,
-                                                 self._restored_cursor,
-                                                 self._restored_samples) \
-                if self._batches is not None else None
+            resume = self._resume
+            self._resume_data = ResumeData.start(
+                self._batches, self._restored, resume.cursor if resume else None,
+                resume.samples if resume else None) if self._batches is not None else None
         batch = self._batches.observe(record) if self._batches is not None else None
         per_rank = {r.rank: r.loss for r in record.ranks if r.loss is not None} \
             if isinstance(record, StepRecord) and record.world_size <= PER_RANK_LIMIT else {}
