@@ -155,9 +155,13 @@ def standby_cost(run_dir: Path, babysit: subprocess.Popen[bytes],
     ready = run_dir / "attempts" / "1" / "standby" / "ready"
     while babysit.poll() is None:
         time.sleep(0.2)
-        started = [e for e in read(run_dir / "events.jsonl")
-                   if e["event"] == "standby_started"] if (run_dir / "events.jsonl").exists() \
+        journal = read(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() \
             else []
+        if any(e["event"] == "launch" and e["attempt"] == 1 for e in journal):
+            # Promoted before it was ready (a hang in the first seconds): what it holds now is
+            # the running attempt's, not a waiting standby's.
+            return {}
+        started = [e for e in journal if e["event"] == "standby_started"]
         if not started or len([p for p in ready.glob("*") if p.name.isdigit()]) < ranks:
             continue
         try:
