@@ -75,8 +75,9 @@ from babysit.supervisor.run.console import Console
 
 TICK_S = 0.1
 FORWARDED = ("hello", "close", "skip", "checkpoint", "checkpoint_failed", "checkpoint_sync",
-             "cadence", "fingerprint")
-"""Rank events the leader needs: the run's record, checkpoints, cadence and SDC checks."""
+             "cadence", "fingerprint", "stream")
+"""Rank events the leader needs: the run's record, checkpoints, cadence, SDC checks and
+where the data stream is (rank 0 is on node 0 unless the ranks were placed otherwise)."""
 
 
 class Follower:

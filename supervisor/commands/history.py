@@ -51,7 +51,9 @@ as in the journal)::
     attempt_history             every launch: {attempt, time, resume_step (babysit's checkpoint,
                                 or in stdout mode the script's own put back), resume_samples
                                 (the samples consumed there, ElasticSampler), resume_note, skip:
-                                [[start, end]] (data-cursor batches), lr_scale, cause: the
+                                [[start, end]] (data-cursor batches; [start, end, first, last
+                                + 1] with the samples of the stream, ElasticSampler), lr_scale,
+                                cause: the
                                 incident that made babysit launch it, or null}
     checkpoint_dir              the checkpoint root looked at (str)
     checkpoints                 [{step, cursor, verdict, reason, path}], oldest first
@@ -124,7 +126,8 @@ class Attempt:
     attempt: int
     time: float
     resume_step: int | None
-    skip: list[tuple[int, int]]
+    skip: list[tuple[int, ...]]
+    """(start, end) data-cursor batches, and (first, end) samples when given in samples."""
     lr_scale: float
     cause: IncidentRecord | None
     resume_note: str | None = None
@@ -210,7 +213,8 @@ class History:
             elif kind == "launch":
                 d = _dict(e.get("directive"))
                 resume = _dict(d.get("resume")) or _dict(e.get("script_resume"))
-                skip = [(int(s["start"]), int(s["end"])) for s in d.get("skip") or ()
+                skip = [(int(s["start"]), int(s["end"]), *map(int, s.get("samples") or ()))
+                        for s in d.get("skip") or ()
                         if isinstance(s, dict) and "start" in s and "end" in s]
                 h.attempts.append(Attempt(
                     attempt=_int(d.get("attempt"), _int(e.get("attempt"), len(h.attempts))),

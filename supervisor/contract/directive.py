@@ -61,13 +61,27 @@ def closed_ranks(attempt_dir: Path) -> dict[int, dict[str, Any]]:
 
 @dataclass(frozen=True, slots=True)
 class SkipRange:
-    """Global batches ``start <= cursor < end`` are not trained on."""
+    """Global batches ``start <= cursor < end`` are not trained on.
+
+    ``samples``: the same batches as a span of the data stream, ``[first, end)`` samples
+    consumed (``rank/elastic_data.py``), when the attempt that met them drew its data with an
+    ``ElasticSampler``. A rank drawing with one skips the global batches of *its* world size
+    that hold those samples; the cursors are then only what the attempt that met them counted
+    (another world size counts other batches)."""
 
     start: int
     end: int
+    samples: tuple[int, int] | None = None
 
     def __contains__(self, cursor: object) -> bool:
         return isinstance(cursor, int) and self.start <= cursor < self.end
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> SkipRange:
+        """A range as ``asdict`` wrote it (a directive, a journal entry; ``samples`` optional)."""
+        span = obj.get("samples")
+        return cls(int(obj["start"]), int(obj["end"]),
+                   (int(span[0]), int(span[1])) if span else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +166,7 @@ class Directive:
         return cls(
             attempt=int(obj.get("attempt", 0)),
             resume=Resume(**resume) if resume else None,
-            skip=tuple(SkipRange(int(s["start"]), int(s["end"])) for s in obj.get("skip", ())),
+            skip=tuple(SkipRange.from_json(s) for s in obj.get("skip", ())),
             lr_scale=float(obj.get("lr_scale", 1.0)),
             lr_ramp=LrRamp(int(ramp["cut"]), int(ramp["start"]), int(ramp["end"]),
                            float(ramp["to"]))
@@ -178,12 +192,22 @@ class Directive:
 
 
 def merge_skips(ranges: list[SkipRange]) -> tuple[SkipRange, ...]:
-    """Sort and coalesce overlapping or touching ranges, so the worker checks each once."""
+    """Sort and coalesce overlapping or touching ranges, so the worker checks each once. Two
+    ranges with sample spans merge when the spans overlap or touch too; a range with a span and
+    one without stay apart (a rank may skip them in different units; overlaps are harmless)."""
     merged: list[SkipRange] = []
     for r in sorted(ranges, key=lambda r: r.start):
-        if merged and r.start <= merged[-1].end:
-            last = merged[-1]
-            merged[-1] = SkipRange(last.start, max(last.end, r.end))
+        last = merged[-1] if merged else None
+        if last is not None and r.start <= last.end and _spans_merge(last.samples, r.samples):
+            span = None if r.samples is None or last.samples is None else (
+                min(last.samples[0], r.samples[0]), max(last.samples[1], r.samples[1]))
+            merged[-1] = SkipRange(last.start, max(last.end, r.end), span)
         else:
             merged.append(r)
     return tuple(merged)
+
+
+def _spans_merge(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a[0] <= b[1] and b[0] <= a[1]

@@ -152,6 +152,7 @@ class Run:
                     sampler.anchor(self.cursor, before.samples_at(self.cursor))
                 else:
                     sampler.anchor(*self._resume_point(sampler))
+                    self._place_skips(sampler)
                 self._sampler = sampler
             seek = sampler.seek
         self._checkpointer.samples_at = sampler.samples_at if sampler is not None else None
@@ -164,7 +165,8 @@ class Run:
             self._check_integrity()
             skip = self._skip_at(self.cursor)
             if skip is not None:
-                self._event("skip", start=skip.start, end=skip.end)
+                self._event("skip", start=skip.start, end=skip.end,
+                            **({"samples": list(skip.samples)} if skip.samples else {}))
                 it = self._position(loader, seek, self.cursor, skip.end, it)
                 self.cursor = skip.end
             t0 = _perf()
@@ -175,6 +177,18 @@ class Run:
             self._data_wait += _perf() - t0
             self.cursor += 1
             yield batch
+
+    def _place_skips(self, sampler: elastic_data.ElasticSampler) -> None:
+        """The stream's place, told once per attempt (rank 0: every rank's is the same), so
+        that a rollback's skip of the batches met here is given to the next attempt in
+        samples; and the skips given in samples, as this world size's global batches."""
+        if self.rank == 0:
+            self._event("stream", cursor=self.cursor, samples=sampler.samples_at(self.cursor),
+                        global_batch=sampler.global_batch)
+        self._skips = sorted(
+            (r if r.samples is None else SkipRange(*sampler.batches_holding(*r.samples),
+                                                   r.samples)
+             for r in self._skips), key=lambda r: r.start)
 
     def _resume_point(self, sampler: elastic_data.ElasticSampler) -> tuple[int, int]:
         """(cursor, samples consumed there) where this attempt's stream position is known: the

@@ -29,7 +29,10 @@ resume check says so.)
 A global batch may span two epochs; the stream ends after ``epochs`` passes over the data when
 given (the last partial global batch is dropped: every rank needs a full batch), else never.
 The permutation of an epoch is built when the stream reaches it (``torch.randperm``: 8 bytes a
-sample). Skip ranges of a rollback are global batches of the attempt that skips them.
+sample). A rollback's skip comes in samples when the attempt that met the bad batches drew
+with an ``ElasticSampler`` (it reports its stream's place, ``run.batches()``); the rank skips the
+global batches of its own world size that hold them (``batches_holding``), so the skip follows
+the data across a resize. Without that report (a plain loader) a skip is in global batches.
 """
 
 from __future__ import annotations
@@ -86,6 +89,16 @@ class ElasticSampler:
         """Samples of the stream consumed before global batch ``cursor`` of this attempt."""
         at, samples = self._anchor
         return samples + (cursor - at) * self.global_batch
+
+    def batches_holding(self, first: int, end: int) -> tuple[int, int]:
+        """The global batches ``[start, stop)`` of this attempt that hold any of the stream's
+        samples ``first <= sample < end``: a skip the supervisor gave in samples, in this world
+        size's batches. Rounded outward, so a batch is never half skipped: where the global batch
+        changed since the samples were met, up to a batch of this size's samples on either side
+        goes with them (a rollback's skip has batches of margin around its onset anyway)."""
+        at, samples = self._anchor
+        g = self.global_batch
+        return at + (first - samples) // g, at + -((samples - end) // g)
 
     def seek(self, cursor: int) -> None:
         """babysit's loader protocol: the next ``iter()`` starts at global batch ``cursor``."""

@@ -29,7 +29,8 @@ from babysit.supervisor.run.watch import Watch
 WATCH_STATE_EVERY = 100
 """Steps between journaled judgement states (a few KB each: the detectors' windows)."""
 JOURNALED = {"hello": "worker_hello", "close": "worker_close", "skip": "worker_skip",
-             "scalars": "worker_scalars", "cadence": "cadence_applied"}
+             "scalars": "worker_scalars", "cadence": "cadence_applied",
+             "stream": "worker_stream"}
 """Rank events journaled as they are, by the entry's name."""
 
 
@@ -113,6 +114,8 @@ class Record:
             self.world = data["world_size"]
         if kind in JOURNALED:
             self.write(JOURNALED[kind], rank=event.rank, data=data)
+            if kind == "stream":  # where the data is: a rollback's skip is given in samples
+                self.watch.observe_stream(data)
         elif kind == "checkpoint":
             self.write("checkpoint_saved", step=int(data.get("step", 0)), rank=event.rank,
                        data=data)

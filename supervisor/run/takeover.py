@@ -62,7 +62,8 @@ def take_over(prior: PriorRun, run_dir: Path, stop_grace_s: float, watch: Watch)
     fields = {"previous_attempt": prior.last_attempt, "stopped_pids": stopped,
               "watched_until_step": prior.last_step, "finished_unwatched": finished,
               "inherited_remedy": inherited.to_json() if inherited else None,
-              "skip": [{"start": r.start, "end": r.end} for r in watch.skips],
+              "skip": [{"start": r.start, "end": r.end, "samples": r.samples}
+                       for r in watch.skips],
               "lr_scale": watch.lr_scale}
     return Takeover(prior, inherited, finished, fields)
 

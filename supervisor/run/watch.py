@@ -138,6 +138,9 @@ class Watch:
         (``detectors/resume_data.py``)."""
         self._resume: Resume | None = None
         """babysit's checkpoint this attempt resumed from (its directive's), if any."""
+        self._stream: tuple[int, int, int] | None = None
+        """This attempt's data stream, when its ranks draw with an ``ElasticSampler``: (cursor,
+        samples consumed there, samples per global batch), from rank 0's ``stream`` event."""
         self._rerun_from: int | None = None
         """The step the rerun in flight (or just concluded) resumed from."""
         self._first_record = True
@@ -186,6 +189,7 @@ class Watch:
         self._resume_loss, self._first_record = None, True
         self._restored = directive.resume.step if directive.resume is not None else restored
         self._resume = directive.resume
+        self._stream = None
         if self._batches is not None:
             self._batches.new_attempt()
         self.hang.start(now)
@@ -206,6 +210,26 @@ class Watch:
         elif event.type == "phase":
             self.hang.phase(event.rank, str(event.data.get("name", "?")),
                             bool(event.data.get("begin")), now)
+
+    def observe_stream(self, data: dict[str, Any]) -> None:
+        """Where this attempt's data stream is (rank 0's ``stream`` event, ``Run.batches``)."""
+        try:
+            stream = int(data["cursor"]), int(data["samples"]), int(data["global_batch"])
+        except (KeyError, TypeError, ValueError):
+            return
+        if stream[2] > 0:
+            self._stream = stream
+
+    def in_samples(self, skip: SkipRange) -> SkipRange:
+        """``skip`` (batches of the attempt that just ran) with its span of the data stream,
+        when that attempt reported one: the next attempt skips those samples at whatever world
+        size it has. Batches before the report's cursor are counted at its global batch too
+        (exact unless the attempt before it had another)."""
+        if self._stream is None:
+            return skip
+        cursor, samples, size = self._stream
+        first, end = (max(0, samples + (c - cursor) * size) for c in (skip.start, skip.end))
+        return SkipRange(skip.start, skip.end, (first, end)) if end > first else skip
 
     def observe_resume(self, event: WorkerEvent) -> Finding | None:
         """A rank's check at its first forward after a resume (``Run._check_restore``): a
@@ -371,7 +395,8 @@ class Watch:
             detectors.pop("rank_departure", None)
         return {"rules": self.rules.state_dict(),
                 "crashes": [[c.signature, c.step] for c in self.crashes],
-                "skips": [[r.start, r.end] for r in self.skips], "lr_scale": self.lr_scale,
+                "skips": [[r.start, r.end, *(r.samples or ())] for r in self.skips],
+                "lr_scale": self.lr_scale,
                 "lr_ramp": _ramp_json(self.lr_ramp), "detectors": detectors,
                 "sdc": self.sdc.state_dict(),
                 "rerun": self.rerun.to_json() if self.rerun is not None else None,
@@ -382,7 +407,9 @@ class Watch:
         self.rules.load_state_dict(d["rules"])
         self.crashes = [CrashSignature(str(sig), None if step is None else int(step))
                         for sig, step in d.get("crashes", ())]
-        self.skips = [SkipRange(int(a), int(b)) for a, b in d.get("skips", ())]
+        self.skips = [SkipRange(int(r[0]), int(r[1]),
+                                (int(r[2]), int(r[3])) if len(r) == 4 else None)
+                      for r in d.get("skips", ())]
         self.adopt_lr(d)
         if "sdc" in d:  # the checks that agreed, and each device's first probe
             self.sdc.load_state_dict(d["sdc"])
@@ -399,7 +426,7 @@ class Watch:
     def adopt_orders(self, directive: dict[str, Any]) -> None:
         """Take the skip ranges and LR orders of a journaled directive: a supervisor taking
         over keeps what the last attempt actually ran with."""
-        self.skips = [SkipRange(int(r["start"]), int(r["end"])) for r in directive.get("skip", ())]
+        self.skips = [SkipRange.from_json(r) for r in directive.get("skip", ())]
         self.adopt_lr(directive)
 
     def adopt_lr(self, orders: dict[str, Any]) -> None:
@@ -438,7 +465,7 @@ class Watch:
         self.rerun = Rerun.start(remedy.finding, self.trace) if remedy is not None \
             and remedy.action is Action.ROLLBACK and asked(remedy.finding) else None
         if plan.skip is not None:
-            self.skips.append(plan.skip)
+            self.skips.append(self.in_samples(plan.skip))
         changes: list[Entry] = []
         if (plan.lr_scale, plan.lr_ramp) != (self.lr_scale, self.lr_ramp):
             changes.append(("lr_scale", {"lr_scale": plan.lr_scale,

@@ -122,6 +122,52 @@ def test_a_fault_at_the_same_batch_twice_is_the_datas_and_that_batch_is_skipped(
     assert last_eval(run_dir) == pytest.approx(fixed, rel=1e-6)
 
 
+def test_a_corrupt_sample_is_skipped_by_its_place_in_the_data_stream(tmp_path: Path) -> None:
+    """The textbook case with babysit's ElasticSampler: one sample of the data set is corrupt
+    and its reader raises, on whichever rank draws it. The second time at the same batch it
+    is the data's: the skip is given to the next attempt in samples (the global batch's place
+    in the stream, which the ranks reported), so it would hold at any world size; here the
+    ranks skip exactly those 8 samples and train every other one once, in stream order."""
+    from babysit import ElasticSampler
+
+    n, indices = 1000, tmp_path / "indices"
+    stream = iter(ElasticSampler(n, 1, rank=0, world_size=1, seed=0))
+    order = [next(stream)[0] for _ in range(8 * 31)]
+    corrupt = order[85]  # global batch 10 (2 ranks of 4): stream positions 80-87, rank 1's
+    result, run_dir = babysat(tmp_path, "sample", *STEPS, "--elastic-data", str(n),
+                              "--index-log", str(indices), "--raise-sample", str(corrupt))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    crashes = [e for e in journal(run_dir, "finding") if e["finding"]["incident"] == "crash"]
+    assert [e["remedy"]["action"] for e in crashes] == ["relaunch", "rollback"]
+    assert f"ValueError: corrupt sample {corrupt}" in crashes[0]["finding"]["message"]
+    assert "same crash at global batch 10 on rank 1" in crashes[1]["remedy"]["reason"]
+    # Each attempt said where its stream was; the third skips batch 10 as samples 80-87.
+    streams = [e["data"] for e in journal(run_dir, "worker_stream")]
+    assert [s["global_batch"] for s in streams] == [8, 8, 8]
+    launch = journal(run_dir, "launch")[2]["directive"]
+    assert launch["skip"] == [{"start": 10, "end": 11, "samples": [80, 88]}]
+    skipped = [e["data"] for e in journal(run_dir, "worker_skip")]
+    assert skipped and all(s["samples"] == [80, 88] for s in skipped)
+    # What the run kept (each attempt's steps up to where the next resumed): the stream in
+    # order, the corrupt sample's global batch left out, nothing else.
+    starts = {e["attempt"]: (e["directive"]["resume"] or {}).get("step", 0)
+              for e in journal(run_dir, "launch")}
+    ends = {a: starts.get(a + 1, 30) for a in starts}
+    drawn: dict[int, list[tuple[int, list[int]]]] = {}
+    for log in indices.iterdir():
+        for line in log.read_text().splitlines():
+            attempt, step, _, *idx = map(int, line.split())
+            if starts[attempt] < step <= ends[attempt]:
+                drawn.setdefault(step, []).append((int(log.name), idx))
+    kept = [i for step in range(1, 31) for _, idx in sorted(drawn[step]) for i in idx]
+    assert kept == order[:80] + order[88:8 * 31]
+    (finished,) = journal(run_dir, "run_finished")
+    assert finished["state"] == "succeeded" and finished["step"] == 30
+    status = run_babysit("status", str(run_dir), cwd=tmp_path, timeout=60)
+    assert "skip batches 10-10 (samples 80-87)" in status.stdout, status.stdout
+
+
 def test_a_resume_that_did_not_take_is_tried_once_older_then_stopped(tmp_path: Path) -> None:
     # Rank 1 is killed at step 22; every resume re-initialises the model after attach().
     result, run_dir = babysat(tmp_path, "overwrite", *STEPS, "--at", "0:1:22:SIGKILL",

@@ -42,6 +42,8 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
                            resumes at the next sample (its global batch changes)
     --index-log DIR        with --elastic-data: each rank appends "attempt step world indices"
                            per step to DIR/<rank>
+    --raise-sample I       with --elastic-data: reading sample I raises ValueError, in every
+                           attempt, on whichever rank draws it (a corrupt file in the data set)
     --reinit-after-attach  on a resume, re-initialise the model right after attach() restored
                            it: a "load pretrained" line placed after attach()
     --slow-data RANK:SEC[:START:END]  that rank waits SEC seconds for every batch (a slow
@@ -190,7 +192,19 @@ def elastic_batches(run, rank: int, world_size: int, args: argparse.Namespace, a
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(args.elastic_data, 16, generator=g)
-    data = TensorDataset(torch.arange(args.elastic_data), x, x.sum(dim=1, keepdim=True))
+    rows = TensorDataset(torch.arange(args.elastic_data), x, x.sum(dim=1, keepdim=True))
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(rows)
+
+        def __getitem__(self, i: int):
+            if i == args.raise_sample:
+                print(f"rank {rank}: the loader meets sample {i}", flush=True)
+                raise ValueError(f"corrupt sample {i}")
+            return rows[i]
+
+    data = Data()
     loader = DataLoader(data, batch_sampler=ElasticSampler(args.elastic_data, 4, seed=0))
     log = None
     if args.index_log:
@@ -227,6 +241,7 @@ def main() -> None:
     p.add_argument("--global-batch", type=int)
     p.add_argument("--elastic-data", type=int, default=0)
     p.add_argument("--index-log")
+    p.add_argument("--raise-sample", type=int)
     p.add_argument("--reinit-after-attach", action="store_true")
     p.add_argument("--slow-data", type=lambda t: [float(x) if "." in x else int(x)
                                                   for x in t.split(":")])

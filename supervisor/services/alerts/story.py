@@ -270,7 +270,9 @@ def _lr(d: Directive) -> str:
 
 
 def _range(r: SkipRange) -> str:
-    return f"{r.start}-{r.end - 1}" if r.end - 1 > r.start else str(r.start)
+    batches = f"{r.start}-{r.end - 1}" if r.end - 1 > r.start else str(r.start)
+    return batches if r.samples is None else \
+        f"{batches} (samples {r.samples[0]}-{r.samples[1] - 1})"
 
 
 def _duration(seconds: float) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -189,6 +190,25 @@ def test_batches_resume_and_skip_in_cursor_space(seekable: bool) -> None:
     assert run.cursor == 12
     if seekable:
         assert loader.seeks == [3, 7, 10]
+
+
+def test_a_plain_loader_skips_a_range_given_in_samples_by_its_batches() -> None:
+    """Without an ElasticSampler there is no stream to place samples in: the batches stand."""
+    directive = Directive(skip=(SkipRange(2, 4, (16, 32)),))
+    run = Run(rank=0, world_size=1, directive=directive, sock=None, token=b"")
+    assert list(run.batches(range(6))) == [0, 1, 4, 5]
+
+
+def test_skips_merge_by_batches_and_by_samples_and_survive_json() -> None:
+    from babysit.supervisor.contract.directive import merge_skips
+
+    merged = merge_skips([SkipRange(10, 20, (80, 160)), SkipRange(1, 3), SkipRange(2, 5),
+                          SkipRange(15, 30, (120, 240)), SkipRange(25, 40),
+                          SkipRange(50, 60, (400, 480)), SkipRange(55, 70, (900, 1000))])
+    assert merged == (SkipRange(1, 5), SkipRange(10, 30, (80, 240)), SkipRange(25, 40),
+                      SkipRange(50, 60, (400, 480)), SkipRange(55, 70, (900, 1000)))
+    directive = Directive(skip=merged)
+    assert Directive.from_json(json.loads(json.dumps(directive.to_json()))) == directive
 
 
 def test_lr_scale_applies_only_inside_optimizer_step() -> None:

@@ -4,6 +4,7 @@ same runs for real across a node eviction in ``tests/e2e/test_multinode.py``."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,62 @@ def test_a_checkpoint_the_script_saves_itself_records_the_samples_too(tmp_path: 
     mine.write_bytes(b"the script's own state")
     run.checkpoint_saved(mine)
     assert read_manifest(step_dir(tmp_path / "ckpt", 3)).samples == 12
+
+
+def test_a_skip_met_on_four_ranks_skips_the_same_samples_on_two(tmp_path: Path) -> None:
+    """The attempt that meets a spike draws on 4 ranks of 2 (8 samples a global batch) and
+    says where its stream is; the rollback's skip of its batches 89-169 is given to the next
+    attempt in samples; that attempt, on 2 ranks of 5 (10 a global batch), trains none of
+    those samples, and of the good ones around them loses fewer than one of its own batches."""
+    import socket
+
+    from babysit.policies.loader import load_policy
+    from babysit.policies.rerun import Seen
+    from babysit.supervisor.contract import protocol
+    from babysit.supervisor.run.watch import Watch
+    from tests.supervisor.run.test_rollback import DATA_FIRST, remedy
+
+    TOKEN = b"t" * protocol.TOKEN_BYTES
+    met = Resume(path=str(tmp_path), step=60, cursor=60, samples=480)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with ours, theirs:
+        four = Run(rank=0, world_size=4, directive=Directive(resume=met), sock=ours, token=TOKEN)
+        loader = DataLoader(TensorDataset(torch.arange(4000)),
+                            batch_sampler=ElasticSampler(4000, 2, shuffle=False, rank=0,
+                                                         world_size=4))
+        (x,) = next(iter(four.batches(loader)))
+        assert x.tolist() == [480, 481]  # global batch 60 of 8: rank 0's slice
+        event = protocol.decode(TOKEN, theirs.recv(65536))
+    assert isinstance(event, protocol.WorkerEvent) and event.type == "stream"
+    assert event.data == {"cursor": 60, "samples": 480, "global_batch": 8}
+
+    watch = Watch(load_policy("default", DATA_FIRST))
+    watch.new_attempt(0.0, Directive(attempt=1, resume=met))
+    watch.observe_stream(event.data)
+    for s in range(61, 130):
+        watch.trace.add(s, Seen(s, None, None))  # one global batch a step
+    # Spike onset at step 100, found at 120: batches 89-169 skipped (10 before, 50 after).
+    resume = Resume(path=str(tmp_path), step=80, cursor=80, samples=640)
+    directive, _ = watch.launch(2, remedy(), resume)
+    (skip,) = directive.skip
+    assert skip == SkipRange(89, 170, (480 + 29 * 8, 480 + 110 * 8))  # samples 712-1359
+    directive = Directive.from_json(json.loads(json.dumps(directive.to_json())))  # as read
+    # ...and carried through a takeover.
+    heir = Watch(load_policy("default", DATA_FIRST))
+    heir.load_state_dict(json.loads(json.dumps(watch.state_dict())))
+    assert heir.skips == [skip]
+
+    trained: list[int] = []
+    for rank in (0, 1):
+        run = Run(rank=rank, world_size=2, directive=directive, sock=None, token=b"")
+        loader = DataLoader(TensorDataset(torch.arange(4000)),
+                            batch_sampler=ElasticSampler(4000, 5, shuffle=False, rank=rank,
+                                                         world_size=2))
+        for (x,) in run.batches(loader):
+            trained += x.tolist()
+            if run.cursor == 170:  # 90 of this attempt's batches
+                break
+    bad = set(range(712, 1360))
+    assert not bad & set(trained)
+    # Its batches 87-151 hold samples 710-1359: two good ones go with the bad (710, 711).
+    assert sorted(trained) == [*range(640, 710), *range(1360, 1360 + (170 - 152) * 10)]
