@@ -54,6 +54,8 @@ def take_over(prior: PriorRun, run_dir: Path, stop_grace_s: float, watch: Watch)
         watch.load_state_dict(prior.watch_state)
     if prior.directive:  # the skips and LR orders the last attempt actually ran with
         watch.adopt_orders(prior.directive)
+    if prior.stream:  # where its data was: an inherited rollback's skip is given in samples
+        watch.observe_stream(prior.stream)
     inherited = None
     if prior.pending:
         inherited = Remedy.from_json(prior.pending["remedy"],

@@ -249,9 +249,12 @@ def test_prior_run_reads_what_a_killed_supervisor_left() -> None:
         {"event": "run_started", "attempt": 0},
         {"event": "launch", "attempt": 0, "pid": 100, "directive": {}},
         {"event": "worker_hello", "attempt": 0, "rank": 0, "data": {"pid": 101}},
+        {"event": "worker_stream", "attempt": 0, "rank": 0, "data": {"cursor": 0}},
         {"event": "standby_started", "attempt": 0, "for_attempt": 1, "pid": 200},
         {"event": "launch", "attempt": 1, "pid": 200, "directive": directive, "standby": True},
         {"event": "worker_hello", "attempt": 1, "rank": 0, "data": {"pid": 201}},
+        {"event": "worker_stream", "attempt": 1, "rank": 0, "data": {
+            "cursor": 5, "samples": 40, "global_batch": 8}},
         {"event": "worker_hello", "attempt": 1, "rank": 1, "data": {"pid": "bogus"}},
         {"event": "standby_started", "attempt": 1, "for_attempt": 2, "pid": 300},
     ]
@@ -259,6 +262,8 @@ def test_prior_run_reads_what_a_killed_supervisor_left() -> None:
     assert prior is not None and prior.unfinished and prior.last_attempt == 1
     # The attempt's torchrun and ranks, and the warm standby waiting to be the next attempt.
     assert prior.pids == (200, 201, 300) and prior.directive == directive
+    # Where the last attempt's data stream was (not an earlier attempt's).
+    assert prior.stream == {"cursor": 5, "samples": 40, "global_batch": 8}
     finished = prior_run([*entries, {"event": "run_finished", "attempt": 1, "state": "failed"}])
     assert finished is not None and not finished.unfinished
     preempted = prior_run([*entries, {"event": "run_finished", "attempt": 1, "state": "stopped"}])

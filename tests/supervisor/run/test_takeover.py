@@ -49,3 +49,26 @@ def test_a_missing_final_checkpoint_names_what_the_next_run_resumes_from(
     assert fallback.step == 1000
     message = preemption.missing_message("none arrived within 30 s", fallback)
     assert "no final checkpoint" in message and "step 1000" in message
+
+
+def test_a_takeover_gives_an_inherited_skip_in_the_samples_of_the_attempt_it_watched(
+        tmp_path: Path) -> None:
+    """The supervisor died after the attempt's rank 0 said where its ElasticSampler's stream
+    was: the next supervisor's skip of that attempt's batches goes out in samples too."""
+    from babysit.policies.loader import load_policy
+    from babysit.supervisor.contract.directive import SkipRange
+    from babysit.supervisor.run.journal import prior_run
+    from babysit.supervisor.run.watch import Watch
+
+    prior = prior_run([
+        {"event": "run_started", "attempt": 0},
+        {"event": "launch", "attempt": 0, "pid": 0, "directive": {"skip": [
+            {"start": 2, "end": 3, "samples": [16, 24]}]}},
+        {"event": "worker_stream", "attempt": 0, "rank": 0,
+         "data": {"cursor": 4, "samples": 24, "global_batch": 8}},
+    ])
+    assert prior is not None
+    watch = Watch(load_policy("default"))
+    takeover.take_over(prior, tmp_path, 1.0, watch)
+    assert watch.skips == [SkipRange(2, 3, (16, 24))]  # the orders it ran with, in samples
+    assert watch.in_samples(SkipRange(10, 12)) == SkipRange(10, 12, (72, 88))
