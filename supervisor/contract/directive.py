@@ -105,12 +105,27 @@ class LrRamp:
     """A rollback's temporary LR cut, in data-cursor space. Up to cursor ``cut`` (where the
     skipped batches begin) the scale is ``to``: the replayed steps before the bad region trained
     well the first time. Past it the directive's ``lr_scale`` holds until ``start`` (the end of
-    the skipped batches), then moves linearly back to ``to`` by ``end``, and stays there."""
+    the skipped batches), then moves linearly back to ``to`` by ``end``, and stays there.
+
+    ``samples``: ``cut``, ``start`` and ``end`` as samples of the data stream, when the attempt
+    that planned it drew with an ``ElasticSampler`` (as ``SkipRange.samples``): a rank drawing
+    with one places the ramp in its own world size's batches."""
 
     cut: int
     start: int
     end: int
     to: float
+    samples: tuple[int, int, int] | None = None
+
+    def bare(self) -> LrRamp:
+        """The ramp in the planning attempt's batches only (what the plan compares)."""
+        return LrRamp(self.cut, self.start, self.end, self.to)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> LrRamp:
+        span = obj.get("samples")
+        return cls(int(obj["cut"]), int(obj["start"]), int(obj["end"]), float(obj["to"]),
+                   (int(span[0]), int(span[1]), int(span[2])) if span else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +173,12 @@ class Directive:
             ramp.end - ramp.start)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        # Spans in samples only where the ranks drew with an ElasticSampler.
+        for item in [*out["skip"], *([out["lr_ramp"]] if out["lr_ramp"] else [])]:
+            if item["samples"] is None:
+                del item["samples"]
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Directive:
@@ -168,9 +188,7 @@ class Directive:
             resume=Resume(**resume) if resume else None,
             skip=tuple(SkipRange.from_json(s) for s in obj.get("skip", ())),
             lr_scale=float(obj.get("lr_scale", 1.0)),
-            lr_ramp=LrRamp(int(ramp["cut"]), int(ramp["start"]), int(ramp["end"]),
-                           float(ramp["to"]))
-            if (ramp := obj.get("lr_ramp")) else None,
+            lr_ramp=LrRamp.from_json(ramp) if (ramp := obj.get("lr_ramp")) else None,
             checkpoint_dir=obj.get("checkpoint_dir"),
             checkpoint_every=int(obj.get("checkpoint_every", 0)),
             checkpoint_async=bool(obj.get("checkpoint_async", False)),

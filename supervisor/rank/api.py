@@ -40,6 +40,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,6 +49,7 @@ from babysit.supervisor.contract.directive import (
     CLOSED_DIR,
     CONTROL_FILE,
     Directive,
+    LrRamp,
     Resume,
     SkipRange,
 )
@@ -96,7 +98,7 @@ class Run:
         self._last_step: float | None = None
         self._data_wait = 0.0
         self._phase_time = 0.0
-        self._skips = sorted(directive.skip, key=lambda r: r.start)
+        self._skips = _by_batches(directive.skip)
         self._hooks: list[Any] = []
         self._closed = False
         self._closed_marker: Path | None = None
@@ -165,8 +167,9 @@ class Run:
             self._check_integrity()
             skip = self._skip_at(self.cursor)
             if skip is not None:
-                self._event("skip", start=skip.start, end=skip.end,
-                            **({"samples": list(skip.samples)} if skip.samples else {}))
+                self._event("skip", start=skip.start, end=skip.end, **(
+                    {"samples": [sampler.samples_at(skip.start), sampler.samples_at(skip.end)]}
+                    if sampler is not None else {}))
                 it = self._position(loader, seek, self.cursor, skip.end, it)
                 self.cursor = skip.end
             t0 = _perf()
@@ -181,14 +184,20 @@ class Run:
     def _place_skips(self, sampler: elastic_data.ElasticSampler) -> None:
         """The stream's place, told once per attempt (rank 0: every rank's is the same), so
         that a rollback's skip of the batches met here is given to the next attempt in
-        samples; and the skips given in samples, as this world size's global batches."""
+        samples; and the skips and LR re-warm given in samples, placed in this world size's
+        global batches."""
         if self.rank == 0:
             self._event("stream", cursor=self.cursor, samples=sampler.samples_at(self.cursor),
                         global_batch=sampler.global_batch)
-        self._skips = sorted(
-            (r if r.samples is None else SkipRange(*sampler.batches_holding(*r.samples),
-                                                   r.samples)
-             for r in self._skips), key=lambda r: r.start)
+        self._skips = _by_batches(
+            SkipRange(*sampler.batches_holding(*r.samples)) if r.samples else r
+            for r in self.directive.skip)
+        ramp = self.directive.lr_ramp
+        if ramp is not None and ramp.samples is not None:
+            cut, start, end = ramp.samples
+            self.directive = replace(self.directive, lr_ramp=LrRamp(
+                sampler.batch_of(cut), sampler.batch_from(start), sampler.batch_from(end),
+                ramp.to, ramp.samples))
 
     def _resume_point(self, sampler: elastic_data.ElasticSampler) -> tuple[int, int]:
         """(cursor, samples consumed there) where this attempt's stream position is known: the
@@ -610,6 +619,19 @@ def _grad_guard(settings: dict[str, Any]) -> Any:
     from babysit.policies.detectors.grad_norm import GradNormConfig, GradNormDetector
 
     return GradNormDetector(GradNormConfig(**settings))
+
+
+def _by_batches(ranges: Iterable[SkipRange]) -> list[SkipRange]:
+    """Skip ranges as a rank walks them: sorted, and overlapping or touching ones joined by
+    their batches alone (a range given in samples and one given in batches may overlap once
+    both are in this attempt's batches), so one jump clears each."""
+    joined: list[SkipRange] = []
+    for r in sorted(ranges, key=lambda r: r.start):
+        if joined and r.start <= joined[-1].end:
+            joined[-1] = SkipRange(joined[-1].start, max(joined[-1].end, r.end))
+        elif r.end > r.start:
+            joined.append(SkipRange(r.start, r.end))
+    return joined
 
 
 def _draw_batch(it: Iterator[T]) -> T:

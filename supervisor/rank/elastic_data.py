@@ -32,7 +32,8 @@ The permutation of an epoch is built when the stream reaches it (``torch.randper
 sample). A rollback's skip comes in samples when the attempt that met the bad batches drew
 with an ``ElasticSampler`` (it reports its stream's place, ``run.batches()``); the rank skips the
 global batches of its own world size that hold them (``batches_holding``), so the skip follows
-the data across a resize. Without that report (a plain loader) a skip is in global batches.
+the data across a resize, and places the rollback's LR re-warm the same way (``batch_of``,
+``batch_from``). Without that report (a plain loader) both are in global batches.
 """
 
 from __future__ import annotations
@@ -96,9 +97,18 @@ class ElasticSampler:
         size's batches. Rounded outward, so a batch is never half skipped: where the global batch
         changed since the samples were met, up to a batch of this size's samples on either side
         goes with them (a rollback's skip has batches of margin around its onset anyway)."""
+        return self.batch_of(first), self.batch_from(end)
+
+    def batch_of(self, sample: int) -> int:
+        """The global batch of this attempt that holds stream sample ``sample``."""
         at, samples = self._anchor
-        g = self.global_batch
-        return at + (first - samples) // g, at + -((samples - end) // g)
+        return at + (sample - samples) // self.global_batch
+
+    def batch_from(self, sample: int) -> int:
+        """The first global batch of this attempt that begins at or after stream sample
+        ``sample``."""
+        at, samples = self._anchor
+        return at - ((samples - sample) // self.global_batch)
 
     def seek(self, cursor: int) -> None:
         """babysit's loader protocol: the next ``iter()`` starts at global batch ``cursor``."""

@@ -142,9 +142,9 @@ class PriorRun:
     last_step: int = 0
     """The newest step it journaled (observed): workers that trained on after it died did so
     unwatched."""
-    stream: dict[str, Any] | None = None
-    """Where its last attempt's data stream was (the ``worker_stream`` entry after its last
-    launch), so an inherited rollback's skip still goes out in samples."""
+    streams: tuple[dict[str, Any], ...] = ()
+    """Where the data stream was (its ``worker_stream`` entries, oldest first), so an
+    inherited rollback's skip still goes out in samples."""
 
 
 def prior_run(entries: list[dict[str, Any]]) -> PriorRun | None:
@@ -176,9 +176,8 @@ def prior_run(entries: list[dict[str, Any]]) -> PriorRun | None:
     pending = [e for e in since_launch if e.get("event") == "finding"
                and e.get("remedy", {}).get("action") in ("rollback", "relaunch")]
     last_step = max((e["step"] for e in entries if isinstance(e.get("step"), int)), default=0)
-    streams = [e["data"] for e in since_launch if e.get("event") == "worker_stream"
-               and isinstance(e.get("data"), dict)]
+    streams = tuple(e["data"] for e in entries if e.get("event") == "worker_stream"
+                    and isinstance(e.get("data"), dict))
     return PriorRun(last_attempt, unfinished, directive, tuple(p for p in pids if p > 0),
                     states[-1] if states else None,
-                    pending[-1] if pending and unfinished else None, last_step,
-                    streams[-1] if streams else None)
+                    pending[-1] if pending and unfinished else None, last_step, streams)

@@ -54,8 +54,8 @@ def take_over(prior: PriorRun, run_dir: Path, stop_grace_s: float, watch: Watch)
         watch.load_state_dict(prior.watch_state)
     if prior.directive:  # the skips and LR orders the last attempt actually ran with
         watch.adopt_orders(prior.directive)
-    if prior.stream:  # where its data was: an inherited rollback's skip is given in samples
-        watch.observe_stream(prior.stream)
+    for stream in prior.streams:  # where its data was: an inherited skip goes out in samples
+        watch.observe_stream(stream)
     inherited = None
     if prior.pending:
         inherited = Remedy.from_json(prior.pending["remedy"],
@@ -64,7 +64,8 @@ def take_over(prior: PriorRun, run_dir: Path, stop_grace_s: float, watch: Watch)
     fields = {"previous_attempt": prior.last_attempt, "stopped_pids": stopped,
               "watched_until_step": prior.last_step, "finished_unwatched": finished,
               "inherited_remedy": inherited.to_json() if inherited else None,
-              "skip": [{"start": r.start, "end": r.end, "samples": r.samples}
+              "skip": [{"start": r.start, "end": r.end,
+                        **({"samples": list(r.samples)} if r.samples else {})}
                        for r in watch.skips],
               "lr_scale": watch.lr_scale}
     return Takeover(prior, inherited, finished, fields)

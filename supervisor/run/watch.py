@@ -138,9 +138,11 @@ class Watch:
         (``detectors/resume_data.py``)."""
         self._resume: Resume | None = None
         """babysit's checkpoint this attempt resumed from (its directive's), if any."""
-        self._stream: tuple[int, int, int] | None = None
-        """This attempt's data stream, when its ranks draw with an ``ElasticSampler``: (cursor,
-        samples consumed there, samples per global batch), from rank 0's ``stream`` event."""
+        self._streams: list[tuple[int, int, int]] = []
+        """Where the data stream was, when the ranks draw with an ``ElasticSampler``: (cursor,
+        samples consumed there, samples per global batch) from rank 0's ``stream`` event of
+        each attempt of the run's line, oldest first: each attempt's counts from its cursor on
+        (one that resumed further back replaces those past its cursor)."""
         self._rerun_from: int | None = None
         """The step the rerun in flight (or just concluded) resumed from."""
         self._first_record = True
@@ -189,7 +191,8 @@ class Watch:
         self._resume_loss, self._first_record = None, True
         self._restored = directive.resume.step if directive.resume is not None else restored
         self._resume = directive.resume
-        self._stream = None
+        resumed = directive.resume.cursor if directive.resume is not None else 0
+        self._streams = [st for st in self._streams if st[0] <= resumed]
         if self._batches is not None:
             self._batches.new_attempt()
         self.hang.start(now)
@@ -218,18 +221,34 @@ class Watch:
         except (KeyError, TypeError, ValueError):
             return
         if stream[2] > 0:
-            self._stream = stream
+            self._streams = [st for st in self._streams if st[0] < stream[0]] + [stream]
+
+    def samples_at(self, cursor: int) -> int | None:
+        """Samples of the stream consumed before global batch ``cursor``, counted at the
+        global batch of the attempt that drew it (the newest report at or before it; before
+        the oldest, that one's); None where no rank reported a stream."""
+        if not self._streams:
+            return None
+        at, samples, size = next((st for st in reversed(self._streams) if st[0] <= cursor),
+                                 self._streams[0])
+        return max(0, samples + (cursor - at) * size)
 
     def in_samples(self, skip: SkipRange) -> SkipRange:
-        """``skip`` (batches of the attempt that just ran) with its span of the data stream,
-        when that attempt reported one: the next attempt skips those samples at whatever world
-        size it has. Batches before the report's cursor are counted at its global batch too
-        (exact unless the attempt before it had another)."""
-        if self._stream is None:
+        """``skip`` (batches of the run's line so far) with its span of the data stream, when
+        the ranks reported one: the next attempt skips those samples at whatever world size it
+        has."""
+        first, end = self.samples_at(skip.start), self.samples_at(skip.end)
+        if first is None or end is None or end <= first:
             return skip
-        cursor, samples, size = self._stream
-        first, end = (max(0, samples + (c - cursor) * size) for c in (skip.start, skip.end))
-        return SkipRange(skip.start, skip.end, (first, end)) if end > first else skip
+        return SkipRange(skip.start, skip.end, (first, end))
+
+    def ramp_in_samples(self, ramp: LrRamp) -> LrRamp:
+        """``ramp`` with its cut, start and end as samples of the stream, as ``in_samples``."""
+        points = [self.samples_at(c) for c in (ramp.cut, ramp.start, ramp.end)]
+        if any(p is None for p in points):
+            return ramp
+        cut, start, end = (int(p or 0) for p in points)
+        return LrRamp(ramp.cut, ramp.start, ramp.end, ramp.to, (cut, start, end))
 
     def observe_resume(self, event: WorkerEvent) -> Finding | None:
         """A rank's check at its first forward after a resume (``Run._check_restore``): a
@@ -434,8 +453,7 @@ class Watch:
         state: a supervisor taking over keeps what the last attempt ran with."""
         self.lr_scale = float(orders.get("lr_scale", 1.0))
         ramp = orders.get("lr_ramp")
-        self.lr_ramp = LrRamp(int(ramp["cut"]), int(ramp["start"]), int(ramp["end"]),
-                              float(ramp["to"])) if isinstance(ramp, dict) else None
+        self.lr_ramp = LrRamp.from_json(ramp) if isinstance(ramp, dict) else None
 
     @property
     def orders(self) -> Orders:
@@ -466,12 +484,17 @@ class Watch:
             and remedy.action is Action.ROLLBACK and asked(remedy.finding) else None
         if plan.skip is not None:
             self.skips.append(self.in_samples(plan.skip))
+        ramp, kept = plan.lr_ramp, self.lr_ramp
+        if ramp is not None and kept is not None and ramp == kept.bare():
+            ramp = kept  # the orders in force, as first given (in samples if they were)
+        elif ramp is not None:
+            ramp = self.ramp_in_samples(ramp)
         changes: list[Entry] = []
-        if (plan.lr_scale, plan.lr_ramp) != (self.lr_scale, self.lr_ramp):
+        if (plan.lr_scale, _bare(ramp)) != (self.lr_scale, _bare(kept)):
             changes.append(("lr_scale", {"lr_scale": plan.lr_scale,
-                                         "lr_ramp": _ramp_json(plan.lr_ramp), "base": plan.base,
+                                         "lr_ramp": _ramp_json(ramp), "base": plan.base,
                                          "was": self.lr_scale, "summary": plan.describe()}))
-        self.lr_scale, self.lr_ramp = plan.lr_scale, plan.lr_ramp
+        self.lr_scale, self.lr_ramp = plan.lr_scale, ramp
         guard: dict[str, Any] = {}
         if self.policy.incidents.grad_spike.ladder[0] is Action.SKIP_STEP:
             guard = self.policy.detectors.grad_norm.model_dump()
@@ -501,5 +524,11 @@ class Watch:
 
 
 def _ramp_json(ramp: LrRamp | None) -> dict[str, Any] | None:
-    return None if ramp is None else {"cut": ramp.cut, "start": ramp.start, "end": ramp.end,
-                                      "to": ramp.to}
+    if ramp is None:
+        return None
+    return {"cut": ramp.cut, "start": ramp.start, "end": ramp.end, "to": ramp.to,
+            **({"samples": list(ramp.samples)} if ramp.samples is not None else {})}
+
+
+def _bare(ramp: LrRamp | None) -> LrRamp | None:
+    return None if ramp is None else ramp.bare()

@@ -166,6 +166,8 @@ def test_a_corrupt_sample_is_skipped_by_its_place_in_the_data_stream(tmp_path: P
     assert finished["state"] == "succeeded" and finished["step"] == 30
     status = run_babysit("status", str(run_dir), cwd=tmp_path, timeout=60)
     assert "skip batches 10-10 (samples 80-87)" in status.stdout, status.stdout
+    report = run_babysit("report", str(run_dir), cwd=tmp_path, timeout=120)
+    assert report.returncode == 0, report.stderr
 
 
 def test_a_resume_that_did_not_take_is_tried_once_older_then_stopped(tmp_path: Path) -> None:

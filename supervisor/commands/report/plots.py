@@ -204,7 +204,7 @@ def _departure_height(curves: list[Curve], step: int, attempt: int) -> tuple[flo
 def _draw_skips(ax: Any, data: RunData, first: bool) -> None:
     seen: set[tuple[int, int]] = set()
     for a in data.history.attempts:
-        for start, end in a.skip:
+        for start, end, *_ in a.skip:
             if (start, end) in seen:
                 continue  # directives repeat earlier skips; shade each range once
             seen.add((start, end))

@@ -209,6 +209,10 @@ def test_skips_merge_by_batches_and_by_samples_and_survive_json() -> None:
                       SkipRange(50, 60, (400, 480)), SkipRange(55, 70, (900, 1000)))
     directive = Directive(skip=merged)
     assert Directive.from_json(json.loads(json.dumps(directive.to_json()))) == directive
+    # A rank walks them by batches alone: ranges that overlap are one jump, whatever their
+    # units (no batch of 25-39 is trained after the jump from 10 to 30).
+    run = Run(rank=0, world_size=1, directive=directive, sock=None, token=b"")
+    assert list(run.batches(range(75))) == [0, 5, 6, 7, 8, 9, *range(40, 50), *range(70, 75)]
 
 
 def test_lr_scale_applies_only_inside_optimizer_step() -> None:
@@ -262,8 +266,8 @@ def test_prior_run_reads_what_a_killed_supervisor_left() -> None:
     assert prior is not None and prior.unfinished and prior.last_attempt == 1
     # The attempt's torchrun and ranks, and the warm standby waiting to be the next attempt.
     assert prior.pids == (200, 201, 300) and prior.directive == directive
-    # Where the last attempt's data stream was (not an earlier attempt's).
-    assert prior.stream == {"cursor": 5, "samples": 40, "global_batch": 8}
+    # Where the data stream was, each attempt's report in order.
+    assert prior.streams == ({"cursor": 0}, {"cursor": 5, "samples": 40, "global_batch": 8})
     finished = prior_run([*entries, {"event": "run_finished", "attempt": 1, "state": "failed"}])
     assert finished is not None and not finished.unfinished
     preempted = prior_run([*entries, {"event": "run_finished", "attempt": 1, "state": "stopped"}])

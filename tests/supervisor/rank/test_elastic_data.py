@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from babysit import ElasticSampler
-from babysit.supervisor.contract.directive import Directive, Resume, SkipRange
+from babysit.supervisor.contract.directive import Directive, LrRamp, Resume, SkipRange
 from babysit.supervisor.rank.api import Run
 
 
@@ -198,6 +198,8 @@ def test_a_skip_met_on_four_ranks_skips_the_same_samples_on_two(tmp_path: Path) 
     directive, _ = watch.launch(2, remedy(), resume)
     (skip,) = directive.skip
     assert skip == SkipRange(89, 170, (480 + 29 * 8, 480 + 110 * 8))  # samples 712-1359
+    # The LR: x0.5 from the skip on, back to x1 over 50 batches past it, in samples too.
+    assert directive.lr_ramp == LrRamp(89, 170, 220, 1.0, (712, 1360, 1760))
     directive = Directive.from_json(json.loads(json.dumps(directive.to_json())))  # as read
     # ...and carried through a takeover.
     heir = Watch(load_policy("default", DATA_FIRST))
@@ -210,11 +212,49 @@ def test_a_skip_met_on_four_ranks_skips_the_same_samples_on_two(tmp_path: Path) 
         loader = DataLoader(TensorDataset(torch.arange(4000)),
                             batch_sampler=ElasticSampler(4000, 5, shuffle=False, rank=rank,
                                                          world_size=2))
+        scales = {}
         for (x,) in run.batches(loader):
             trained += x.tolist()
+            scales[run.cursor] = run.lr_scale
             if run.cursor == 170:  # 90 of this attempt's batches
                 break
     bad = set(range(712, 1360))
     assert not bad & set(trained)
     # Its batches 87-151 hold samples 710-1359: two good ones go with the bad (710, 711).
     assert sorted(trained) == [*range(640, 710), *range(1360, 1360 + (170 - 152) * 10)]
+    # ...and its LR is full up to the skip (its batch 87, where sample 712 is), cut past it
+    # (batch 152, sample 1360) and back to x1 by its batch 192, sample 1760, where the attempt
+    # that planned it would have had it.
+    assert run.directive.lr_ramp == LrRamp(87, 152, 192, 1.0, (712, 1360, 1760))
+    assert (scales[87], scales[153], scales[170]) == (1.0, 0.5 + 0.5 * 1 / 40,
+                                                      0.5 + 0.5 * 18 / 40)
+
+
+def test_skips_in_samples_that_meet_in_this_sizes_batches_are_one_jump() -> None:
+    """Two skips met 16 samples apart at 8 a global batch, resumed at 16 a batch: batches 5
+    and 6 of the new size; both skipped, none of samples 80-87 or 96-103 trained."""
+    directive = Directive(skip=(SkipRange(10, 11, (80, 88)), SkipRange(12, 13, (96, 104))))
+    run = run_for(directive)
+    sampler = ElasticSampler(200, 16, shuffle=False, rank=0, world_size=1)
+    got: list[int] = []
+    for batch in run.batches(sampler):
+        got += batch
+        if run.cursor == 8:
+            break
+    assert got == [*range(0, 80), *range(112, 128)]
+
+
+def test_a_watch_counts_batches_before_the_last_resume_at_the_size_that_drew_them(
+        tmp_path: Path) -> None:
+    """8 samples a batch up to the checkpoint at batch 100 (sample 800), 4 after it: batch 95
+    held samples 760-767, not 780."""
+    from babysit.policies.loader import load_policy
+    from babysit.supervisor.run.watch import Watch
+
+    watch = Watch(load_policy("default"))
+    watch.observe_stream({"cursor": 0, "samples": 0, "global_batch": 8})
+    watch.observe_stream({"cursor": 130, "samples": 1040, "global_batch": 8})  # a later line
+    resume = Resume(path=str(tmp_path), step=100, cursor=100, samples=800)
+    watch.new_attempt(0.0, Directive(attempt=2, resume=resume))  # drops the line past 100
+    watch.observe_stream({"cursor": 100, "samples": 800, "global_batch": 4})
+    assert watch.in_samples(SkipRange(95, 110)) == SkipRange(95, 110, (760, 840))

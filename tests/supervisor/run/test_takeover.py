@@ -72,3 +72,4 @@ def test_a_takeover_gives_an_inherited_skip_in_the_samples_of_the_attempt_it_wat
     takeover.take_over(prior, tmp_path, 1.0, watch)
     assert watch.skips == [SkipRange(2, 3, (16, 24))]  # the orders it ran with, in samples
     assert watch.in_samples(SkipRange(10, 12)) == SkipRange(10, 12, (72, 88))
+    assert watch.in_samples(SkipRange(3, 5)) == SkipRange(3, 5, (16, 32))  # before its report
