@@ -188,7 +188,8 @@ class ClusterMembers(OnThisNode):
                                        f"node {self.cluster.me} ({self.view.host}) took over "
                                        f"the run from the newest good checkpoint")
 
-    def launch(self, attempt: int, directive: Directive, now: float) -> dict[str, Any]:
+    def launch(self, attempt: int, directive: Directive, now: float,
+               keep_nodes: bool = False) -> dict[str, Any]:
         self._term_checked = 0.0
         self._check_term()  # never start ranks under a term another node has taken
         self._evict()
@@ -198,7 +199,8 @@ class ClusterMembers(OnThisNode):
             self._await_rejoin(present)
         launch = self.plan.config.launch
         rdzv_id = launch.rdzv_id or f"{self.plan.name}-{attempt}"
-        nodes, endpoint = self.cluster.launch(attempt, directive, rdzv_id, launch.rdzv_endpoint)
+        nodes, endpoint = self.cluster.launch(attempt, directive, rdzv_id, launch.rdzv_endpoint,
+                                              keep=keep_nodes)
         self._attempt = attempt
         place = Placement.in_attempt(endpoint, self.cluster.leader_host, leads=True,
                                      local_addr=self.cluster.leader_host)

@@ -155,6 +155,8 @@ class Cluster:
         """Nodes taken out of the run (``cluster.eviction``), and why: never taken back."""
         self.merger = NodeMerger({self.me})
         self.attempt = _Attempt([self.me])
+        self._launched = False
+        """An attempt was launched by this leader (``attempt`` holds its nodes)."""
         self._backlog: list[tuple[int, Heard]] = []
 
     def open(self) -> None:
@@ -238,11 +240,17 @@ class Cluster:
     # -- telling the nodes ---------------------------------------------------------------------
 
     def launch(self, attempt: int, directive: Directive, rdzv_id: str,
-               endpoint: str | None) -> tuple[list[int], str]:
+               endpoint: str | None, keep: bool = False) -> tuple[list[int], str]:
         """Tell the followers the attempt takes (``chosen``) to start ``attempt``; returns the
         nodes taking part and the rendezvous endpoint. The leader's own node is node index 0 of
-        the attempt."""
+        the attempt. ``keep``: the same nodes as the attempt before when they are all still
+        here, none added (a rerun replays the same batches only at the same world size: with
+        an ElasticSampler a global batch holds other samples at another)."""
         nodes, _ = self.chosen()
+        before = self.attempt.nodes
+        if keep and self._launched and set(before) <= set(self.present()):
+            nodes = list(before)
+        self._launched = True
         endpoint = endpoint or format_address(self.leader_host, free_port(""))
         self.attempt = _Attempt(nodes, peers={n: self.peers[n] for n in nodes if n != self.me})
         for index, node in enumerate(nodes):

@@ -307,7 +307,10 @@ class Supervisor:
             self.console.log(f"babysit: {fields['summary']}")
         self.record.newest_step = 0
         self.watch.new_attempt(self.clock(), directive, restored)
-        fields = self.members.launch(attempt, directive, self.clock())
+        # A rerun replays the same batches: on the same nodes (a node that joined meanwhile
+        # is taken at the rerun's next checkpoint, ``incidents.node_joined``).
+        fields = self.members.launch(attempt, directive, self.clock(),
+                                     keep_nodes=self.watch.rerun is not None)
         first, self._launched = not self._launched, True
         if restored is not None:  # where the attempt really resumes: the script restores itself
             fields["script_resume"] = {"step": restored}

@@ -123,9 +123,11 @@ class Members(Protocol):
     def ready(self, voice: Voice) -> None:
         """Wait until the run can launch; raises ``MembersMissing``."""
 
-    def launch(self, attempt: int, directive: Directive, now: float) -> dict[str, Any]:
+    def launch(self, attempt: int, directive: Directive, now: float,
+               keep_nodes: bool = False) -> dict[str, Any]:
         """Start ``attempt``; returns the ``launch`` journal entry's fields. May raise
-        ``MembersMissing`` (a lost node that does not come back)."""
+        ``MembersMissing`` (a lost node that does not come back). ``keep_nodes``: on the
+        previous attempt's nodes if they are all still there (a rerun), none added."""
 
     def stop(self, reason: str, *, replacing: bool = False) -> int | None:
         """Stop every worker of the attempt; this node's torchrun exit code, or None.
@@ -266,7 +268,8 @@ class LocalMembers(OnThisNode):
     def ready(self, voice: Voice) -> None:
         return None
 
-    def launch(self, attempt: int, directive: Directive, now: float) -> dict[str, Any]:
+    def launch(self, attempt: int, directive: Directive, now: float,
+               keep_nodes: bool = False) -> dict[str, Any]:
         fields: dict[str, Any] = {}
 
         def start() -> list[str]:

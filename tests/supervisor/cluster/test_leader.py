@@ -379,6 +379,26 @@ def test_launch_tells_every_present_follower_the_same_attempt(
                       nnodes=3, node_rank=index) in launches
 
 
+def test_a_rerun_keeps_the_nodes_of_the_attempt_it_replays(
+        cluster: Cluster, follow: Follow) -> None:
+    """Node 2 joins while attempt 0 runs on nodes 0 and 1: a rerun (``keep``) replays the same
+    batches on the same two nodes, telling node 2 nothing; the next launch takes all three.
+    Were one of the two gone, the rerun would take who is there."""
+    one = follow(1)
+    accepted(cluster, 1)
+    assert cluster.launch(0, Directive(), "t-0", None)[0] == [0, 1]
+    two = follow(2)
+    accepted(cluster, 1)
+    assert cluster.launch(1, Directive(attempt=1), "t-1", None, keep=True)[0] == [0, 1]
+    assert [m.attempt for m in collect(one, 2) if isinstance(m, Launch)] == [0, 1]
+    time.sleep(0.3)
+    assert [m for m in map(from_leader, two.receive()) if not isinstance(m, Beat)] == []
+    assert cluster.launch(2, Directive(attempt=2), "t-2", None)[0] == [0, 1, 2]
+    one.close()
+    poll(cluster.receive, 1, keep=lambda h: isinstance(h[1], Lost))
+    assert cluster.launch(3, Directive(attempt=3), "t-3", None, keep=True)[0] == [0, 2]
+
+
 def test_launch_numbers_the_nodes_present_now_not_the_configured_ranks(
         cluster: Cluster, follow: Follow) -> None:
     peer = follow(2)  # node 1 never came: an elastic run goes on with two nodes

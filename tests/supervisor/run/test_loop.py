@@ -41,6 +41,8 @@ class ScriptedMembers:
         self.script = script
         self.launch_fields = launch_fields or {}
         self.launches: list[tuple[int, Directive]] = []
+        self.kept: list[bool] = []
+        """Each launch's ``keep_nodes``: only a rerun keeps the previous attempt's nodes."""
         self.stops: list[str] = []
         self.tick: Callable[[], int] = lambda: 0
         """The loop's tick now (``LoopTicks``); ``at`` says in which tick each launch, stop
@@ -55,8 +57,10 @@ class ScriptedMembers:
     def ready(self, voice: Voice) -> None:
         pass
 
-    def launch(self, attempt: int, directive: Directive, now: float) -> dict[str, Any]:
+    def launch(self, attempt: int, directive: Directive, now: float,
+               keep_nodes: bool = False) -> dict[str, Any]:
         self.launches.append((attempt, directive))
+        self.kept.append(keep_nodes)
         self.at.append((f"launch {attempt}", self.tick()))
         self.up = True
         return {"pid": 4242, "command": ["torchrun", "train.py"], **self.launch_fields}
@@ -192,6 +196,7 @@ def test_a_hang_a_member_names_is_relaunched_from_the_directive(
 
     assert code == 0
     assert [a for a, _ in members.launches] == [0, 1]  # relaunched, once
+    assert members.kept == [False, False]  # not a rerun: on whatever nodes are there
     # Stopped to be replaced, what the stopped ranks sent last taken in, and replaced, all in
     # the tick that found the hang: a hang has no backoff to wait.
     assert members.at[:5] == [("launch 0", 0), ("gather", 1), ("stop, replacing", 1),
