@@ -117,6 +117,9 @@ class ClusterMembers(OnThisNode):
         self._evictable: dict[int, str] = {}
         """Nodes the machine faults traced to them made evictable, not yet evicted."""
         self._grown = -1
+        self._rerunning = False
+        """The running attempt is a spike's rerun on the nodes of the attempt it replays, its
+        verdict not in yet: a node that joined waits for it (``_grow_at``)."""
         """The attempt whose growth was asked for (``_grow_at``): once per attempt."""
         self._began = self.clock()
         self._launched: float | None = None
@@ -191,6 +194,7 @@ class ClusterMembers(OnThisNode):
     def launch(self, attempt: int, directive: Directive, now: float,
                keep_nodes: bool = False) -> dict[str, Any]:
         self._term_checked = 0.0
+        self._rerunning = keep_nodes
         self._check_term()  # never start ranks under a term another node has taken
         self._evict()
         self._launched, self._slow = self.clock(), None
@@ -283,7 +287,8 @@ class ClusterMembers(OnThisNode):
     def hear(self, entry: Mapping[str, Any]) -> None:
         """A rerun that did not reproduce its spike: a transient fault of the machine of the
         rank that moved first, counted against its node when the ranks that moved first are
-        on one node."""
+        on one node. Any verdict ends the rerun: a node waiting to join may now."""
+        self._rerunning = False
         if entry.get("verdict") != TRANSIENT_VERDICT or not entry.get("moved_first"):
             return
         nodes = {self.cluster.rank_node.get(int(rank)) for rank in entry["moved_first"]}
@@ -530,8 +535,8 @@ class ClusterMembers(OnThisNode):
         back from that checkpoint (``incidents.node_joined``), once per attempt."""
         running = self.cluster.attempt.nodes
         taking, _ = self.cluster.chosen()
-        if self._grown == self._attempt or len(taking) <= len(running):
-            return
+        if self._grown == self._attempt or len(taking) <= len(running) or self._rerunning:
+            return  # (a rerun's relaunch would end it before its verdict: after it)
         self._grown = self._attempt
         joining = [n for n in taking if n not in running]
         names = ", ".join(self.cluster.describe(n) for n in joining)

@@ -308,7 +308,7 @@ class Supervisor:
         self.record.newest_step = 0
         self.watch.new_attempt(self.clock(), directive, restored)
         # A rerun replays the same batches: on the same nodes (a node that joined meanwhile
-        # is taken at the rerun's next checkpoint, ``incidents.node_joined``).
+        # is taken at the first checkpoint after its verdict, ``incidents.node_joined``).
         fields = self.members.launch(attempt, directive, self.clock(),
                                      keep_nodes=self.watch.rerun is not None)
         first, self._launched = not self._launched, True

@@ -1166,6 +1166,37 @@ def test_a_node_back_while_the_job_runs_short_grows_it_back_at_the_next_checkpoi
             back.close()
 
 
+def test_a_rerun_keeps_its_nodes_and_the_job_grows_after_its_verdict(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--nnodes 1:2`, node 1 back while the job runs on node 0: a spike's rerun replays on
+    node 0 alone, and its checkpoints ask nothing (growing would end it before its verdict);
+    the first checkpoint after the verdict grows the job."""
+    with leading(tmp_path, monkeypatch, "1:2") as members:
+        peer = join(members, Said())
+        members.launch(0, Directive(), time.monotonic())
+        peer.close()
+        gathered(members, lambda got: any(e == "node_lost" for e, _ in got.entries))
+        members.launch(1, Directive(attempt=1), time.monotonic())
+        back = connect(members.plan.leader_address, SECRET.encode(),
+                       {"node_rank": 1, "host": "gpu-1", "pid": 4002})
+        try:
+            gathered(members, lambda got: any(e == "node_joined" for e, _ in got.entries))
+            fields = members.launch(2, Directive(attempt=2), time.monotonic(), keep_nodes=True)
+            assert fields["nodes"] == [0]
+            out = Gathered()
+            members._rank_event(0, WorkerEvent(type="checkpoint", rank=0, time=0.0,
+                                               data={"step": 15}), out)
+            assert out.findings == []
+            members.hear({"event": "rerun", "verdict": "transient", "detected_step": 18,
+                          "moved_first": []})
+            members._rank_event(0, WorkerEvent(type="checkpoint", rank=0, time=0.0,
+                                               data={"step": 20}), out)
+            [finding] = out.findings
+            assert finding.incident is Incident.NODE_JOINED and finding.step == 20
+        finally:
+            back.close()
+
+
 def slow(node_ranks: tuple[int, ...], slowdown: float, step: int = 200,
          detector: str = "slow_compute") -> Finding:
     signal = {"signal": "forward", "ratio": 3.0} if detector == "slow_compute" else \
