@@ -41,6 +41,10 @@ the anomaly counts as reproduced."""
 ASKED, REPRODUCED, TRANSIENT = "asked", "reproduced", "transient"
 """``Finding.evidence["rerun"]``: a rerun was launched for it / it came back on the rerun / it
 did not (the last is only journaled: nothing is remedied)."""
+UNDECIDED = "undecided"
+"""The rerun could not replay the same samples (its global batch is another: a node lost at its
+relaunch, with an ``ElasticSampler``): it tells nothing, and the anomaly is taken as the data's
+without it (rolled back to before it, skipped, the LR cut: the remedy the rerun stood in for)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +92,12 @@ def reproduced(finding: Finding) -> bool:
     return finding.evidence.get("rerun") == REPRODUCED
 
 
+def taken_as_data(finding: Finding) -> bool:
+    """``finding``'s rerun said the data's: it came back, or it could not replay the same
+    samples (``UNDECIDED``: the remedy the rerun stood in for)."""
+    return finding.evidence.get("rerun") in (REPRODUCED, UNDECIDED)
+
+
 def ask(finding: Finding) -> Finding:
     """``finding`` marked for a rerun (see ``asked``)."""
     return replace(finding, evidence={**finding.evidence, "rerun": ASKED})
@@ -133,11 +143,16 @@ class Verdict:
     moved_first: tuple[int, ...] = ()
     """The ranks whose loss left the baseline first in the first pass (empty: not known, or
     all at once)."""
+    undecided: str | None = None
+    """Why the rerun could not replay the same samples (``UNDECIDED``), else None."""
 
     def summary(self) -> str:
         a, b = self.batches
         where = f"batch {a}" if b - a == 1 else f"batches {a}-{b - 1}"
         name = self.finding.incident.value.replace("_", " ")
+        if self.undecided is not None:
+            return (f"{name} of step {self.finding.step}: the rerun of {where} {self.undecided}, "
+                    "so it cannot tell whose it is -> taken as the data's")
         if self.reproduced:
             return f"{name} reproduced on the rerun at {where} -> the data's: skipped"
         moved = f"; rank {', '.join(map(str, self.moved_first))} moved first" \
@@ -148,7 +163,8 @@ class Verdict:
     def to_json(self) -> dict[str, Any]:
         return {"incident": self.finding.incident.value, "detected_step": self.finding.step,
                 "onset_step": self.finding.onset_step, "reproduced": self.reproduced,
-                "verdict": REPRODUCED if self.reproduced else TRANSIENT,
+                "verdict": UNDECIDED if self.undecided is not None
+                else REPRODUCED if self.reproduced else TRANSIENT,
                 "steps": list(self.steps), "batches": list(self.batches),
                 "first_excess": _json_num(round(self.first, 6)),
                 "rerun_excess": _json_num(round(self.again, 6)),
@@ -157,7 +173,8 @@ class Verdict:
     def as_finding(self) -> Finding:
         """The anomaly as it came back (``reproduced``): the original finding, its message
         saying so, marked for the data's rollback (``rollback.plan`` skips and cuts)."""
-        evidence = {**self.finding.evidence, "rerun": REPRODUCED, "rerun_verdict": self.to_json()}
+        evidence = {**self.finding.evidence, "rerun": UNDECIDED if self.undecided is not None
+                    else REPRODUCED, "rerun_verdict": self.to_json()}
         return replace(self.finding, message=f"{self.summary()} ({self.finding.message})",
                        evidence=evidence)
 
@@ -223,6 +240,13 @@ class Rerun:
         batches = (max(0, start), max(start + 1, self.first[hi].cursor))
         return Verdict(self.finding, came_back, (lo, hi), batches, first, again,
                        () if came_back else _moved_first(self.first, self.baseline))
+
+    def undecided(self, why: str) -> Verdict:
+        """The verdict of a rerun that cannot replay the first pass's samples (``why``):
+        ``UNDECIDED``, its finding (``as_finding``) the data's rollback without a rerun."""
+        first = _mean_excess(list(self.first.values()), self.signal, self.baseline)
+        return replace(self.verdict(), reproduced=False, first=first, again=math.nan,
+                       moved_first=(), undecided=why)
 
     def to_json(self) -> dict[str, Any]:
         return {"finding": self.finding.to_json(), "baseline": self.baseline,

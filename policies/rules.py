@@ -74,7 +74,7 @@ class Rules:
         no good one before its onset is an alert instead, as ``on_finding`` says), the cursor
         memory and the LR orders in force. ``now``: as for ``on_finding``."""
         caused = self._cause(finding, known)
-        reproduced = rerun.reproduced(finding)
+        reproduced = rerun.taken_as_data(finding)
         if reproduced:
             remedy, plan = self._reproduced(finding, known)
         elif caused is not None:

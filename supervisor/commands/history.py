@@ -40,8 +40,9 @@ as in the journal)::
                                 5 {time, node, host, why}}
     reruns                      whose fault each rerun spike or NaN was (``rerun`` entries):
                                 the newest 5 {time, step, verdict: "reproduced" (the data's,
-                                skipped) or "transient" (the machine's, nothing skipped),
-                                moved_first: ranks, summary}, oldest first
+                                skipped), "transient" (the machine's, nothing skipped) or
+                                "undecided" (it could not replay the same samples: taken as
+                                the data's), moved_first: ranks, summary}, oldest first
     incident_count              findings acted on (action != "ignore")
     ignored_findings            findings not acted on: ignored by the policy (cooldowns, below
                                 threshold) or set aside while the workers were being replaced

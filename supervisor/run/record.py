@@ -94,16 +94,20 @@ class Record:
 
     def _judge_step(self, record: JobStep) -> list[Finding]:
         findings = self.watch.observe_record(record)
-        for verdict in self.watch.take_verdicts():
-            # Whose fault the spike was: the data's comes back as a finding (its rollback's
-            # alert says so); a transient one is remedied by the rerun itself, said here.
-            self.write("rerun", step=record.step, **verdict.to_json())
-            if not verdict.reproduced:
-                self._warn(verdict.summary())
+        self._write_verdicts(record.step)
         if record.step % WATCH_STATE_EVERY == 0:
             # So a supervisor taking over inherits the baselines, not only the last finding's.
             self.write("watch_state", state=self.watch.state_dict())
         return findings
+
+    def _write_verdicts(self, step: int | None = None) -> None:
+        """Whose fault each rerun's spike was: the data's comes back as a finding (its
+        rollback's alert says so); a transient one is remedied by the rerun itself, said here,
+        and so is one the rerun could not decide."""
+        for verdict in self.watch.take_verdicts():
+            self.write("rerun", step=step, **verdict.to_json())
+            if not verdict.reproduced:
+                self._warn(verdict.summary())
 
     def _rank_event(self, event: WorkerEvent) -> list[Finding]:
         """A rank's event (any node's rank, in a multi-node run), journaled; the journal's
@@ -115,7 +119,9 @@ class Record:
         if kind in JOURNALED:
             self.write(JOURNALED[kind], rank=event.rank, data=data)
             if kind == "stream":  # where the data is: a rollback's skip is given in samples
-                self.watch.observe_stream(data)
+                found = self.watch.observe_stream(data)
+                self._write_verdicts()
+                return found
         elif kind == "checkpoint":
             self.write("checkpoint_saved", step=int(data.get("step", 0)), rank=event.rank,
                        data=data)

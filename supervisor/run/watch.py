@@ -138,13 +138,16 @@ class Watch:
         (``detectors/resume_data.py``)."""
         self._resume: Resume | None = None
         """babysit's checkpoint this attempt resumed from (its directive's), if any."""
-        self._streams: list[tuple[int, int, int]] = []
-        """Where the data stream was, when the ranks draw with an ``ElasticSampler``: (cursor,
-        samples consumed there, samples per global batch) from rank 0's ``stream`` event of
-        each attempt of the run's line, oldest first: each attempt's counts from its cursor on
-        (one that resumed further back replaces those past its cursor)."""
+        self._streams: list[_Stream] = []
+        """Where the data stream was, when the ranks draw with an ``ElasticSampler``: rank 0's
+        ``stream`` event of each attempt of the run's line, oldest first: each attempt's counts
+        from its cursor on (one that resumed further back replaces those past its cursor)."""
+        self._rerun_streams: list[_Stream] = []
+        """The line as the rerun in flight's first pass left it (``observe_stream``)."""
         self._rerun_from: int | None = None
         """The step the rerun in flight (or just concluded) resumed from."""
+        self._rerun_batch: int | None = None
+        """The samples a global batch of the rerun's first pass held (its stream's)."""
         self._first_record = True
         """No step of this attempt judged yet: the first one says where it resumed."""
         self._restored: int | None = None
@@ -192,7 +195,7 @@ class Watch:
         self._restored = directive.resume.step if directive.resume is not None else restored
         self._resume = directive.resume
         resumed = directive.resume.cursor if directive.resume is not None else 0
-        self._streams = [st for st in self._streams if st[0] <= resumed]
+        self._streams = [st for st in self._streams if st.cursor <= resumed]
         if self._batches is not None:
             self._batches.new_attempt()
         self.hang.start(now)
@@ -214,14 +217,28 @@ class Watch:
             self.hang.phase(event.rank, str(event.data.get("name", "?")),
                             bool(event.data.get("begin")), now)
 
-    def observe_stream(self, data: dict[str, Any]) -> None:
-        """Where this attempt's data stream is (rank 0's ``stream`` event, ``Run.batches``)."""
+    def observe_stream(self, data: dict[str, Any]) -> list[Finding]:
+        """Where this attempt's data stream is (rank 0's ``stream`` event, ``Run.batches``).
+        A rerun in flight whose global batch is not its first pass's cannot replay the same
+        samples: its verdict, ``UNDECIDED``, and the anomaly as the data's (a finding)."""
         try:
             stream = int(data["cursor"]), int(data["samples"]), int(data["global_batch"])
         except (KeyError, TypeError, ValueError):
-            return
-        if stream[2] > 0:
-            self._streams = [st for st in self._streams if st[0] < stream[0]] + [stream]
+            return []
+        if stream[2] <= 0:
+            return []
+        self._streams = [st for st in self._streams if st.cursor < stream[0]]
+        self._streams.append(_Stream(*stream))
+        if self.rerun is None or self._rerun_batch in (None, stream[2]):
+            return []
+        # The rerun draws global batches of another size: at its cursors lie other samples.
+        verdict = self.rerun.undecided(
+            f"draws {stream[2]} samples a global batch where the first pass drew "
+            f"{self._rerun_batch}, other samples at the same batches (the job's size changed)")
+        self.rerun = None
+        self.verdicts.append(verdict)
+        self._streams = self._rerun_streams  # its batches are the first pass's, not these
+        return [verdict.as_finding()]
 
     def samples_at(self, cursor: int) -> int | None:
         """Samples of the stream consumed before global batch ``cursor``, counted at the
@@ -229,9 +246,9 @@ class Watch:
         the oldest, that one's); None where no rank reported a stream."""
         if not self._streams:
             return None
-        at, samples, size = next((st for st in reversed(self._streams) if st[0] <= cursor),
-                                 self._streams[0])
-        return max(0, samples + (cursor - at) * size)
+        st = next((st for st in reversed(self._streams) if st.cursor <= cursor),
+                  self._streams[0])
+        return max(0, st.samples + (cursor - st.cursor) * st.global_batch)
 
     def in_samples(self, skip: SkipRange) -> SkipRange:
         """``skip`` (batches of the run's line so far) with its span of the data stream, when
@@ -482,6 +499,9 @@ class Watch:
         self._planned = None
         self.rerun = Rerun.start(remedy.finding, self.trace) if remedy is not None \
             and remedy.action is Action.ROLLBACK and asked(remedy.finding) else None
+        self._rerun_batch = self._streams[-1].global_batch \
+            if self.rerun is not None and self._streams else None
+        self._rerun_streams = list(self._streams)
         if plan.skip is not None:
             self.skips.append(self.in_samples(plan.skip))
         ramp, kept = plan.lr_ramp, self.lr_ramp
@@ -521,6 +541,16 @@ class Watch:
                 or planned.finding != remedy.finding or planned.skip is None:
             return None
         return self._rerun_from, planned.skip.start
+
+
+@dataclass(frozen=True, slots=True)
+class _Stream:
+    """One attempt's data stream (rank 0's ``stream`` event): global batch ``cursor`` began
+    at sample ``samples``, and each held ``global_batch``."""
+
+    cursor: int
+    samples: int
+    global_batch: int
 
 
 def _ramp_json(ramp: LrRamp | None) -> dict[str, Any] | None:

@@ -214,6 +214,38 @@ def test_the_watch_turns_a_reproduced_spike_into_the_datas_rollback() -> None:
     assert watch.rerun is None
 
 
+def test_a_rerun_on_another_global_batch_cannot_decide_and_is_taken_as_the_datas() -> None:
+    """The first pass drew 8 samples a global batch (an ElasticSampler on 4 ranks of 2); a
+    node was lost at the rerun's relaunch and its stream says 4: at the same batches lie other
+    samples, so the rerun tells nothing. The spike is taken as the data's at once, as it was
+    before reruns: rolled back to before it (not to the rerun's own save), skipped in samples,
+    the LR cut, no new rung."""
+    watch = Watch(load_policy("default"))
+    watch.observe_stream({"cursor": 0, "samples": 0, "global_batch": 8})
+    for s in range(1, 111):
+        watch.observe_record(record(s, (2.0, 14.0 if s >= 100 else 2.0)))
+    remedy = watch.judge(spike(), 0.0, SHELF)
+    directive, _ = watch.launch(1, remedy, Resume(path="/ckpt/40", step=40, cursor=80,
+                                                   samples=640))
+    watch.new_attempt(0.0, directive)
+    assert watch.observe_stream({"cursor": 80, "samples": 640, "global_batch": 8}) == []
+    (found,) = watch.observe_stream({"cursor": 80, "samples": 640, "global_batch": 4})
+    assert found.evidence["rerun"] == rerun.UNDECIDED and rerun.taken_as_data(found)
+    assert watch.rerun is None
+    (verdict,) = watch.take_verdicts()
+    assert verdict.to_json()["verdict"] == "undecided" and not verdict.reproduced
+    assert "draws 4 samples a global batch where the first pass drew 8" in verdict.summary()
+    assert verdict.summary().endswith("-> taken as the data's")
+    data = watch.judge(found, 60.0, SHELF)
+    assert data.action is Action.ROLLBACK and "taken as the data's: rolled back" in data.reason
+    assert watch.replayed(data) is None  # not from what the rerun saved: it drew other data
+    directive, entries = watch.launch(2, data, Resume(path="/ckpt/40", step=40, cursor=80,
+                                                       samples=640))
+    (skip,) = directive.skip
+    assert skip.samples == (skip.start * 8, skip.end * 8)  # counted at the first pass's size
+    assert directive.lr_scale == 0.5 and entries and watch.rerun is None
+
+
 def test_no_rerun_without_a_data_cursor() -> None:
     """Stdout mode (no ``run.batches()``): nothing says a rerun meets the same batches."""
     blind = Finding(Incident.LOSS_SPIKE, "loss_spike", Severity.CRITICAL, 110, 100, "spike",
