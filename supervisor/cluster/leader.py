@@ -120,6 +120,9 @@ class ClusterMembers(OnThisNode):
         self._rerunning = False
         """The running attempt is a spike's rerun on the nodes of the attempt it replays, its
         verdict not in yet: a node that joined waits for it (``_grow_at``)."""
+        self._first_pass: dict[int, int] = {}
+        """The rank -> node map of the attempt a rerun replays: its verdict's ranks that moved
+        first are that attempt's (a node lost and replaced moves ranks between nodes)."""
         """The attempt whose growth was asked for (``_grow_at``): once per attempt."""
         self._began = self.clock()
         self._launched: float | None = None
@@ -195,6 +198,7 @@ class ClusterMembers(OnThisNode):
                keep_nodes: bool = False) -> dict[str, Any]:
         self._term_checked = 0.0
         self._rerunning = keep_nodes
+        self._first_pass = dict(self.cluster.rank_node) if keep_nodes else {}
         self._check_term()  # never start ranks under a term another node has taken
         self._evict()
         self._launched, self._slow = self.clock(), None
@@ -291,7 +295,8 @@ class ClusterMembers(OnThisNode):
         self._rerunning = False
         if entry.get("verdict") != TRANSIENT_VERDICT or not entry.get("moved_first"):
             return
-        nodes = {self.cluster.rank_node.get(int(rank)) for rank in entry["moved_first"]}
+        where = self._first_pass or self.cluster.rank_node
+        nodes = {where.get(int(rank)) for rank in entry["moved_first"]}
         node = nodes.pop() if len(nodes) == 1 else None
         if node is not None:
             self._evictable_if(node, self.faults.transient(node, int(entry.get("detected_step")

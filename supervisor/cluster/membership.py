@@ -243,13 +243,16 @@ class Cluster:
                endpoint: str | None, keep: bool = False) -> tuple[list[int], str]:
         """Tell the followers the attempt takes (``chosen``) to start ``attempt``; returns the
         nodes taking part and the rendezvous endpoint. The leader's own node is node index 0 of
-        the attempt. ``keep``: the same nodes as the attempt before when they are all still
-        here, none added (a rerun replays the same batches only at the same world size: with
-        an ElasticSampler a global batch holds other samples at another)."""
+        the attempt. ``keep``: the nodes of the attempt before that are still here, and as
+        many others as replace those gone, none added (a rerun replays the same batches only
+        at the same world size: with an ElasticSampler a global batch holds other samples at
+        another)."""
         nodes, _ = self.chosen()
         before = self.attempt.nodes
-        if keep and self._launched and set(before) <= set(self.present()):
-            nodes = list(before)
+        if keep and self._launched:
+            # Those still here, in their places; one lost is replaced, to keep the size.
+            kept = [n for n in before if n in nodes]
+            nodes = kept + [n for n in nodes if n not in kept][:len(before) - len(kept)]
         self._launched = True
         endpoint = endpoint or format_address(self.leader_host, free_port(""))
         self.attempt = _Attempt(nodes, peers={n: self.peers[n] for n in nodes if n != self.me})

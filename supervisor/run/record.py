@@ -1,7 +1,9 @@
 """The run's record: what the members gathered, written down in a fixed order.
 
 Each tick the loop hands ``Record.take`` what its members gathered (``run.members.Gathered``).
-In order, it journals the members' own entries, writes each of the job's steps to
+In order, it journals the members' own entries, the ranks' ``stream`` reports (where the data
+is: a rerun on other samples is undecided before its steps are judged), writes each of the job's
+steps to
 ``metrics.jsonl`` (the watch judges it; a rerun's verdict is journaled as ``rerun``), journals
 each rank's event (an SDC digest is compared first; a resume that did not take is a finding),
 and hands back what the loop decides on:
@@ -80,12 +82,18 @@ class Record:
         if got.newest is not None:
             self.newest_step = max(self.newest_step, got.newest)
         items: list[sm.Event | Finding] = []
+        # Where the ranks' data stream is comes first: a rank says it before its first step,
+        # and a rerun that draws other samples must be known as such before its steps judge.
+        streams = [e for e in got.events if e.type == "stream"]
+        for event in streams:
+            items += self._rank_event(event)
         for record, row in got.steps:
             self.steps.write(record, row)
             if judging:
                 items += self._judge_step(record)
         for event in got.events:
-            items += self._rank_event(event)
+            if event.type != "stream":
+                items += self._rank_event(event)
         if got.steps:
             newest = got.steps[-1][0].step
             items.append(sm.Progress(newest))

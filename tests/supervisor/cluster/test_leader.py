@@ -399,6 +399,19 @@ def test_a_rerun_keeps_the_nodes_of_the_attempt_it_replays(
     assert cluster.launch(3, Directive(attempt=3), "t-3", None, keep=True)[0] == [0, 2]
 
 
+def test_a_rerun_replaces_a_lost_node_to_keep_its_size(cluster: Cluster, follow: Follow) -> None:
+    """Attempt 0 on nodes 0 and 1; node 2 joins, node 1 is lost: the rerun runs on 0 and 2,
+    the same world size (the same samples in each global batch), not on whoever is there."""
+    one = follow(1)
+    accepted(cluster, 1)
+    assert cluster.launch(0, Directive(), "t-0", None)[0] == [0, 1]
+    follow(2)
+    accepted(cluster, 1)
+    one.close()
+    poll(cluster.receive, 1, keep=lambda h: isinstance(h[1], Lost))
+    assert cluster.launch(1, Directive(attempt=1), "t-1", None, keep=True)[0] == [0, 2]
+
+
 def test_launch_numbers_the_nodes_present_now_not_the_configured_ranks(
         cluster: Cluster, follow: Follow) -> None:
     peer = follow(2)  # node 1 never came: an elastic run goes on with two nodes
@@ -1189,6 +1202,7 @@ def test_a_rerun_keeps_its_nodes_and_the_job_grows_after_its_verdict(
             assert out.findings == []
             members.hear({"event": "rerun", "verdict": "transient", "detected_step": 18,
                           "moved_first": []})
+            assert members._first_pass == {}  # node 0's ranks never said hello here
             members._rank_event(0, WorkerEvent(type="checkpoint", rank=0, time=0.0,
                                                data={"step": 20}), out)
             [finding] = out.findings

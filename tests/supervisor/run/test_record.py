@@ -78,3 +78,38 @@ def test_a_listener_may_journal_and_hears_only_its_events(tmp_path: Path) -> Non
     lines = (tmp_path / "events.jsonl").read_text().splitlines()
     assert [json.loads(line)["event"] for line in lines] == ["checkpoint_saved",
                                                               "checkpoint_verdict"]
+
+
+def test_a_reruns_stream_is_read_before_its_steps_are_judged(tmp_path: Path) -> None:
+    """The rerun's first tick brings its stream report and all its steps at once: the report
+    says another global batch than the first pass's, so the rerun is undecided (journaled,
+    warned, the data's finding first) before its steps could call the spike transient."""
+    from babysit.policies import rerun
+    from babysit.supervisor.contract.directive import Resume
+    from tests.policies.test_rerun import SHELF, spike
+    from tests.policies.test_rerun import record as job_step
+
+    watch = Watch(load_policy("default"))
+    watch.observe_stream({"cursor": 0, "samples": 0, "global_batch": 8})
+    for s in range(1, 111):
+        watch.observe_record(job_step(s, (2.0, 14.0 if s >= 100 else 2.0)))
+    directive, _ = watch.launch(1, watch.judge(spike(), 0.0, SHELF),
+                                Resume(path="/ckpt/40", step=40, cursor=80, samples=640))
+    watch.new_attempt(0.0, directive)
+    warnings: list[str] = []
+    machine = sm.Machine(attempt=1)
+    record = Record(tmp_path, watch, Recovery(Catalog(tmp_path / "c"), 5, 3), 2,
+                    where=lambda: machine, warn=warnings.append)
+    record.open()
+    got = Gathered(events=[event(0, "stream", cursor=80, samples=640, global_batch=4)],
+                   newest=110)
+    for s in range(41, 111):  # the rerun, clean: alone it would say "transient"
+        rec = job_step(s, (2.0, 2.0))
+        got.steps.append((rec, metrics_row(rec, 1)))
+    items = record.take(got, judging=True)
+    record.close()
+    assert isinstance(items[0], type(spike())) and rerun.taken_as_data(items[0])
+    journal = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["verdict"] for e in journal if e["event"] == "rerun"] == ["undecided"]
+    assert [e["event"] for e in journal][:2] == ["worker_stream", "rerun"]
+    assert any("cannot tell whose it is" in w for w in warnings)
