@@ -1117,6 +1117,21 @@ def test_a_native_crash_that_followed_the_data_does_not_make_its_node_evictable(
     assert not members._evictable and members.faults.seen[1] == []
 
 
+def test_a_reruns_verdict_blames_the_node_the_first_pass_ran_the_rank_on(
+        members: ClusterMembers) -> None:
+    """Rank 3 ran on node 1 in the first pass and moved first; the rerun placed it elsewhere.
+    Its transient verdict counts against node 1, where the rank was when it moved."""
+    join(members, Said())
+    members.launch(0, Directive(), time.monotonic())
+    members.cluster.rank_node.update({0: 0, 1: 0, 2: 1, 3: 1})
+    members.launch(1, Directive(attempt=1), time.monotonic(), keep_nodes=True)
+    members.cluster.rank_node.update({0: 1, 1: 1, 2: 0, 3: 0})  # the rerun's hellos
+    members.hear({"event": "rerun", "verdict": "transient", "detected_step": 40,
+                  "moved_first": [3]})
+    assert members.faults.seen[1] == ["transient fault at step 40"]
+    assert members.faults.seen.get(0, []) == []
+
+
 def test_an_sdc_on_one_nodes_rank_and_transient_spikes_make_their_nodes_evictable(
         members: ClusterMembers) -> None:
     """The SDC vote names rank 2 (node 1): node 1 is evictable at once. A vote that named
