@@ -52,6 +52,7 @@ from babysit.supervisor.contract.directive import (
     LrRamp,
     Resume,
     SkipRange,
+    merge_skips,
 )
 from babysit.supervisor.rank import elastic_data
 from babysit.supervisor.rank.forward_clock import forward_clock
@@ -622,16 +623,10 @@ def _grad_guard(settings: dict[str, Any]) -> Any:
 
 
 def _by_batches(ranges: Iterable[SkipRange]) -> list[SkipRange]:
-    """Skip ranges as a rank walks them: sorted, and overlapping or touching ones joined by
-    their batches alone (a range given in samples and one given in batches may overlap once
-    both are in this attempt's batches), so one jump clears each."""
-    joined: list[SkipRange] = []
-    for r in sorted(ranges, key=lambda r: r.start):
-        if joined and r.start <= joined[-1].end:
-            joined[-1] = SkipRange(joined[-1].start, max(joined[-1].end, r.end))
-        elif r.end > r.start:
-            joined.append(SkipRange(r.start, r.end))
-    return joined
+    """Skip ranges as a rank walks them: ``merge_skips`` by their batches alone (a range given
+    in samples and one given in batches may overlap once both are in this attempt's batches),
+    so one jump clears each."""
+    return list(merge_skips([SkipRange(r.start, r.end) for r in ranges]))
 
 
 def _draw_batch(it: Iterator[T]) -> T:

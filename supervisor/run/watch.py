@@ -143,11 +143,10 @@ class Watch:
         ``stream`` event of each attempt of the run's line, oldest first: each attempt's counts
         from its cursor on (one that resumed further back replaces those past its cursor)."""
         self._rerun_streams: list[_Stream] = []
-        """The line as the rerun in flight's first pass left it (``observe_stream``)."""
+        """The line as the rerun in flight's first pass left it (``observe_stream``); its last
+        report's global batch is the one the rerun must draw to replay the same samples."""
         self._rerun_from: int | None = None
         """The step the rerun in flight (or just concluded) resumed from."""
-        self._rerun_batch: int | None = None
-        """The samples a global batch of the rerun's first pass held (its stream's)."""
         self._first_record = True
         """No step of this attempt judged yet: the first one says where it resumed."""
         self._restored: int | None = None
@@ -229,12 +228,13 @@ class Watch:
             return []
         self._streams = [st for st in self._streams if st.cursor < stream[0]]
         self._streams.append(_Stream(*stream))
-        if self.rerun is None or self._rerun_batch in (None, stream[2]):
+        first = self._rerun_streams[-1].global_batch if self._rerun_streams else None
+        if self.rerun is None or first in (None, stream[2]):
             return []
         # The rerun draws global batches of another size: at its cursors lie other samples.
         verdict = self.rerun.undecided(
-            f"draws {stream[2]} samples a global batch where the first pass drew "
-            f"{self._rerun_batch}, other samples at the same batches (the job's size changed)")
+            f"draws {stream[2]} samples a global batch where the first pass drew {first}, "
+            "other samples at the same batches (the job's size changed)")
         self.rerun = None
         self.verdicts.append(verdict)
         self._streams = self._rerun_streams  # its batches are the first pass's, not these
@@ -499,9 +499,7 @@ class Watch:
         self._planned = None
         self.rerun = Rerun.start(remedy.finding, self.trace) if remedy is not None \
             and remedy.action is Action.ROLLBACK and asked(remedy.finding) else None
-        self._rerun_batch = self._streams[-1].global_batch \
-            if self.rerun is not None and self._streams else None
-        self._rerun_streams = list(self._streams)
+        self._rerun_streams = list(self._streams) if self.rerun is not None else []
         if plan.skip is not None:
             self.skips.append(self.in_samples(plan.skip))
         ramp, kept = plan.lr_ramp, self.lr_ramp
