@@ -59,6 +59,26 @@ def journal(run_dir: Path, event: str) -> list[dict[str, Any]]:
 T = TypeVar("T")
 
 
+def kept_indices(launches: list[dict[str, Any]], index_log: Path,
+                 steps: int) -> tuple[list[int], dict[int, set[int]]]:
+    """What a run kept of ``tiny_train.py --index-log``'s record: each attempt's steps up to
+    the step the next one resumed after (``launches``: the journal's ``launch`` entries), each
+    step's indices all ranks' in rank order, step after step to ``steps``; and the world sizes
+    each kept step was drawn at."""
+    starts = {e["attempt"]: (e["directive"]["resume"] or {}).get("step", 0) for e in launches}
+    ends = {a: starts.get(a + 1, steps) for a in starts}
+    drawn: dict[int, list[tuple[int, list[int]]]] = {}
+    worlds: dict[int, set[int]] = {}
+    for log in index_log.iterdir():
+        for line in log.read_text().splitlines():
+            attempt, step, world, *idx = map(int, line.split())
+            if starts[attempt] < step <= ends[attempt]:
+                drawn.setdefault(step, []).append((int(log.name), idx))
+                worlds.setdefault(step, set()).add(world)
+    kept = [i for step in range(1, steps + 1) for _, idx in sorted(drawn[step]) for i in idx]
+    return kept, worlds
+
+
 def poll(fetch: Callable[[], list[T]], count: int, timeout: float = 2.0,
          keep: Callable[[T], bool] = lambda _: True) -> list[T]:
     """Call ``fetch`` (a non-blocking drain) until ``count`` items that ``keep`` accepts came

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST_POLICY, babysat, journal, run_babysit
+from tests.conftest import FAST_POLICY, babysat, journal, kept_indices, run_babysit
 
 pytestmark = pytest.mark.e2e
 
@@ -151,16 +151,7 @@ def test_a_corrupt_sample_is_skipped_by_its_place_in_the_data_stream(tmp_path: P
     assert skipped and all(s["samples"] == [80, 88] for s in skipped)
     # What the run kept (each attempt's steps up to where the next resumed): the stream in
     # order, the corrupt sample's global batch left out, nothing else.
-    starts = {e["attempt"]: (e["directive"]["resume"] or {}).get("step", 0)
-              for e in journal(run_dir, "launch")}
-    ends = {a: starts.get(a + 1, 30) for a in starts}
-    drawn: dict[int, list[tuple[int, list[int]]]] = {}
-    for log in indices.iterdir():
-        for line in log.read_text().splitlines():
-            attempt, step, _, *idx = map(int, line.split())
-            if starts[attempt] < step <= ends[attempt]:
-                drawn.setdefault(step, []).append((int(log.name), idx))
-    kept = [i for step in range(1, 31) for _, idx in sorted(drawn[step]) for i in idx]
+    kept, _ = kept_indices(journal(run_dir, "launch"), indices, 30)
     assert kept == order[:80] + order[88:8 * 31]
     (finished,) = journal(run_dir, "run_finished")
     assert finished["state"] == "succeeded" and finished["step"] == 30

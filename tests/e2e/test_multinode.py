@@ -30,6 +30,7 @@ from tests.conftest import (
     WORKERS,
     babysat,
     babysit_env,
+    kept_indices,
     read_jsonl,
     run_babysit,
 )
@@ -426,17 +427,8 @@ def test_a_node_whose_ranks_keep_segfaulting_is_evicted_and_the_run_goes_on(
     assert "none skipped or repeated" in smaller["finding"]["message"]
     # Every step the run kept (each attempt's up to where the next resumed) drew the stream's
     # next samples: each step's indices, all ranks', in order, are the sampler's stream.
-    starts = {e["attempt"]: e["directive"]["resume"]["step"] if e["directive"]["resume"]
-              else 0 for e in run.events("launch")}
-    ends = {a: starts.get(a + 1, 60) for a in starts}
-    drawn: dict[int, list[tuple[int, list[int]]]] = {}
-    for log in indices.iterdir():
-        for line in log.read_text().splitlines():
-            attempt, step, world, *idx = map(int, line.split())
-            if starts[attempt] < step <= ends[attempt]:
-                assert world == (4 if step <= resume["step"] else 2)
-                drawn.setdefault(step, []).append((int(log.name), idx))
-    kept = [i for step in range(1, 61) for _, idx in sorted(drawn[step]) for i in idx]
+    kept, worlds = kept_indices(run.events("launch"), indices, 60)
+    assert worlds == {s: {4 if s <= resume["step"] else 2} for s in range(1, 61)}
     stream = iter(ElasticSampler(100000, 1, rank=0, world_size=1, seed=0))
     assert kept == [next(stream)[0] for _ in kept]
     assert len(kept) == 4 * (4 * resume["step"] + 2 * (60 - resume["step"]))
