@@ -9,7 +9,8 @@ Each rank imports torch, says it is ready and waits for ``go`` exactly as a full
 rank waits in ``attach()`` (``api._await_promotion``), and only then runs the script, as
 ``python train.py ...`` would (``sys.argv``, ``sys.path[0]``, ``__main__``). What a relaunch
 through it skips: torchrun's start and rendezvous, the interpreter and ``import torch`` (7.3 s
-of a 15 s cold relaunch on one H200, docs/gpu.md). What it does not: the script's own imports,
+of a 15 s cold relaunch on one H200, docs/gpu.md), and the modules DDP's constructor and the
+restore import on first use (``WARM_MODULES``). What it does not: the script's own imports,
 the model build, CUDA and NCCL initialisation and the checkpoint load.
 
 Why not wait in ``attach()`` on a GPU: by then the script has made its CUDA context and
@@ -20,6 +21,7 @@ only, and no CUDA context.
 
 from __future__ import annotations
 
+import importlib
 import os
 import runpy
 import sys
@@ -31,9 +33,28 @@ MODULE = __name__
 """What torchrun is told to run (``-m``) in an import standby's ranks."""
 
 
+WARM_MODULES = ("torch.distributed", "torch._dynamo", "torch.distributed.checkpoint")
+"""What a waiting rank imports: torch, then what every relaunch imports next unless it is
+here already. ``torch._dynamo``: DDP's constructor (and ``torch.compile``) imports it, 1.1 s of
+CPU and about 70 MB a rank on this 2-core machine; ``torch.distributed.checkpoint``: the
+restore loads with it. None of them makes a CUDA context."""
+
+
+def warm_imports() -> list[str]:
+    """Import ``WARM_MODULES``; the names that failed (a torch built without one: the script
+    will import what it needs itself, as a cold start would)."""
+    failed = []
+    for name in WARM_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # a partial build; never a reason not to stand by
+            failed.append(name)
+    return failed
+
+
 def main(argv: list[str]) -> None:
-    # The bulk of a rank's start-up; neither makes a CUDA context.
-    import torch.distributed  # noqa: F401
+    # The bulk of a rank's start-up; none of it makes a CUDA context.
+    warm_imports()
 
     from babysit.supervisor.rank import api
 

@@ -111,18 +111,20 @@ IMPORTS_SCRIPT = """\
 import sys, time
 from pathlib import Path
 Path(__file__).with_name("started").write_text(str(time.time()))  # its first line
+warm = [m for m in ("torch._dynamo", "torch.distributed.checkpoint") if m in sys.modules]
 from babysit import attach
 run = attach()
-print("attempt", run.directive.attempt, "argv", sys.argv[1:], "main", __name__)
+print("attempt", run.directive.attempt, "argv", sys.argv[1:], "main", __name__, "warm", warm)
 run.close()
 """
 
 
 def test_an_import_standby_waits_before_the_script_and_runs_it_once_promoted(
         tmp_path: Path) -> None:
-    """``warm_standby: imports`` (auto's choice on GPUs): the standby's rank imports torch and
-    waits before the script's first line; promoted, it runs the script as ``python train.py``
-    would (its arguments, ``__main__``) and attaches to the attempt."""
+    """``warm_standby: imports`` (auto's choice on GPUs): the standby's rank imports torch (and
+    what DDP's constructor and the restore import next) and waits before the script's first
+    line; promoted, it runs the script as ``python train.py`` would (its arguments,
+    ``__main__``) and attaches to the attempt."""
     workers = open_workers(tmp_path, IMPORTS_SCRIPT, ", args: [--lr, '3'], warm_standby: imports")
     try:
         workers.start_standby(1, "imports", rdzv_endpoint=f"127.0.0.1:{free_port()}",
@@ -142,7 +144,8 @@ def test_an_import_standby_waits_before_the_script_and_runs_it_once_promoted(
         wait_for(lambda: workers.poll() is not None)
         assert workers.poll() == 0
         assert float((tmp_path / "started").read_text()) >= promoted
-        assert "attempt 1 argv ['--lr', '3'] main __main__" in "\n".join(workers.output())
+        assert ("attempt 1 argv ['--lr', '3'] main __main__ warm ['torch._dynamo', "
+                "'torch.distributed.checkpoint']") in "\n".join(workers.output())
         hello = [m for m in workers.telemetry() if getattr(m, "type", None) == "hello"]
         assert len(hello) == 1
     finally:
