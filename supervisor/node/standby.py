@@ -154,6 +154,7 @@ class Trigger:
         self._first_step: float | None = None
         self._tried: set[int] = set()
         self._soon = False
+        self._closed = False
         self.attached_before = False
         """Some attempt of this run attached: the script waits in ``attach()``."""
 
@@ -161,11 +162,15 @@ class Trigger:
         """``soon``: this attempt is likely to end in a relaunch within seconds (a rerun)."""
         self.attempt, self._attached, self._first_step = attempt, False, None
         self._soon = soon
+        self._closed = False
 
-    def observe(self, now: float, *, hello: bool, stepped: bool) -> None:
-        """What this tick saw of the running attempt (``now``: monotonic seconds)."""
+    def observe(self, now: float, *, hello: bool, stepped: bool, closed: bool = False) -> None:
+        """What this tick saw of the running attempt (``now``: monotonic seconds); ``closed``:
+        every rank has closed its run, so no attempt follows (a standby started now would only
+        take CPU from the ranks' exit)."""
         self._attached = self._attached or hello
         self.attached_before = self.attached_before or hello
+        self._closed = self._closed or closed
         if stepped and self._first_step is None:
             self._first_step = now
 
@@ -178,7 +183,7 @@ class Trigger:
         at_once = self._soon and self.at_stall and self.attached_before
         waited = at_once or (self._first_step is not None and (
             now - self._first_step >= self.after_s or (looming and self.at_stall)))
-        if (self.off is not None or not running or self.attempt < 0
+        if (self.off is not None or not running or self.attempt < 0 or self._closed
                 or not (self._attached or at_once) or not waited or have == target
                 or target in self._tried):
             return None

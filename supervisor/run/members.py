@@ -307,7 +307,8 @@ class LocalMembers(OnThisNode):
             self.workers.drop_standby("every rank closed its run")
         # A hello of stdout mode's own (the script never attaches) would start no waiter.
         self.standby.observe(now, hello=any(e.type == "hello" and e.data.get("source") != SOURCE
-                                            for e in tick.events), stepped=any(tick.outputs))
+                                            for e in tick.events), stepped=any(tick.outputs),
+                             closed=self.workers.all_closed)
         have = self.workers.standby.attempt if self.workers.standby is not None else None
         looming = self.node.looming
         target = self.standby.due(now, watching and self.node.running, have, looming)

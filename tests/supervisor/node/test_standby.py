@@ -92,6 +92,17 @@ def test_a_standby_starts_only_after_an_attached_attempt_stepped_and_trained_a_w
     assert trigger.due(16.0, True, None) == 2
 
 
+def test_no_standby_starts_once_every_rank_closed_its_run() -> None:
+    # The run ends about when a standby would be due: one started then would only take the CPU
+    # the ranks' exit needs, and be stopped at once. The next attempt's trigger starts afresh.
+    trigger = started(standby.Trigger(None, after_s=5.0))
+    trigger.observe(14.9, hello=False, stepped=True, closed=True)
+    assert trigger.due(15.0, True, None) is None
+    trigger.observe(15.1, hello=False, stepped=False)  # closed stays closed for the attempt
+    assert trigger.due(16.0, True, None) is None
+    assert started(trigger, 1).due(16.0, True, None) == 2
+
+
 def test_a_stall_in_the_first_seconds_starts_the_standby_where_cores_allow() -> None:
     # The attempt stepped at t=10 and stalls at t=11: half-way to a hang suspicion, a standby
     # starts at once where every rank has a core; else after after_s as before.
