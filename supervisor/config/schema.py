@@ -103,9 +103,10 @@ class LaunchConfig(DashedSection):
     torchrun; on a GPU a CUDA context per rank and any model already on the device: 1.2 GB for
     two small ranks on an H200). Anything the script does before ``attach()`` (opening a
     logger's run, writing files) happens for the standby too. ``imports``: its ranks import
-    torch and wait before the script starts: no CUDA context, no GPU memory, nothing of the
-    script run twice; a relaunch still runs the script's own start (its imports, the model
-    build, CUDA and NCCL set-up, the checkpoint load). ``auto`` (the default): ``true``, or
+    torch (and ``torch._dynamo``, which DDP's constructor imports, and the checkpoint reader:
+    about 70 MB more a rank) and wait before the script starts: no CUDA context, no GPU
+    memory, nothing of the script run twice; a relaunch still runs the script's own start (its
+    imports, the model build, CUDA and NCCL set-up, the checkpoint load). ``auto`` (the default): ``true``, or
     ``imports`` where the job can see NVIDIA GPUs. ``false``: every relaunch cold.
     Single-node runs of scripts that call ``attach()`` only (``imports`` needs a Python script:
     not ``no_python``); multi-node runs and a fixed ``rdzv_endpoint`` relaunch cold."""
