@@ -106,8 +106,9 @@ class LaunchConfig(DashedSection):
     torch (and ``torch._dynamo``, which DDP's constructor imports, and the checkpoint reader:
     about 70 MB more a rank) and wait before the script starts: no CUDA context, no GPU
     memory, nothing of the script run twice; a relaunch still runs the script's own start (its
-    imports, the model build, CUDA and NCCL set-up, the checkpoint load). ``auto`` (the default): ``true``, or
-    ``imports`` where the job can see NVIDIA GPUs. ``false``: every relaunch cold.
+    imports, the model build, CUDA and NCCL set-up, the checkpoint load). ``auto`` (the
+    default): ``true``, or ``imports`` where the job can see NVIDIA GPUs. ``false``: every
+    relaunch cold.
     Single-node runs of scripts that call ``attach()`` only (``imports`` needs a Python script:
     not ``no_python``); multi-node runs and a fixed ``rdzv_endpoint`` relaunch cold."""
     torchrun_ahead: bool = True
@@ -300,7 +301,8 @@ class NodesConfig(DashedSection):
     settle_s: float = Field(3.0, ge=0)
     """After the first node reports a crash or hang, how long the leader waits for the other
     nodes' view of it before choosing the most telling one (the node with the failing rank
-    explains it; the others see only a broken connection)."""
+    explains it; the others see only a broken connection). Not waited for once a node reports
+    a rank dead of SIGSEGV, SIGBUS, SIGILL or SIGKILL: that is the cause."""
 
     @field_validator("leader")
     @classmethod
