@@ -21,7 +21,8 @@ decoded in ``supervisor.cluster.messages``)::
 
 Two things need every node's view before the leader acts, so they *settle* for ``nodes.settle_s``: a
 crash (the node whose rank failed has the telling log; the others see only a peer that closed its
-connection) and a hang (the node with the stuck rank names it from its stacks; the others see ranks
+connection; a rank dead of a native signal or SIGKILL is the cause by itself: ``telling``) and a
+hang (the node with the stuck rank names it from its stacks; the others see ranks
 waiting in a collective). A node reads its ranks' stacks before it reports a hang, which takes
 seconds under load, so it says ``hang_suspected`` first and the leader waits for its view (up to
 ``STACK_READING_S``) however long the settle time. A node that vanishes (its connection closes, or
@@ -35,12 +36,14 @@ the wire.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from babysit.policies.types import Finding, Incident, Severity, Spread
+from babysit.supervisor.cluster.eviction import NATIVE_SIGNALS
 from babysit.supervisor.cluster.merge import NodeMerger
 from babysit.supervisor.cluster.messages import (
     Beat,
@@ -84,6 +87,21 @@ class Unreadable:
 
 Heard = FollowerMessage | Lost | Unreadable
 """What ``Cluster.receive`` hands on for each follower."""
+
+
+CAUSE_SIGNALS = frozenset({*NATIVE_SIGNALS, int(signal.SIGKILL)})
+"""Signals a rank dies of by itself (native code, the machine, the OOM killer), never because a
+peer on another node died: that one sees a closed connection (an exception, exit 1), NCCL's
+error handling aborts it (SIGABRT), or its torchrun stops it (SIGTERM)."""
+
+
+def telling(exit: dict[str, Any]) -> bool:
+    """A node's exit that names the crash's cause by itself: one of its ranks died of a
+    ``CAUSE_SIGNALS`` signal. The other nodes can add only a closed connection, so the leader
+    settles on it at once instead of waiting ``settle_s`` for them (their ranks may never exit
+    by themselves: with NCCL they block in the collective until its timeout)."""
+    return int(exit["code"]) != 0 and any(
+        int(code) < 0 and -int(code) in CAUSE_SIGNALS for code in exit["rank_exits"].values())
 
 
 @dataclass
@@ -350,13 +368,14 @@ class Cluster:
         return all(n in a.stopped or peer.closed for n, peer in a.peers.items())
 
     def settled_exit(self) -> JobExit | None:
-        """The attempt's end once every node's view is in (or the settle time is up)."""
+        """The attempt's end once every node's view is in, a view that can only be the cause
+        is (``telling``), or the settle time is up."""
         a = self.attempt
         if a.done or not a.exits:
             return None
         everyone = all(n in a.exits for n in a.nodes)
-        if not everyone and (a.failed_at is None
-                             or self.clock() - a.failed_at < self.config.settle_s):
+        if not everyone and not any(telling(e) for e in a.exits.values()) and (
+                a.failed_at is None or self.clock() - a.failed_at < self.config.settle_s):
             return None
         a.done = True
         codes = {n: int(e["code"]) for n, e in a.exits.items()}

@@ -560,6 +560,27 @@ def test_a_failure_settles_at_once_when_every_node_exited(
     assert end.root == 4  # node 1 named no root; node 2 did
 
 
+def test_a_rank_dead_of_a_native_signal_settles_at_once(
+        cluster: Cluster, clock: Clock, launched: dict[int, Peer]) -> None:
+    # Node 2's rank 4 died of SIGSEGV: the cause, whatever the others will say (a closed
+    # connection), and with NCCL their ranks may never exit by themselves. No settle_s wait.
+    cluster.exited(2, 1, {4: "Signal 11 (SIGSEGV) received by PID 77"}, 4, {4: -11, 5: -15})
+    end = cluster.settled_exit()
+    assert end is not None and (end.code, end.root, end.exits) == (1, 4, {4: -11, 5: -15})
+    assert end.nodes == {2: 1}
+
+
+def test_a_closed_connection_or_a_stop_signal_still_waits_for_the_others(
+        cluster: Cluster, clock: Clock, launched: dict[int, Peer]) -> None:
+    # SIGTERM is torchrun stopping a survivor, SIGABRT NCCL aborting one whose peer died, an
+    # exit 1 a closed connection: any node could say as much. The telling view may come next.
+    cluster.exited(1, 1, {2: "Connection closed by peer", 3: "aborted"}, 2, {2: 1, 3: -6})
+    cluster.exited(0, 1, {0: "stopped"}, 0, {0: -15, 1: -15})
+    assert cluster.settled_exit() is None
+    clock.advance(SETTLE_S)
+    assert cluster.settled_exit() is not None
+
+
 def test_exits_from_outside_the_attempt_and_repeated_exits_are_ignored(
         cluster: Cluster, clock: Clock, follow: Follow) -> None:
     follow(1)
