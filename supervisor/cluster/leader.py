@@ -571,10 +571,12 @@ class ClusterMembers(OnThisNode):
         if end.code == 0:
             return JobEnd(0)
         # Whatever still runs of the attempt (ranks blocked in a collective with a dead peer)
-        # stops now, not when the next attempt starts on the same devices.
-        self.cluster.tell(Stop("the attempt failed on another node"))
+        # stops now, not when the next attempt starts on the same devices; torchrun's own
+        # shutdown is not waited for (1.3 s of this loop's tick, on the leader's node, before
+        # the remedy was even chosen): the attempt is over and the ranks' logs are on disk.
+        self.cluster.tell(Stop("the attempt failed on another node", replacing=True))
         if self.workers.group is not None and self.workers.group.processes():
-            self.workers.stop()
+            self.workers.stop(replacing=True)
         self._crash_tails = end.tails
         return JobEnd(end.code, end.tails, end.root, end.exits)
 

@@ -1033,6 +1033,27 @@ def test_stop_tells_the_follower_and_waits_until_it_says_stopped(
     assert said.journal[-1] == ("nodes_stopped", {"missing": []})
 
 
+def test_a_failed_attempt_stops_the_others_without_waiting_for_their_torchruns(
+        members: ClusterMembers) -> None:
+    # Node 1's rank 2 died of SIGSEGV: the cause by itself (settled at once: the Cluster test
+    # above, on its clock); the others are told to stop without waiting for torchrun's own
+    # shutdown, as the leader stops its own node's.
+    follower = join(members, Said())
+    members.launch(0, Directive(), time.monotonic())
+    assert isinstance(collect(follower, 1)[0], Launch)
+    follower.send(encode(Exited(0, 1, {2: "Signal 11 (SIGSEGV) received by PID 9"}, 2,
+                                {2: -11, 3: -15})))
+    deadline = time.monotonic() + 10.0
+    end = None
+    while end is None:
+        assert time.monotonic() < deadline, "the attempt never ended"
+        end = members.gather(time.monotonic(), watching=True).end
+        time.sleep(0.02)
+
+    assert (end.code, end.root) == (1, 2)
+    assert collect(follower, 1) == [Stop("the attempt failed on another node", replacing=True)]
+
+
 def test_a_follower_that_hangs_up_is_a_lost_node_with_its_ranks(
         members: ClusterMembers) -> None:
     follower = join(members, Said())
