@@ -40,16 +40,14 @@ CPU and about 70 MB a rank on this 2-core machine; ``torch.distributed.checkpoin
 restore loads with it. None of them makes a CUDA context."""
 
 
-def warm_imports() -> list[str]:
-    """Import ``WARM_MODULES``; the names that failed (a torch built without one: the script
-    will import what it needs itself, as a cold start would)."""
-    failed = []
+def warm_imports() -> None:
+    """Import ``WARM_MODULES``, passing over any that fails (a torch built without one: the
+    script will import what it needs itself, as a cold start would)."""
     for name in WARM_MODULES:
         try:
             importlib.import_module(name)
         except Exception:  # a partial build; never a reason not to stand by
-            failed.append(name)
-    return failed
+            continue
 
 
 def main(argv: list[str]) -> None:
