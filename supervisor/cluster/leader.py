@@ -117,13 +117,13 @@ class ClusterMembers(OnThisNode):
         self._evictable: dict[int, str] = {}
         """Nodes the machine faults traced to them made evictable, not yet evicted."""
         self._grown = -1
+        """The attempt whose growth was asked for (``_grow_at``): once per attempt."""
         self._rerunning = False
         """The running attempt is a spike's rerun on the nodes of the attempt it replays, its
         verdict not in yet: a node that joined waits for it (``_grow_at``)."""
         self._first_pass: dict[int, int] = {}
         """The rank -> node map of the attempt a rerun replays: its verdict's ranks that moved
         first are that attempt's (a node lost and replaced moves ranks between nodes)."""
-        """The attempt whose growth was asked for (``_grow_at``): once per attempt."""
         self._began = self.clock()
         self._launched: float | None = None
         """When the running attempt was launched, until its first merged step."""
