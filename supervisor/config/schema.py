@@ -227,10 +227,11 @@ class CheckpointConfig(DashedSection):
     """Healthy steps after a checkpoint before it counts as *good*; until then it is *pending*,
     and an anomaly whose onset falls within this many steps of it makes it *suspect*."""
     async_save: bool = True
-    """Save in the background (``torch.distributed.checkpoint.async_save``, a writer thread per
-    rank with a gloo process group of its own): training stalls only for the copy of the state
-    into host memory, not for the write. Falls back to synchronous saves, and says so, where
-    the ranks' copies would not fit in half the host's free memory at the first save."""
+    """Save in the background (as ``torch.distributed.checkpoint.async_save`` does, on one writer
+    thread per rank kept for the run, its collectives in a gloo process group of its own):
+    training stalls only for the copy of the state into host memory, not for the write. Falls
+    back to synchronous saves, and says so, where the ranks' copies would not fit in half the
+    host's free memory at the first save."""
     final_grace_s: float = Field(120.0, ge=0)
     """On SIGTERM (what a scheduler sends before reclaiming the node), seconds babysit waits for
     the workers to save a final checkpoint before stopping them; 0 stops at once. The next

@@ -30,6 +30,7 @@ WORKER = WORKERS / "ckpt_roundtrip.py"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 STEPS = 8
 SYNC_AT, ASYNC_AT = 3, 5
+BAD_ROOT_AT = 2
 
 # DCP warns when it runs without a process group; the one-process tests do that on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -90,7 +91,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     # (rendezvous, the agent's monitor interval), so overlapping them saves wall time.
     full = finish(
         start_torchrun(base / "full", "--ckpt-root", str(root),
-                       "--save-at", str(SYNC_AT), "--async-save-at", str(ASYNC_AT)),
+                       "--save-at", str(SYNC_AT), "--async-save-at", str(ASYNC_AT),
+                       "--bad-root-at", str(BAD_ROOT_AT)),
         base / "full",
     )  # fmt: skip
     unused = str(base / "unused")
@@ -116,6 +118,19 @@ def test_resume_reproduces_every_rank_bit_for_bit(runs: Runs, which: str) -> Non
     for rank in (0, 1):
         expected = {s: v for s, v in runs.full[rank].items() if s > at}
         assert resumed[rank] == expected, f"rank {rank} diverged after resuming at step {at}"
+
+
+@pytest.mark.e2e
+def test_a_directory_rank_0_cannot_make_fails_that_save_on_every_rank_alike(runs: Runs) -> None:
+    # Rank 0 makes the step's directory; the others learn its outcome, so every rank raises the
+    # same error together (none waits in the write's collectives for a rank that gave up), and
+    # the job trains and saves on (the losses and resumes above are this run's).
+    said = [json.loads((runs.root.parent / "full" / f"bad_root_rank{r}.json").read_text())
+            for r in (0, 1)]
+    for mode in ("sync", "async"):
+        assert said[0][mode] == said[1][mode], mode
+        assert "cannot create the checkpoint directory" in said[0][mode]
+        assert "(rank 0)" in said[0][mode] and "not_a_directory" in said[0][mode]
 
 
 @pytest.mark.e2e

@@ -7,6 +7,9 @@ losses to ``<out>/losses_rank<r>.json`` as {step: loss}.
 
     torchrun ... ckpt_roundtrip.py --out D --steps 8 --ckpt-root R [--save-at 3] [--async-save-at 5]
     torchrun ... ckpt_roundtrip.py --out D --steps 8 --ckpt-root R --resume R/step_00000003
+
+``--bad-root-at N``: after step N, one sync and one async save into a root that cannot be made
+(a path under a file); each rank writes what it raised to ``<out>/bad_root_rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def main() -> None:
     p.add_argument("--save-at", type=int, default=None, help="sync save after this step")
     p.add_argument("--async-save-at", type=int, default=None, help="async save after this step")
     p.add_argument("--resume", default=None)
+    p.add_argument("--bad-root-at", type=int, default=None,
+                   help="after this step, try both saves into a root rank 0 cannot create")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -68,6 +73,18 @@ def main() -> None:
         losses[step] = loss.item()
         if handle is not None:
             handle.poll()
+        if step == args.bad_root_at:
+            blocker = Path(args.out, "not_a_directory")
+            blocker.touch()
+            said = {}
+            for mode in ("sync", "async"):
+                try:
+                    checkpoints.save(str(blocker / "ckpts"), step, cursor=step * 2, lr_scale=1.0,
+                                     model=model, optimizer=opt, async_save=mode == "async")
+                    said[mode] = None
+                except checkpoints.CheckpointError as e:
+                    said[mode] = str(e)
+            Path(args.out, f"bad_root_rank{rank}.json").write_text(json.dumps(said))
         if step in (args.save_at, args.async_save_at):
             handle = checkpoints.save(
                 args.ckpt_root,
