@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/save_stall.py [--ranks 2] [--saves 150] [--rounds 3]
         [--baseline-tree DIR]     # e.g. a `git worktree add /tmp/base HEAD~1`
+        [--device cuda]           # the model on the GPU: the save stages it to host memory
 
 Each round runs a real ``torchrun`` job of ``--ranks`` gloo ranks per tree, interleaved (this
 tree, then the baseline, then this tree ...). A rank trains ``tests/workers/tiny_train.py``'s
@@ -38,12 +39,13 @@ def worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)
+    device = torch.device(args.device)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                torch.nn.Linear(32, 1))
+                                torch.nn.Linear(32, 1)).to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, 100)
-    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    x, y = torch.randn(8, 16, device=device), torch.randn(8, 1, device=device)
     stalls, handle = [], None
     for step in range(1, args.saves * args.every + 1):
         loss = torch.nn.functional.mse_loss(ddp(x), y)
@@ -56,6 +58,8 @@ def worker(args: argparse.Namespace) -> None:
             handle.poll()
         if step % args.every == 0:
             started = time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # the step's kernels are the step's, not the save's
             handle = checkpoints.save(args.root, step, step, 1.0, ddp, opt, sched,
                                       async_save=not args.sync)
             stalls.append(time.perf_counter() - started)
@@ -70,7 +74,8 @@ def run_once(tree: str, args: argparse.Namespace) -> list[float]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                str(args.ranks), __file__, "--worker", "--tree", tree, "--root", root,
                "--saves", str(args.saves), "--every", str(args.every),
-               "--step-sleep", str(args.step_sleep), "--warmup", str(args.warmup)]
+               "--step-sleep", str(args.step_sleep), "--warmup", str(args.warmup),
+               "--device", args.device]
         if args.sync:
             cmd.append("--sync")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -90,6 +95,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10, help="first saves of a job not counted")
     p.add_argument("--rounds", type=int, default=3, help="jobs per tree, interleaved")
     p.add_argument("--sync", action="store_true", help="synchronous saves")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (every rank on GPU 0, gloo)")
     p.add_argument("--baseline-tree", help="another checkout of babysit to compare with")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tree", default=str(HERE), help=argparse.SUPPRESS)
@@ -107,7 +113,7 @@ def main() -> None:
             stalls[name] += run_once(tree, args)
             print(f"round {r + 1}/{args.rounds}: {name} done", file=sys.stderr, flush=True)
     mode = "synchronous" if args.sync else "asynchronous"
-    print(f"\n## {mode} saves, {args.ranks} gloo ranks, tiny_train's model, "
+    print(f"\n## {mode} saves, {args.ranks} gloo ranks, tiny_train's model on {args.device}, "
           f"{args.rounds} x {args.saves - args.warmup} saves per tree\n")
     print("| tree | median ms | p90 ms |\n| --- | ---: | ---: |")
     for name, values in stalls.items():
