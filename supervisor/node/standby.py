@@ -19,8 +19,9 @@ the telemetry socket, so it sends nothing and judges nothing. The states::
                read it and go on exactly as a fresh attempt's do; it is the attempt now
     exited     it ended on its own (an import error, say): journaled, never used, never the
                running attempt's crash; the next relaunch is cold and shows the error
-    stopped    every rank of the running attempt closed its run (no attempt follows), the
-               run ended, or babysit stops: its whole process tree goes too
+    stopped    every rank of the running attempt closed its run (no attempt follows: killed
+               at once, beside the ranks' exit), the run ended, or babysit stops: its whole
+               process tree goes too
 
 Two kinds (``kind``). ``full`` is the above. ``imports`` (``auto``'s choice where the job sees
 NVIDIA GPUs) starts the same torchrun and rendezvous, but its ranks run ``rank/prewarm.py``:

@@ -233,10 +233,12 @@ class NodeWorkers:
                 "tail": launcher.tail(group.log_path, 4096)}))
         self._stop_group(group)
 
-    def _stop_group(self, group: launcher.WorkerGroup) -> int | None:
+    def _stop_group(self, group: launcher.WorkerGroup, grace_s: float | None = None) -> int | None:
         """Stop a group that trained nothing (a standby, a torchrun started ahead) and forget
-        its launcher; its exit code."""
-        code = group.stop(min(standby.STOP_GRACE_S, self.plan.config.launch.stop_grace_s))
+        its launcher; its exit code. ``grace_s``: SIGTERM -> SIGKILL (None: the standby's)."""
+        if grace_s is None:
+            grace_s = min(standby.STOP_GRACE_S, self.plan.config.launch.stop_grace_s)
+        code = group.stop(grace_s)
         if group.pid is not None:
             self._launchers.discard(group.pid)
         return code
@@ -331,16 +333,20 @@ class NodeWorkers:
         entries, self.standby_entries = self.standby_entries, []
         return entries
 
-    def drop_standby(self, reason: str) -> None:
-        """Stop the standby's whole process tree, if there is one."""
+    def drop_standby(self, reason: str, at_once: bool = False) -> None:
+        """Stop the standby's whole process tree, if there is one. ``at_once``: kill it without
+        a grace period (no attempt will take it, and the job's own ranks are exiting: a
+        standby's orderly shutdown, its interpreters' teardown with torch loaded, would take
+        their CPU and hold this loop, 0.9 s here, before it sees the job end)."""
         if self.standby is not None:
             spare, self.standby = self.standby, None
-            self._discard(spare, reason)
+            self._discard(spare, reason, 0.0 if at_once else None)
 
-    def _discard(self, spare: standby.Standby, reason: str) -> None:
+    def _discard(self, spare: standby.Standby, reason: str,
+                 grace_s: float | None = None) -> None:
         exited = spare.group.poll()
         # Even after torchrun exited: ranks it left behind are ours (subreaper) to stop.
-        code = self._stop_group(spare.group)
+        code = self._stop_group(spare.group, grace_s)
         if exited is None:
             self.standby_entries.append(("standby_stopped", {
                 "for_attempt": spare.attempt, "reason": reason, "exit_code": code}))

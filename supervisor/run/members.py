@@ -304,7 +304,7 @@ class LocalMembers(OnThisNode):
         teardown crashes), while the ranks are still exiting rather than after."""
         self.workers.standby_exit()
         if self.workers.all_closed:
-            self.workers.drop_standby("every rank closed its run")
+            self.workers.drop_standby("every rank closed its run", at_once=True)
         # A hello of stdout mode's own (the script never attaches) would start no waiter.
         self.standby.observe(now, hello=any(e.type == "hello" and e.data.get("source") != SOURCE
                                             for e in tick.events), stepped=any(tick.outputs),
