@@ -206,7 +206,7 @@ def save(
         _pending = None
     rank, world = rank_and_world()
     path = step_dir(root, step)
-    _prepare_dir(path, rank, world)
+    _prepare_dir(path, rank, world, _writer_group() if async_save else _writer_pg)
     state = _dcp_state(model, optimizer)
     buf = io.BytesIO()
     torch.save(_rank_state(step, cursor, lr_scale, scheduler, extra, rank), buf)
@@ -252,14 +252,14 @@ def _write_in_background(state: dict[str, Any], path: Path,
     thread too, after the DCP write (0.5 ms of file creation taken off the step; the directory
     exists: rank 0 made it before the collective every rank passed). The future's result is
     why that file could not be written, or None."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    stager = DefaultStager(StagingOptions(False, False, False, False))
+    stager = _stager()
+    close = getattr(stager, "close", None) or (lambda: None)
     try:
         staged = stager.stage(state)
     except BaseException:
-        stager.close()
+        close()
         raise
     group = _writer_group()
 
@@ -269,7 +269,7 @@ def _write_in_background(state: dict[str, Any], path: Path,
             # to its own file after.
             dcp_save(staged, checkpoint_id=str(path), process_group=group)
         finally:
-            stager.close()
+            close()
         name, data = rank_state
         try:
             (path / name).write_bytes(data)
@@ -278,6 +278,19 @@ def _write_in_background(state: dict[str, Any], path: Path,
         return None
 
     return _writer().submit(write)
+
+
+def _stager() -> Any:
+    """The stager ``async_save`` makes for a save: ``DefaultStager`` with every option off (a
+    blocking copy into fresh host memory), or, in a torch from before it, the
+    ``BlockingAsyncStager`` that torch's ``async_save`` used then (not run here: CI pins 2.13)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        return BlockingAsyncStager()
+    return DefaultStager(StagingOptions(False, False, False, False))
 
 
 _writer_pool: ThreadPoolExecutor | None = None
@@ -297,12 +310,13 @@ _writer_pg: Any = None
 
 
 def _writer_group() -> Any:
-    """The process group babysit's checkpoint collectives use: gloo, and its own, so that the
-    background writer's never interleave with the training's in the default group (torchtitan
-    writes its async checkpoints the same way), and a CPU tensor serves whatever the default
-    group's backend (``_prepare_dir``). Created at this process's first save, which every rank
-    reaches at the same step; None without ``torch.distributed``. The training thread uses it
-    only between saves, once this rank's writer is done with the one before."""
+    """The process group of the background writer's collectives and of the directory agreement
+    of the saves after its first (``_prepare_dir``): gloo, and its own, so that the writer's
+    never interleave with the training's in the default group (torchtitan writes its async
+    checkpoints the same way), and a CPU tensor serves whatever the default group's backend.
+    Created at this process's first asynchronous save, which every rank reaches at the same
+    step; None without ``torch.distributed``. The training thread uses it only between saves,
+    once this rank's writer is done with the one before (``save`` waits for that first)."""
     import torch.distributed as dist
 
     global _writer_pg
@@ -314,11 +328,13 @@ def _writer_group() -> Any:
 
 
 def wait_pending(timeout_s: float | None = None) -> None:
-    """Wait for this process's async save in flight, if any (call before exiting)."""
+    """Wait for this process's async save in flight, if any (call before exiting). One that
+    did not finish within ``timeout_s`` stays in flight: the next ``save`` waits for it before
+    its own collectives (its writer may still be in the checkpoint group's)."""
     global _pending
     if _pending is not None:
-        handle, _pending = _pending, None
-        handle.wait(timeout_s)
+        _pending.wait(timeout_s)
+        _pending = None
 
 
 def hash_part(path: Path, rank: int) -> dict[str, Any]:
@@ -378,13 +394,16 @@ def _commit_collectively(
         raise CheckpointError(error)
 
 
-def _prepare_dir(path: Path, rank: int, world: int) -> None:
+def _prepare_dir(path: Path, rank: int, world: int, group: Any) -> None:
     """Rank 0 replaces any old ``path`` with an empty directory; every rank learns the outcome.
 
-    The outcome travels as one integer all-reduce in ``_writer_group`` (gloo: a CPU tensor
-    whatever the training's backend), where ``broadcast_object_list`` pickles and broadcasts
-    twice (with the writer thread below, a save's stall went from 5.1 to 3.5 ms:
-    ``benchmarks/save_stall.py``); rank 0's message follows only when it failed."""
+    With ``group`` (``_writer_group``, gloo: a CPU tensor whatever the training's backend) the
+    outcome travels as one integer all-reduce, where ``broadcast_object_list`` pickles and
+    broadcasts twice (with the writer thread below, a save's stall went from 5.1 to 3.5 ms:
+    ``benchmarks/save_stall.py``); rank 0's message follows only when it failed. Without one
+    (a run that only ever saved synchronously, and so needs no gloo group), the default
+    group's ``broadcast_object_list`` carries it, on whatever device that group's backend
+    uses."""
     error: str | None = None
     if rank == 0:
         try:
@@ -399,13 +418,15 @@ def _prepare_dir(path: Path, rank: int, world: int) -> None:
         import torch
         import torch.distributed as dist
 
-        group = _writer_group()
-        failed = torch.tensor([int(error is not None)])
-        dist.all_reduce(failed, group=group)
-        if failed.item():
-            box = [error]
-            dist.broadcast_object_list(box, src=0, group=group)
-            error = box[0]
+        box = [error]
+        if group is None:
+            dist.broadcast_object_list(box, src=0)
+        else:
+            failed = torch.tensor([int(error is not None)])
+            dist.all_reduce(failed, group=group)
+            if failed.item():
+                dist.broadcast_object_list(box, src=0, group=group)
+        error = box[0]
     if error is not None:
         raise CheckpointError(error)
 

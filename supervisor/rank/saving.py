@@ -150,7 +150,7 @@ class Checkpointer:
     def _in_background(self) -> bool:
         """Save asynchronously: the directive allows it and, checked once at the first save,
         every node's ranks can hold a copy of their state in half their host's free memory
-        (DCP stages the state there and keeps the copy for later saves). One rank short of it
+        (each save stages one there, freed once written). One rank short of it
         makes every rank save synchronously: the save is collective, and a host run out of
         memory would cost more than the stalls."""
         if not self.directive.checkpoint_async:
