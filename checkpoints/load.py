@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from babysit.checkpoints import just_in_time, mark
 from babysit.checkpoints.errors import CheckpointError
 from babysit.checkpoints.layout import rank_state_name
 from babysit.checkpoints.manifest import KIND_DCP, read_manifest, verify_manifest
@@ -49,7 +50,6 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
     The data each rank sees changes with the world size anyway, so such a resume continues the
     run without being bit-exact.
     """
-    import torch
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -88,7 +88,10 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
     try:
-        dcp_load(state, checkpoint_id=str(path))
+        if manifest.is_just_in_time:  # its writers' metadata, merged (``just_in_time.reader``)
+            dcp_load(state, storage_reader=just_in_time.reader(path))
+        else:
+            dcp_load(state, checkpoint_id=str(path))
     # DCP gathers per-rank failures into a CheckpointException (a BaseException), raised on
     # every rank together, so raising ours keeps the ranks in step.
     except (Exception, CheckpointException) as e:
@@ -105,17 +108,7 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
 
-    source = rank if rank < manifest.world_size else 0
-    rank_file = path / rank_state_name(source)
-    try:
-        # weights_only=False: the file holds Python and numpy RNG tuples and the user's extra;
-        # it was written by this job's own ranks and its CRC-32 sits in the manifest.
-        rank_state = torch.load(rank_file, weights_only=False)
-    except (OSError, RuntimeError, ValueError) as e:
-        raise CheckpointError(
-            f"cannot read {rank_file} (rank {rank}, step {manifest.step}): {e}. Choose an older "
-            "checkpoint."
-        ) from e
+    rank_state, own = _rank_state(path, manifest, rank)
     if scheduler is not None:
         if rank_state["scheduler"] is None:
             raise CheckpointError(
@@ -123,16 +116,55 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
                 "passed one to load. Pass scheduler=None, or save with the scheduler."
             )
         scheduler.load_state_dict(rank_state["scheduler"])
-    if source == rank:
-        restore_rng(rank_state["rng"])
+    if own is not None:
+        restore_rng(own)
     return Restored(
         step=manifest.step,
         cursor=manifest.cursor,
         lr_scale=manifest.lr_scale,
         path=path,
-        extra=rank_state["extra"] or {},
+        extra=rank_state.get("extra") or {},
         samples=manifest.samples,
     )
+
+
+def _rank_state(path: Path, manifest: Any, rank: int) -> tuple[dict[str, Any], Any]:
+    """This rank's saved state (its scheduler and ``extra``) and the random streams to restore
+    (None: keep this process's own). A rank the checkpoint had gets its own back; a new rank
+    (a resize) rank 0's state and fresh streams, as sharing rank 0's would make two ranks
+    draw the same dropout masks. In a just-in-time checkpoint a rank that was dead when it was
+    written has its streams from its mark (``mark_<r>.bin``) and its scheduler from the lowest
+    rank that wrote one; one with neither keeps fresh streams (the manifest lists it)."""
+    import torch
+
+    names = {f.name for f in manifest.files}
+    source = rank if rank < manifest.world_size else 0
+    if manifest.is_just_in_time and rank_state_name(source) not in names:
+        written = sorted(f.name for f in manifest.files if f.name.startswith("rank_"))
+        if not written:
+            raise CheckpointError(f"{path} (step {manifest.step}) holds no rank's state file")
+        own = None
+        if source == rank and just_in_time.mark_name(rank) in names:
+            try:
+                own = mark.read(path / just_in_time.mark_name(rank)).rng()
+            except mark.MarkError as e:
+                raise CheckpointError(f"{e} (rank {rank}, step {manifest.step})") from e
+        return _load_rank_file(path / written[0], rank, manifest.step, torch), own
+    state = _load_rank_file(path / rank_state_name(source), rank, manifest.step, torch)
+    return state, state["rng"] if source == rank else None
+
+
+def _load_rank_file(rank_file: Path, rank: int, step: int, torch: Any) -> dict[str, Any]:
+    try:
+        # weights_only=False: the file holds Python and numpy RNG tuples and the user's extra;
+        # it was written by this job's own ranks and its CRC-32 sits in the manifest.
+        state: dict[str, Any] = torch.load(rank_file, weights_only=False)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(
+            f"cannot read {rank_file} (rank {rank}, step {step}): {e}. Choose an older "
+            "checkpoint."
+        ) from e
+    return state
 
 
 def _first_line(e: BaseException) -> str:

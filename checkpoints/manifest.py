@@ -30,11 +30,19 @@ from babysit.checkpoints.layout import MANIFEST_NAME, is_protocol_file, step_dir
 
 FORMAT_VERSION = 1
 """Bumped when a manifest written by this version could be misread by an older reader."""
+FORMAT_JUST_IN_TIME = 2
+"""Just-in-time checkpoints' version (``checkpoints/just_in_time.py``): their DCP data is in the
+writers' uncoordinated layout, which an older babysit would fail to load, so it refuses them."""
+READABLE = (FORMAT_VERSION, FORMAT_JUST_IN_TIME)
 
 KIND_DCP = "dcp"
 """Saved by ``checkpoints.save`` (torch.distributed.checkpoint + per-rank state files)."""
 KIND_EXTERNAL = "external"
 """Saved by the user's own code and registered with ``register_external``."""
+ORIGIN_PERIODIC = "periodic"
+"""Saved by every rank together at a step boundary (the cadence, a final checkpoint)."""
+ORIGIN_JUST_IN_TIME = "just_in_time"
+"""Written after a fault by the ranks still alive (``checkpoints/just_in_time.py``)."""
 
 _CHUNK = 8 << 20  # 8 MiB reads: large enough that per-call overhead vanishes, small for memory
 
@@ -77,6 +85,15 @@ class Manifest:
     samples: int | None = None
     """Samples of the data stream consumed at ``cursor``, when the job's loader counts them
     (``ElasticSampler``): where a resume on another world size goes on."""
+    origin: str = ORIGIN_PERIODIC
+    """How it was saved: ``periodic`` or ``just_in_time``."""
+    just_in_time: dict[str, Any] | None = None
+    """A just-in-time checkpoint's story: the fault, its writers, the ranks whose streams came
+    from their marks and those whose streams were lost (``just_in_time.Plan``)."""
+
+    @property
+    def is_just_in_time(self) -> bool:
+        return self.origin == ORIGIN_JUST_IN_TIME
 
     def data_dir(self, ckpt_dir: Path) -> Path:
         """The directory the ``files`` are relative to."""
@@ -113,6 +130,8 @@ class Manifest:
             owned=bool(d.get("owned", True)),
             format_version=int(d["format_version"]),
             samples=None if d.get("samples") is None else int(d["samples"]),
+            origin=str(d.get("origin", ORIGIN_PERIODIC)),
+            just_in_time=d.get("just_in_time"),
         )
 
 
@@ -171,10 +190,11 @@ def read_manifest(ckpt_dir: str | Path) -> Manifest:
             "another one."
         ) from e
     version = d.get("format_version") if isinstance(d, dict) else None
-    if version != FORMAT_VERSION:
+    if version not in READABLE:
         raise ManifestError(
-            f"the manifest {path} has format version {version!r}, but this babysit reads version "
-            f"{FORMAT_VERSION}. Use the babysit version that wrote it, or save a new checkpoint."
+            f"the manifest {path} has format version {version!r}, but this babysit reads "
+            f"versions {', '.join(map(str, READABLE))}. Use the babysit version that wrote it, or "
+            "save a new checkpoint."
         )
     try:
         return Manifest.from_json(d)

@@ -443,8 +443,11 @@ def _dcp_state(model: Any, optimizer: Any) -> dict[str, Any]:
 
 
 def _rank_state(
-    step: int, cursor: int, lr_scale: float, scheduler: Any, extra: Any, rank: int
+    step: int, cursor: int, lr_scale: float, scheduler: Any, extra: Any, rank: int,
+    rng: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """A rank's own file: its random streams (``rng``, or captured now), the scheduler and the
+    user's ``extra``."""
     return {
         "format": RANK_STATE_FORMAT,
         "rank": rank,
@@ -452,7 +455,7 @@ def _rank_state(
         "cursor": cursor,
         "lr_scale": lr_scale,
         "scheduler": None if scheduler is None else scheduler.state_dict(),
-        "rng": capture_rng(),
+        "rng": capture_rng() if rng is None else rng,
         "extra": extra,
     }
 

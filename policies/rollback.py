@@ -70,6 +70,9 @@ class Saved:
     cursor: int
     good: bool
     """It passed probation (a rollback may use it); False: still pending."""
+    just_in_time: bool = False
+    """Written after a fault by the ranks still alive (``checkpoints/just_in_time.py``): a
+    relaunch resumes from it, a rollback for the weights' or the machine's fault never."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +83,10 @@ class Shelf:
     probation_steps: int = 0
     """Checkpoints saved this close before an onset turn suspect with it."""
 
-    def newest_good_before(self, step: int) -> Saved | None:
-        return max((c for c in self.saved if c.good and c.step < step),
+    def newest_good_before(self, step: int, just_in_time: bool = False) -> Saved | None:
+        """The newest good checkpoint before ``step``; a just-in-time one only if asked."""
+        return max((c for c in self.saved
+                    if c.good and c.step < step and (just_in_time or not c.just_in_time)),
                    key=lambda c: c.step, default=None)
 
 
@@ -195,9 +200,10 @@ class Plan:
 
 def resume_bound(remedy: Remedy) -> tuple[int, bool]:
     """Which checkpoint the attempt after ``remedy`` may resume from: one strictly before the
-    returned step, pending ones too when the flag says so. A rollback goes back before the
-    onset to a good one; a relaunch after a hang or a crash, and the rollback past a fault that
-    follows the data (``skip_data``), may use the newest one: they say nothing of the weights."""
+    returned step, pending ones (and just-in-time ones) too when the flag says so. A rollback
+    goes back before the onset to a good one, never a just-in-time one; a relaunch after a hang
+    or a crash, and the rollback past a fault that follows the data (``skip_data``), may use the
+    newest one: they say nothing of the weights."""
     if remedy.action is Action.ROLLBACK and not follows_data(remedy.finding):
         return remedy.finding.onset_step, False
     return remedy.finding.step + 1, True
@@ -214,9 +220,10 @@ def suspect_window(incident: Incident, probation_steps: int) -> int | None:
 
 def offer(finding: Finding, shelf: Shelf) -> Saved | None:
     """The checkpoint a rollback for ``finding`` will find: the newest good one from before
-    the checkpoints the anomaly makes suspect (``suspect_window``)."""
+    the checkpoints the anomaly makes suspect (``suspect_window``); a just-in-time one only for
+    a fault that follows the data (the weights were never in question)."""
     window = suspect_window(finding.incident, shelf.probation_steps) or 0
-    return shelf.newest_good_before(finding.onset_step - window)
+    return shelf.newest_good_before(finding.onset_step - window, follows_data(finding))
 
 
 def can_roll_back(finding: Finding, shelf: Shelf) -> bool:
