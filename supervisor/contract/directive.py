@@ -155,6 +155,10 @@ class Directive:
     """Save a checkpoint when the data cursor reaches this, whatever the cadence, and wait for
     it to commit: a rerun's, where the data's remedy would skip from (``policies/rerun.py``),
     so that remedy need not train the same steps a third time."""
+    just_in_time: dict[str, Any] = field(default_factory=dict)
+    """Keep the last completed step for a just-in-time checkpoint (``rank/just_in_time.py``):
+    ``marks``, the folder of the ranks' mark files, and ``hold_s``, how long a rank that is
+    ending waits for its node; empty: off."""
 
     def scale_at(self, cursor: int) -> float:
         """The LR scale of the optimizer step that trains on the batch before data cursor
@@ -196,6 +200,7 @@ class Directive:
             sdc_every=int(obj.get("sdc_every", 0)),
             reshard=bool(obj.get("reshard", False)),
             save_at=None if obj.get("save_at") is None else int(obj["save_at"]),
+            just_in_time=dict(obj.get("just_in_time", {})),
         )
 
     def write(self, path: Path) -> None:

@@ -119,6 +119,12 @@ class Run:
         self._restore_hook: Any = None
         self._sampler: elastic_data.ElasticSampler | None = None
         """The ``ElasticSampler`` ``batches()`` placed, once (``rank.elastic_data``)."""
+        self._keeper: Any = None
+        """The keeper of the last completed step (``rank.just_in_time``), when babysit keeps
+        one; ``attach()`` starts it."""
+        self._marked = -1
+        """The step the keeper last marked the start after (once per step: not per micro-batch
+        of a gradient accumulation)."""
         if optimizer is not None and (directive.lr_scale != 1.0 or directive.lr_ramp):
             self._install_lr_scale(optimizer)
 
@@ -163,6 +169,11 @@ class Run:
         while True:
             # Between steps: the previous step's optimizer and scheduler updates are done and the
             # next batch is not drawn, so a checkpoint here is exactly (step, cursor).
+            if self._keeper is not None and self.step_count != self._marked:
+                self._marked = self.step_count
+                self._keeper.mark(self.step_count, self.cursor,
+                                  sampler.samples_at(self.cursor) if sampler else None,
+                                  self.lr_scale)
             self._checkpointer.maybe_save(self.step_count, self.cursor, self.lr_scale,
                                           self.phase)
             self._check_integrity()
@@ -431,6 +442,8 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        if self._keeper is not None:  # a clean end: nothing of this attempt to keep
+            self._keeper.close()
         self._checkpointer.close()
         self._event("close", step=self.step_count, cursor=self.cursor, dropped=self.dropped)
         if self._closed_marker is not None:
@@ -546,6 +559,7 @@ def attach(
         run.step_count, run.cursor = restored
         if model is not None:  # checked at the first forward: did the restore take?
             run._watch_restore()
+    run._keeper = _keeper(run, directive, token_hex, model, optimizer, scheduler)
     run._event("hello", pid=os.getpid(), host=socket.gethostname(), world_size=world_size,
                local_rank=int(os.environ.get("LOCAL_RANK", "0")), step=run.step_count,
                cursor=run.cursor, flops_per_token=flops_per_token, peak_flops=peak_flops,
@@ -611,6 +625,22 @@ def _fingerprinter(every: int, model: Any, rank: int) -> Any:
     from babysit.supervisor.rank.fingerprint import Fingerprinter
 
     return Fingerprinter(every, model)
+
+
+def _keeper(run: Run, directive: Directive, token_hex: str, model: Any, optimizer: Any,
+            scheduler: Any) -> Any:
+    """The keeper of the last completed step (``rank.just_in_time``), started, when the run
+    keeps one (``checkpoints.just_in_time``) and there is a model to keep; else None."""
+    settings = directive.just_in_time
+    if not settings or model is None or run._sock is None:
+        return None
+    from babysit.supervisor.rank.just_in_time import Keeper
+
+    keeper = Keeper(rank=run.rank, attempt=directive.attempt, token_hex=token_hex,
+                    marks=Path(settings["marks"]), hold_s=float(settings["hold_s"]), model=model,
+                    optimizer=optimizer, scheduler=scheduler, emit=run._event)
+    keeper.start()
+    return keeper
 
 
 def _grad_guard(settings: dict[str, Any]) -> Any:

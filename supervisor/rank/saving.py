@@ -47,6 +47,7 @@ class Checkpointer:
         self._emit = emit
         self._pending: Any = None  # an async SaveHandle not yet committed
         self._pending_blocking = 0.0  # seconds its staging stalled training; sent on commit
+        self._pending_started = 0.0  # when it started (perf_counter): its write_s on commit
         self._last_saved = -1
         self.control: Path | None = None
         """The supervisor's control file (set by ``attach()`` when babysit runs)."""
@@ -142,6 +143,7 @@ class Checkpointer:
             self._announce(handle, blocking)
         else:
             self._pending, self._pending_blocking = handle, blocking
+            self._pending_started = started
 
     def _samples(self, cursor: int) -> int | None:
         """The samples of the data stream consumed at ``cursor``, when the loader counts them."""
@@ -279,7 +281,7 @@ class Checkpointer:
             return
         if done:
             handle, self._pending = self._pending, None
-            self._announce(handle, self._pending_blocking)
+            self._announce(handle, self._pending_blocking, started=self._pending_started)
 
     def close(self) -> None:
         self._finish_pending()
@@ -296,7 +298,7 @@ class Checkpointer:
         except checkpoints.CheckpointError as exc:
             self._failed(handle.step, exc)
             return
-        self._announce(handle, self._pending_blocking)
+        self._announce(handle, self._pending_blocking, started=self._pending_started)
 
     def saved_externally(self, path: str | os.PathLike[str], step: int, cursor: int,
                          lr_scale: float) -> None:
@@ -317,13 +319,17 @@ class Checkpointer:
         if self.rank == 0:
             self._emit("checkpoint_failed", step=step, error=str(exc)[:2000])
 
-    def _announce(self, handle: Any, blocking_s: float, final: bool = False) -> None:
+    def _announce(self, handle: Any, blocking_s: float, final: bool = False,
+                  started: float | None = None) -> None:
         """``blocking_s``: seconds rank 0's training stalled for this save (see maybe_save);
-        ``final``: the checkpoint the supervisor asked for before a preemption."""
+        ``final``: the checkpoint the supervisor asked for before a preemption; ``started``:
+        when an asynchronous save began (its ``write_s``, start to commit, as seen when it is
+        noticed: what a just-in-time save of the same state may take)."""
         if self.rank == 0:
+            write_s = blocking_s if started is None else time.perf_counter() - started
             self._emit("checkpoint", step=handle.step, path=str(handle.path), external=False,
                        asynchronous=handle.is_async, blocking_s=round(blocking_s, 6),
-                       **({"final": True} if final else {}))
+                       write_s=round(write_s, 6), **({"final": True} if final else {}))
 
 
 def _as_int(value: Any) -> int | None:

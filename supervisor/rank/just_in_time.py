@@ -1,0 +1,391 @@
+"""A rank's keeper of its last completed step: marks each step's start, knows whether its state
+is still that step's, writes it on its node's request, and keeps the rank alive until then.
+
+After a fault the ranks that live usually still hold the model and optimizer of the last
+completed step. The keeper makes that usable (``checkpoints/just_in_time.py`` says what is
+written, ``node/just_in_time.py`` who asks):
+
+- **marks** (``mark``, at the first top of ``Run.batches()`` after each step): the step, the
+  data cursor and the LR scale the next step starts from, the rank's random streams into its
+  mark file (``checkpoints.mark``: about 5 us), the optimizer-step count and the scheduler's
+  epoch; on a GPU, a CUDA event after the step's last kernels.
+- **knows** whether the state is still that of the mark: the optimizer's own hooks say whether
+  ``optimizer.step()`` is running or ran since (then no), and the scheduler's epoch whether it
+  stepped since.
+- **answers** its node from a thread of its own (``contract/just_in_time.py``), so it writes while
+  the main thread sits in a collective that will never finish; on a GPU it copies from a side
+  stream once the mark's event completed, never waiting behind the kernel that is stuck.
+- **holds on**: a rank that would end (an uncaught exception: a peer's connection reset under
+  gloo; a SIGTERM: torchrun stopping the survivors of a crash, or a scheduler's) first tells its
+  node (``holding``) and waits, at most ``hold_s``, until the node released it; then it ends as
+  it would have (the traceback printed, the same exit status). A SIGTERM handler is installed
+  only where none is (the script's own wins), and only while the keeper is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socketserver
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+
+from babysit.supervisor.contract import just_in_time as contract
+
+Emit = Callable[..., None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Marked:
+    """What the step in progress started from."""
+
+    step: int
+    cursor: int
+    samples: int | None
+    lr_scale: float
+    optimizer_steps: int
+    scheduler_epoch: Any
+
+
+class Keeper:
+    """One rank's keeper; ``start()`` after the restore, ``close()`` at ``run.close()``."""
+
+    def __init__(self, *, rank: int, attempt: int, token_hex: str, marks: Path, hold_s: float,
+                 model: Any, optimizer: Any, scheduler: Any, emit: Emit) -> None:
+        from babysit.checkpoints.mark import MarkWriter
+
+        self.rank, self.hold_s = rank, hold_s
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self._emit = emit
+        self._token = token_hex
+        self._address = contract.address(token_hex, attempt, rank)
+        self._mark_path = marks / str(rank)
+        self._marks = MarkWriter(self._mark_path)
+        self._marked: _Marked | None = None
+        self._optimizer_steps = 0
+        self._in_optimizer = False
+        self._hooks: list[Any] = []
+        self._event, self._device = _cuda_event(model)
+        self._shard, self._shards = _shard_of(model, rank)
+        self._unsupported = _unsupported(model)
+        self._forward_moved = False
+        """A forward ran since the mark in a model whose forward changes its buffers."""
+        self._lock = threading.Lock()
+        self._released = threading.Event()
+        self._holding = False
+        self._sigterm = False
+        self._server: socketserver.ThreadingUnixStreamServer | None = None
+        self._previous_hook: Any = None
+        self._installed_sigterm = False
+
+    # -- the training thread ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Hook the optimizer, listen, and hold on at an uncaught exception or a SIGTERM."""
+        optimizer = self.optimizer
+        if optimizer is not None:
+            self._hooks.append(optimizer.register_step_pre_hook(self._entering))
+            self._hooks.append(optimizer.register_step_post_hook(self._left))
+        if _moves_buffers(self.model):
+            self._hooks.append(self.model.register_forward_pre_hook(self._forwarding))
+        self._server = _serve(self._address, self)
+        self._previous_hook, sys.excepthook = sys.excepthook, self._on_exception
+        with contextlib.suppress(ValueError):  # not the main thread: no handler of ours
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, self._on_sigterm)
+                self._installed_sigterm = True
+
+    def mark(self, step: int, cursor: int, samples: int | None, lr_scale: float) -> None:
+        """The step after ``step`` starts here (the data at ``cursor``): record what it starts
+        from. Call once per step, between steps, before its batch is drawn."""
+        self._marks.write(step, cursor, samples, lr_scale)
+        scheduler = self.scheduler
+        self._marked = _Marked(step, cursor, samples, lr_scale, self._optimizer_steps,
+                               getattr(scheduler, "last_epoch", None))
+        self._forward_moved = False
+        if self._event is not None:
+            self._event.record()
+
+    def close(self) -> None:
+        """The run closed cleanly: nothing to keep. Idempotent."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._server is not None:  # its loop ends within its poll interval, not waited for
+            server, self._server = self._server, None
+
+            def end() -> None:
+                server.shutdown()
+                server.server_close()
+
+            threading.Thread(target=end, daemon=True).start()
+        if sys.excepthook == self._on_exception:
+            sys.excepthook = self._previous_hook
+        if self._installed_sigterm:
+            with contextlib.suppress(ValueError):
+                if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self._installed_sigterm = False
+        self._marks.close()
+        with contextlib.suppress(OSError):
+            self._mark_path.unlink()
+
+    def _entering(self, *args: Any) -> None:
+        self._in_optimizer = True
+
+    def _left(self, *args: Any) -> None:
+        self._in_optimizer = False
+        self._optimizer_steps += 1
+
+    def _forwarding(self, *args: Any) -> None:
+        self._forward_moved = True
+
+    # -- holding on at the end --------------------------------------------------------------------
+
+    def _on_exception(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        (self._previous_hook or sys.__excepthook__)(kind, value, tb)
+        if not issubclass(kind, KeyboardInterrupt):  # a person's Ctrl-C is babysit's to handle
+            self.hold(f"{kind.__name__}: {value}"[:300])
+        if self._sigterm:  # torchrun's SIGTERM came while holding: end by it, as it would have
+            self._die_by_sigterm()
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._holding:
+            self._sigterm = True
+            return
+        self.hold("SIGTERM")
+        self._die_by_sigterm()
+
+    def hold(self, why: str) -> None:
+        """Tell the node this rank is ending and wait until it released it, or ``hold_s``."""
+        if self._released.is_set() or self._server is None:
+            return
+        self._holding = True
+        try:
+            self._emit("holding", why=why, step=self._marked.step if self._marked else None)
+            self._released.wait(self.hold_s)
+        finally:
+            self._holding = False
+
+    def _die_by_sigterm(self) -> None:
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def release(self) -> None:
+        """The node is done with this rank: one holding on ends as it would have; one blocked
+        elsewhere (a collective) ends by SIGTERM, as the stop that follows would end it. From a
+        thread, where Python may not set a signal handler: the default is restored in libc."""
+        self._released.set()
+        if self._holding or not self._installed_sigterm:
+            return  # holding: it ends now; the script's own handler: the stop ends it as ever
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal(int(signal.SIGTERM), ctypes.c_void_p(0))  # SIG_DFL
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    # -- answering the node (the keeper's thread) -------------------------------------------------
+
+    def view(self) -> dict[str, Any]:
+        """What this rank holds (``checkpoints.just_in_time.RankView``)."""
+        marked = self._marked
+        why = self._inconsistent(marked)
+        return {"rank": self.rank, "consistent": why is None, "why": why,
+                "step": marked.step if marked else -1, "cursor": marked.cursor if marked else -1,
+                "samples": marked.samples if marked else None,
+                "lr_scale": marked.lr_scale if marked else 1.0,
+                "shard": self._shard, "shards": self._shards, "pid": os.getpid()}
+
+    def _inconsistent(self, marked: _Marked | None) -> str | None:
+        if self._unsupported is not None:
+            return self._unsupported
+        if marked is None:
+            return "no step started in this attempt"
+        if self._in_optimizer:
+            return "inside optimizer.step(): its update is half done"
+        if self._optimizer_steps != marked.optimizer_steps:
+            return "optimizer.step() ran since the step started"
+        scheduler = self.scheduler
+        if scheduler is not None and getattr(scheduler, "last_epoch", None) != \
+                marked.scheduler_epoch:
+            return "the scheduler stepped since the step started"
+        if self._forward_moved:
+            return ("the interrupted step's forward changed the model's buffers (BatchNorm "
+                    "running statistics)")
+        return None
+
+    def write(self, dest: str, step: int, with_model: bool) -> dict[str, Any]:
+        """Write this rank's part of the state of ``step`` into ``dest`` (one write at a time);
+        the files written, or why not."""
+        from babysit.checkpoints import just_in_time
+        from babysit.checkpoints.mark import read
+
+        with self._lock:
+            marked = self._marked
+            why = self._inconsistent(marked)
+            if why is None and marked is not None and marked.step != step:
+                why = f"its state is of step {marked.step}, not {step}"
+            if why is not None or marked is None:
+                return {"ok": False, "why": why}
+            started = time.perf_counter()
+            try:
+                with self._after_mark():
+                    files = just_in_time.write_part(
+                        Path(dest), self.rank, model=self.model, optimizer=self.optimizer,
+                        scheduler=self.scheduler, rng=read(self._mark_path).rng(),
+                        step=marked.step, cursor=marked.cursor, lr_scale=marked.lr_scale,
+                        with_model=with_model)
+            except Exception as exc:  # said to the node, which falls back
+                return {"ok": False, "why": f"{type(exc).__name__}: {exc}"[:2000]}
+            moved = self._inconsistent(marked)
+            if moved is not None:  # the main thread was not stuck after all
+                return {"ok": False, "why": f"it moved on while writing ({moved})"}
+            return {"ok": True, "files": files, "seconds": round(time.perf_counter() - started, 6)}
+
+    @contextlib.contextmanager
+    def _after_mark(self) -> Iterator[None]:
+        """On a GPU: once the mark's event completed (the step's last kernels ran), copy on a
+        side stream, which does not queue behind the kernel that is stuck on the compute
+        stream (a collective that never ends)."""
+        if self._event is None:
+            yield
+            return
+        import torch
+
+        deadline = time.monotonic() + self.hold_s
+        while not self._event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the step's last kernels never finished on the GPU")
+            time.sleep(0.005)
+        with torch.cuda.device(self._device), torch.cuda.stream(torch.cuda.Stream()):  # type: ignore[no-untyped-call]
+            yield
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:
+        self._answer(lambda body: self.server.keeper.view() if self.path == contract.STATE
+                     else None)
+
+    def do_POST(self) -> None:
+        keeper = self.server.keeper
+
+        def act(body: dict[str, Any]) -> dict[str, Any] | None:
+            if self.path == contract.WRITE:
+                return keeper.write(str(body["dir"]), int(body["step"]), bool(body["model"]))
+            if self.path == contract.RELEASE:
+                threading.Timer(0.05, keeper.release).start()  # after the answer went out
+                return {"ok": True}
+            return None
+
+        self._answer(act)
+
+    def _answer(self, act: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
+        if self.headers.get(contract.TOKEN_HEADER) != self.server.keeper._token:
+            self._send(403, {"why": "wrong token"})
+            return
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"{}") if length else {}
+            answer = act(body)
+        except (ValueError, KeyError, TypeError) as exc:
+            self._send(400, {"why": str(exc)})
+            return
+        self._send(404, {"why": self.path}) if answer is None else self._send(200, answer)
+
+    def _send(self, status: int, answer: dict[str, Any]) -> None:
+        data = json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass  # the rank's log is the user's
+
+
+class _Server(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+    keeper: Keeper
+
+
+def _serve(address: str, keeper: Keeper) -> _Server:
+    server = _Server(address, _Handler)
+    server.keeper = keeper
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5},
+                     name="babysit-keeper", daemon=True).start()
+    return server
+
+
+def _cuda_event(model: Any) -> tuple[Any, Any]:
+    """A CUDA event to record at each mark, and its device, when the model's parameters are on
+    a GPU; (None, None) otherwise."""
+    params = getattr(model, "parameters", None)
+    first = next(iter(params()), None) if params is not None else None
+    if first is None or not getattr(first, "is_cuda", False):
+        return None, None
+    import torch
+
+    return torch.cuda.Event(), first.device  # type: ignore[no-untyped-call]
+
+
+def _shard_of(model: Any, rank: int) -> tuple[int, int]:
+    """(which shard, how many): replicated parameters (DDP, or none distributed) are one shard;
+    FSDP2's DTensors a shard per coordinate on their mesh's sharded dimensions. Parameters on
+    several meshes, or sharded along different dimensions, count every rank as its own shard:
+    each then writes what it holds."""
+    from math import prod
+
+    params = getattr(model, "parameters", None)
+    layouts = set()
+    mesh = None
+    for p in params() if params is not None else ():
+        placements = getattr(p, "placements", None)
+        if placements is None:
+            continue
+        mesh = p.device_mesh
+        layouts.add((id(mesh), tuple(i for i, pl in enumerate(placements) if pl.is_shard())))
+    if not layouts:
+        return 0, 1
+    if len(layouts) > 1 or mesh is None:
+        import torch.distributed as dist
+
+        return rank, dist.get_world_size()
+    (_, dims), = layouts
+    coordinate = mesh.get_coordinate() or []
+    sizes = [mesh.size(d) for d in dims]
+    shard = 0
+    for d, size in zip(dims, sizes, strict=True):
+        shard = shard * size + coordinate[d]
+    return shard, prod(sizes)
+
+
+def _moves_buffers(model: Any) -> bool:
+    """The model has layers whose forward updates running statistics in training (BatchNorm):
+    after a forward since the mark, its buffers are no longer the step's."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    modules = getattr(model, "modules", None)
+    return any(isinstance(m, _NormBase) and m.track_running_stats
+               for m in (modules() if modules is not None else ()))
+
+
+def _unsupported(model: Any) -> str | None:
+    """Why this model's state cannot be written without collectives, or None."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    flat = getattr(fsdp, "FullyShardedDataParallel", None) if fsdp is not None else None
+    modules = getattr(model, "modules", None)
+    if flat is not None and modules is not None and any(isinstance(m, flat) for m in modules()):
+        return ("FSDP1 (FullyShardedDataParallel) gathers its state dict with collectives; "
+                "fully_shard (FSDP2) does not")
+    return None
