@@ -194,7 +194,7 @@ class History:
             elif kind == "incident" and e.get("dir"):
                 folders[(e.get("step"), e.get("incident"))] = str(e["dir"])
             elif kind == "resume":
-                resume_note = e.get("reason") or (
+                resume_note = e.get("summary") or e.get("reason") or (
                     f"checkpoint at step {e.get('checkpoint_step')} ({e.get('verdict')})"
                     if e.get("from") else None)
             elif kind == "script_checkpoint_restored" and e.get("from"):

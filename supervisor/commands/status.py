@@ -44,6 +44,8 @@ def describe_attempt(a: dict[str, Any], why: bool = True) -> str:
     note = a.get("resume_note") or ""
     if note and (a["resume_step"] is None or note.startswith("the script's own")):
         told[0] += f" ({note.split(':')[0]})"  # the gist: "no usable checkpoint"
+    elif note.startswith("resumed from the just-in-time state"):
+        told[0] += " (just-in-time state)"  # the whole story is the journal's resume entry
     told += [f"skip batches {r[0]}-{r[1] - 1}"
              + (f" (samples {r[2]}-{r[3] - 1})" if len(r) == 4 else "") for r in a["skip"]]
     ramp = a.get("lr_ramp")

@@ -232,6 +232,17 @@ class CheckpointConfig(DashedSection):
     training stalls only for the copy of the state into host memory, not for the write. Falls
     back to synchronous saves, and says so, where the ranks' copies would not fit in half the
     host's free memory at the first save."""
+    just_in_time: bool = True
+    """After a hang, a crash or a lost node, before anything is stopped, the ranks still alive
+    write the state of the last completed step (model, optimizer, data cursor, random streams),
+    and the relaunch resumes from it: one step lost instead of everything since the last
+    checkpoint. Needs ``every_steps`` > 0 and ``attach(model=..., optimizer=...)``; costs about
+    5 us a step (docs/recovery.md, "Just-in-time state")."""
+    just_in_time_timeout_s: float | None = Field(None, gt=0)
+    """The most a just-in-time save may take before babysit gives up on it and resumes from the
+    newest checkpoint. Default: four times the slowest save this run measured, plus 5 s, at
+    least 10 s; after a crash at most 25 s (torchrun kills the survivors 30 s after its
+    SIGTERM)."""
     final_grace_s: float = Field(120.0, ge=0)
     """On SIGTERM (what a scheduler sends before reclaiming the node), seconds babysit waits for
     the workers to save a final checkpoint before stopping them; 0 stops at once. The next

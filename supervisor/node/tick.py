@@ -127,13 +127,19 @@ class OwnNode(Generic[Out]):
 
     def __init__(self, workers: NodeWorkers, judge: NodeJudge[Out], *, flush_on_exit: bool,
                  on_suspect: Callable[[Finding], None] | None = None,
-                 gpus: GpuWatch | None = None) -> None:
+                 gpus: GpuWatch | None = None,
+                 on_ending: Callable[[str], None] | None = None) -> None:
         """``flush_on_exit``: at torchrun's exit, the steps some rank never finished still go
         out (a node of a cluster: the leader merges what each node has); a single-node run
         drops them instead. ``on_suspect`` hears of a hang before the stacks are read, which
         takes seconds (a follower tells the leader to wait for its view). ``gpus``: this
-        node's GPUs, looked at while an attempt runs (None: never)."""
+        node's GPUs, looked at while an attempt runs (None: never). ``on_ending`` hears, at
+        once, that ranks are ending on their own: one died while torchrun runs, or one is holding
+        on at its end after an uncaught exception (``"crash"``), or after a SIGTERM
+        (``"SIGTERM"``); the others still hold the last completed step
+        (``node.just_in_time``)."""
         self.workers = workers
+        self.on_ending = on_ending
         self.gpus = gpus
         self._ranks: set[int] = set()
         """This attempt's ranks on this node, from their hellos."""
@@ -210,6 +216,8 @@ class OwnNode(Generic[Out]):
                 # moment), not a hang: its peers wait on a connection that is already gone.
                 out.rank_died = not self._death_told
                 self._death_told = True
+                if out.rank_died and self.on_ending is not None:
+                    self.on_ending("crash")
                 if self.workers.failure_summarized(self.attempt):
                     # torchrun stopped every rank and said who failed and how; its own exit
                     # (its interpreter's teardown, about 0.5 s) tells nothing more.
@@ -218,6 +226,7 @@ class OwnNode(Generic[Out]):
         return out
 
     def _drain(self, now: float, out: NodeTick[Out]) -> None:
+        holding: str | None = None
         for message in self.workers.telemetry():  # the socket, then printed progress
             if isinstance(message, RankStep):
                 out.newest = max(out.newest or 0, message.step)
@@ -229,6 +238,10 @@ class OwnNode(Generic[Out]):
                 self.workers.note(message)
                 self.judge.observe_event(message, now)
                 out.events.append(message)
+                if message.type == "holding" and holding is None:
+                    holding = "SIGTERM" if message.data.get("why") == "SIGTERM" else "crash"
+        if holding is not None and self.running and self.on_ending is not None:
+            self.on_ending(holding)
 
     def _end(self, now: float, out: NodeTick[Out], end: NodeExit) -> None:
         self.running = False

@@ -13,8 +13,11 @@ from __future__ import annotations
 import os
 import queue
 import secrets
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from babysit.policies.types import RankStep, Remedy
@@ -22,7 +25,14 @@ from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract import protocol
 from babysit.supervisor.contract.control import ControlFile
 from babysit.supervisor.contract.directive import Directive
-from babysit.supervisor.node import ahead, flight_recorder, launcher, standby, teardown
+from babysit.supervisor.node import (
+    ahead,
+    flight_recorder,
+    just_in_time,
+    launcher,
+    standby,
+    teardown,
+)
 from babysit.supervisor.node.intake import Intake
 from babysit.supervisor.node.printed import Entry, PrintedProgress, rank_pids
 
@@ -70,6 +80,19 @@ class NodeWorkers:
         self._ahead_on = launch.torchrun_ahead and \
             standby.off_reason(launch, standby.gpus_visible(launch)) is not None
         """torchrun is started ahead where no warm standby can serve a relaunch."""
+        saving = plan.config.checkpoints
+        self.keepers = just_in_time.Keepers(self.token.hex(), _marks_root(self.token.hex())) \
+            if saving.just_in_time and saving.every_steps > 0 else None
+        """The ranks' keepers of their last completed step (``node.just_in_time``), when the
+        run keeps one: babysit saves its checkpoints and ``checkpoints.just_in_time`` is on."""
+        self.budget = just_in_time.Budget(saving.just_in_time_timeout_s)
+        self.attempt = -1
+        self.resumed_step = 0
+        """The step the running attempt resumed from (0: from scratch)."""
+        self.world_size = plan.world_size or 0
+        """The job's ranks, from the hellos (the config's until one came)."""
+        self._kept: int | None = None
+        """The attempt whose just-in-time save was made (once per attempt)."""
 
     def open(self) -> None:
         self.intake.open()
@@ -104,6 +127,8 @@ class NodeWorkers:
         if self._early is not None:
             self._early.stop()
         self.intake.close()
+        if self.keepers is not None:
+            shutil.rmtree(self.keepers.marks_root, ignore_errors=True)
 
     def attempt_dir(self, attempt: int) -> Path:
         return self.run_dir / "attempts" / str(attempt)
@@ -118,6 +143,7 @@ class NodeWorkers:
         attempt_dir = self.attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=True)
         standby.set_aside(attempt_dir)
+        directive = self._keeping(attempt, directive)
         directive.write(attempt_dir / "directive.json")
         self.control.new_attempt(attempt_dir)
         launch = self.plan.config.launch
@@ -243,6 +269,33 @@ class NodeWorkers:
             self._launchers.discard(group.pid)
         return code
 
+    def _keeping(self, attempt: int, directive: Directive) -> Directive:
+        """``directive`` for this node's ranks of ``attempt``: where they mark each step and how
+        long an ending one holds on (``just_in_time``), when the run keeps the last step."""
+        if self.keepers is not None and self.attempt >= 0:
+            self.keepers.forget(self.attempt)
+        self.attempt = attempt
+        self.resumed_step = directive.resume.step if directive.resume is not None else 0
+        if self.keepers is None:
+            return directive
+        return replace(directive, just_in_time=self.keepers.settings(attempt, self.budget))
+
+    def keep_last_step(self, fault: str, remote: just_in_time.Remote | None = None,
+                       world_size: int | None = None) -> just_in_time.Outcome | None:
+        """After ``fault``, before anything is stopped: the just-in-time save of the last
+        completed step (``node.just_in_time.save``) from this node's ranks and, on a
+        multi-node leader, the ``remote`` nodes' (``world_size``: the whole job's ranks).
+        None when the run keeps none, no rank attached, or this attempt's was made."""
+        if self.keepers is None or self._kept == self.attempt or not self.rank_pids:
+            return None
+        self._kept = self.attempt
+        return just_in_time.save(
+            self.keepers, self.attempt, dict(self.rank_pids),
+            root=Path(self.plan.checkpoint_dir),
+            world_size=world_size or self.world_size or len(self.rank_pids),
+            since_step=self.resumed_step, fault=fault,
+            budget_s=self.budget.seconds(crash=fault != "hang"), remote=remote)
+
     def _new_attempt(self) -> None:
         # Anything still queued belongs to the attempt being replaced.
         self.intake.forget_connections()
@@ -314,7 +367,7 @@ class NodeWorkers:
                           else f"it was for attempt {spare.attempt}")
             return None
         attempt_dir = self.attempt_dir(attempt)
-        directive.write(attempt_dir / "directive.json")
+        self._keeping(attempt, directive).write(attempt_dir / "directive.json")
         self.control.new_attempt(attempt_dir)
         self._new_attempt()
         self.group = spare.group
@@ -377,11 +430,18 @@ class NodeWorkers:
             pid = event.data.get("pid")
             if isinstance(pid, int) and pid > 0:
                 self.rank_pids[event.rank] = pid
+            world = event.data.get("world_size")
+            if isinstance(world, int) and world > 0:
+                self.world_size = world
             local = event.data.get("local_rank")
             if isinstance(local, int) and local >= 0:
                 self.global_rank[local] = event.rank
         elif event.type == "close":
             self.closed_ranks.add(event.rank)
+        elif event.type == "checkpoint" and not event.data.get("external"):
+            took = event.data.get("write_s", event.data.get("blocking_s"))
+            if isinstance(took, (int, float)):
+                self.budget.saved(float(took))  # how long a just-in-time save may take
 
     @property
     def all_closed(self) -> bool:
@@ -437,6 +497,8 @@ class NodeWorkers:
         if self.group is None:
             return None
         self._stopping = True
+        if self.keepers is not None:  # so that ranks holding on at their end do not wait
+            self.keepers.release(self.attempt, self.rank_pids)
         return self.group.stop(self.plan.config.launch.stop_grace_s,
                                launcher_grace_s=0.0 if replacing else None)
 
@@ -466,3 +528,11 @@ class NodeWorkers:
                     yield "[torchrun] " + line.text
             elif shown is None or line.rank in shown:
                 yield f"[r{line.rank}] " + launcher.newest_state(line.text)
+
+
+def _marks_root(token_hex: str) -> Path:
+    """Where this node's ranks keep their marks: node-local shared memory, which outlives a
+    rank that dies (the system's temporary folder where there is none)."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"babysit-{token_hex[:16]}"

@@ -10,7 +10,8 @@ from __future__ import annotations
 import shutil
 import sys
 import time
-from typing import TextIO
+from collections.abc import Mapping
+from typing import Any, TextIO
 
 
 class Console:
@@ -42,6 +43,15 @@ class Console:
             self._last_plain = now
             self._out.write(text + "\n")
             self._out.flush()
+
+    HEARS = ("just_in_time", "resume")
+    """Journal entries whose ``summary`` a person watching should read (``hear``)."""
+
+    def hear(self, entry: Mapping[str, Any]) -> None:
+        """A journal entry of ``HEARS``: its summary, when it has one, as a line."""
+        summary = entry.get("summary")
+        if summary:
+            self.log(f"babysit: {summary}")
 
     def close(self) -> None:
         """End the status line so the shell prompt starts on a fresh line."""

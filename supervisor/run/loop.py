@@ -165,6 +165,7 @@ class Supervisor:
         journal.listen(self.progress.hear, ("finding",))
         journal.listen(self.preemption.hear, preemption.Preemption.EVENTS)
         journal.listen(self.members.hear, HEARS)
+        journal.listen(self.console.hear, Console.HEARS)
         steps.listen(lambda record, row: self.progress.observe(record))
         steps.listen(lambda record, row: self.cadence.observe_step(record))
         steps.listen(self.services.observe_step)

@@ -257,7 +257,9 @@ class LocalMembers(OnThisNode):
         self.judge = LocalJudge(watch, plan.world_size or 1)
         self.node: OwnNode[list[StepRecord]] = OwnNode(
             self.workers, self.judge, flush_on_exit=False,
-            gpus=GpuWatch(plan.config.schedule.health_every_s))
+            gpus=GpuWatch(plan.config.schedule.health_every_s), on_ending=self._keep_last_step)
+        self._entries: list[Entry] = []
+        """Journal entries made between gathers (a just-in-time save at a stop)."""
         launch = plan.config.launch
         gpus = standby.gpus_visible(launch)
         self.standby = standby.Trigger(standby.off_reason(launch, gpus),
@@ -324,7 +326,17 @@ class LocalMembers(OnThisNode):
         return self.workers.take_standby_entries()
 
     def stop(self, reason: str, *, replacing: bool = False) -> int | None:
+        if replacing and self.node.hang is not None:  # a relaunch after a hang: keep its step
+            self._keep_last_step("hang")
         return self.node.stop(replacing)
+
+    def _keep_last_step(self, fault: str) -> None:
+        """Ranks are ending (``fault``: a crash, a SIGTERM) or about to be stopped after a hang:
+        the live ones write the last completed step now (``NodeWorkers.keep_last_step``)."""
+        outcome = self.workers.keep_last_step(fault)
+        if outcome is not None:
+            self._entries.append(("just_in_time", {**outcome.fields,
+                                                   "summary": outcome.summary()}))
 
     # -- stdout mode (``node.printed``): the script's own checkpoints ---------------------------
 
@@ -349,6 +361,7 @@ class LocalMembers(OnThisNode):
         attempt = self.node.attempt
         out.steps = [(record, metrics_row(record, attempt))
                      for records in tick.outputs for record in records]
+        out.entries, self._entries = self._entries, []
         self.record_tick(tick, out)
         out.entries += self._keep_standby(tick, now, watching)
         out.findings += [hang.finding for hang in tick.hangs] + tick.faults

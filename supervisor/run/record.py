@@ -32,7 +32,7 @@ WATCH_STATE_EVERY = 100
 """Steps between journaled judgement states (a few KB each: the detectors' windows)."""
 JOURNALED = {"hello": "worker_hello", "close": "worker_close", "skip": "worker_skip",
              "scalars": "worker_scalars", "cadence": "cadence_applied",
-             "stream": "worker_stream"}
+             "stream": "worker_stream", "holding": "worker_holding"}
 """Rank events journaled as they are, by the entry's name."""
 
 

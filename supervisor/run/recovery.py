@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from babysit.checkpoints import Catalog, RollbackChoice, Verdict
+from babysit.checkpoints import Catalog, Checkpoint, RollbackChoice, Verdict
 from babysit.policies import rollback
 from babysit.policies.rollback import Saved, Shelf
 from babysit.policies.types import Action, Finding, Remedy
@@ -55,15 +55,17 @@ class Recovery:
         takeover): checkpoints whose probation fell there stay pending."""
         self._next_promotion = 0
 
-    EVENTS = ("checkpoint_saved", "finding", "sdc_check")
+    EVENTS = ("checkpoint_saved", "finding", "sdc_check", "just_in_time")
     """The journal entries it hears (``hear``)."""
 
     def hear(self, entry: dict[str, Any]) -> list[Entry]:
-        """A journal entry of ``EVENTS``: a saved checkpoint (retention), a finding acted on
+        """A journal entry of ``EVENTS``: a saved checkpoint, just-in-time ones too (retention),
+        a finding acted on
         (checkpoints near its onset turn suspect), an SDC check (the step it vouches for).
         Returns the entries to journal in turn."""
         event = entry["event"]
-        if event == "checkpoint_saved":
+        if event == "checkpoint_saved" or (event == "just_in_time"
+                                           and entry.get("outcome") == "saved"):
             return self.on_checkpoint(int(entry["step"]))
         if event == "finding":
             finding = Finding.from_json(entry["finding"])
@@ -128,7 +130,8 @@ class Recovery:
             listed = self.catalog.checkpoints()
         except OSError:
             listed = []
-        return Shelf(tuple(Saved(c.step, c.cursor, c.verdict is Verdict.GOOD) for c in listed),
+        return Shelf(tuple(Saved(c.step, c.cursor, c.verdict is Verdict.GOOD,
+                                 c.manifest.is_just_in_time) for c in listed),
                      self.probation_steps)
 
     def resume_for(self, remedy: Remedy | None, replayed: tuple[int, int] | None = None
@@ -203,17 +206,25 @@ class Recovery:
             entries.append(("resume", {"from": None, "before_step": before,
                                        "reason": "checkpoint storage unusable: starting over"}))
             return None, entries
-        resume = self._chosen(choice, before, entries)
+        resume = self._chosen(choice, before, entries, listed=self._listed())
         if resume is None:
             entries.append(("resume", {"from": None, "before_step": before,
                                        "reason": "no usable checkpoint: starting from scratch"}))
         return resume, entries
 
+    def _listed(self) -> list[Checkpoint]:
+        try:
+            return self.catalog.checkpoints()
+        except OSError:
+            return []
+
     @staticmethod
     def _chosen(choice: RollbackChoice, before: int, entries: list[Entry],
-                extra: dict[str, Any] | None = None) -> Resume | None:
+                extra: dict[str, Any] | None = None,
+                listed: list[Checkpoint] | None = None) -> Resume | None:
         """The resume of the catalog's ``choice`` (None: none), its refusals and the choice
-        journaled in ``entries``."""
+        journaled in ``entries``; a just-in-time one says what it saved (``listed``: the
+        catalog, for the newest periodic checkpoint it spared the run)."""
         for refusal in choice.refused:
             entries.append(("checkpoint_refused", {"checkpoint_step": refusal.step,
                                                    "path": str(refusal.path),
@@ -227,11 +238,36 @@ class Recovery:
                                                    "verdict": "pending", **extra}))
             verdict = Verdict.PENDING
         samples = chosen.manifest.samples
+        jit = _just_in_time(chosen, before, listed or [])
         entries.append(("resume", {"from": str(chosen.path), "checkpoint_step": chosen.step,
                                    "cursor": chosen.cursor, "verdict": verdict.value,
-                                   "before_step": before, **(extra or {}),
+                                   "before_step": before, **(extra or {}), **jit,
                                    **({"samples": samples} if samples is not None else {})}))
         external = chosen.manifest.external_path
         return Resume(path=external or str(chosen.path), step=chosen.step, cursor=chosen.cursor,
                       external=external is not None, samples=samples)
 
+
+
+def _just_in_time(chosen: Checkpoint, before: int, listed: list[Checkpoint]) -> dict[str, Any]:
+    """A just-in-time resume's own fields (what it was, who wrote it, what it spared: the steps
+    lost and the newest periodic checkpoint) and its one-line ``summary``; {} for another."""
+    if not chosen.manifest.is_just_in_time:
+        return {}
+    story = chosen.manifest.just_in_time or {}
+    writers = [int(r) for r in story.get("writers", [])]
+    periodic = max((c.step for c in listed if not c.manifest.is_just_in_time
+                    and c.step < chosen.step), default=None)
+    lost = max(0, before - chosen.step)
+    who = f"rank{'s' if len(writers) > 1 else ''} " + ", ".join(map(str, writers[:8])) + \
+        (" ..." if len(writers) > 8 else "")
+    newest = f"the newest checkpoint was of step {periodic}" if periodic is not None \
+        else "no checkpoint before it"
+    streams = story.get("streams_lost") or []
+    fresh = f"; ranks {streams} resume with fresh random streams" if streams else ""
+    return {"just_in_time": {"writers": writers, "fault": story.get("fault"),
+                             "marks": story.get("marks", []), "streams_lost": streams,
+                             "periodic_step": periodic, "lost_steps": lost},
+            "summary": f"resumed from the just-in-time state of step {chosen.step}, written by "
+                       f"{who} after the {story.get('fault', 'fault')} ({lost} step"
+                       f"{'s' if lost != 1 else ''} lost; {newest}){fresh}"}
