@@ -36,7 +36,7 @@ from types import FrameType
 from typing import Any, cast
 
 from babysit.policies.types import Finding
-from babysit.supervisor.cluster import leadership
+from babysit.supervisor.cluster import keeping, leadership
 from babysit.supervisor.cluster.leadership import LeaseWatch, Term
 from babysit.supervisor.cluster.messages import (
     Beat,
@@ -46,6 +46,9 @@ from babysit.supervisor.cluster.messages import (
     FollowerMessage,
     HangCleared,
     HangSuspected,
+    KeepAsk,
+    KeepRelease,
+    KeepWrite,
     Launch,
     LeaderMessage,
     Leaving,
@@ -97,7 +100,10 @@ class Follower:
         self.own: OwnNode[tuple[list[StepSummary], list[Finding]]] = OwnNode(
             self.workers, self.view, flush_on_exit=True,
             on_suspect=lambda _: self._send(HangSuspected(self.attempt)),
-            gpus=GpuWatch(plan.config.schedule.health_every_s))
+            gpus=GpuWatch(plan.config.schedule.health_every_s),
+            # A rank ending (holding on at an exception, a SIGTERM): the leader saves the last
+            # step from every node's ranks before anything stops (``cluster.keeping``).
+            on_ending=lambda _: self._send(RankDied(self.attempt)))
         self.journal = journal_mod.Journal(plan.run_dir / "events.jsonl")
         self.peer: Peer | None = None
         self.attempt = -1
@@ -345,6 +351,15 @@ class Follower:
             case Finish():
                 self._stop_workers("the run is over")
                 return message.code
+            case KeepAsk() if message.attempt == self.attempt:
+                self._send(keeping.node_answer(self.workers.keepers, self.attempt,
+                                               dict(self.workers.rank_pids), message.seconds))
+            case KeepWrite() if message.attempt == self.attempt:
+                self._send(keeping.node_write(self.workers.keepers, message,
+                                              dict(self.workers.rank_pids)))
+            case KeepRelease() if message.attempt == self.attempt:
+                if self.workers.keepers is not None:
+                    self.workers.keepers.release(self.attempt, self.workers.rank_pids)
             case Beat():
                 pass
         return None

@@ -26,7 +26,7 @@ from typing import Any
 
 from babysit.policies.rerun import TRANSIENT as TRANSIENT_VERDICT
 from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
-from babysit.supervisor.cluster import leadership
+from babysit.supervisor.cluster import keeping, leadership
 from babysit.supervisor.cluster.eviction import NodeFaults, SlowCost, recall
 from babysit.supervisor.cluster.leadership import Lease, LeaseWatch, Term
 from babysit.supervisor.cluster.membership import (
@@ -102,7 +102,12 @@ class ClusterMembers(OnThisNode):
         self.view = NodeView.from_plan(plan, plan.node_rank)
         self.node: OwnNode[tuple[list[StepSummary], list[Finding]]] = OwnNode(
             self.workers, self.view, flush_on_exit=True,
-            gpus=GpuWatch(plan.config.schedule.health_every_s))
+            gpus=GpuWatch(plan.config.schedule.health_every_s), on_ending=self._ending_here)
+        self._ending: str | None = None
+        """Ranks are ending on their own somewhere (a crash, a SIGTERM, a lost node): the
+        fault the just-in-time save at the end of this tick is for (``_keep_last_step``)."""
+        self._hang_settled = False
+        """A hang of the running attempt was settled: its relaunch keeps the last step."""
         self.cluster = Cluster(plan, secret, self.clock)
         launch = plan.config.launch
         self._standby_off = standby.off_reason(launch, standby.gpus_visible(launch))
@@ -210,6 +215,7 @@ class ClusterMembers(OnThisNode):
         nodes, endpoint = self.cluster.launch(attempt, directive, rdzv_id, launch.rdzv_endpoint,
                                               keep=keep_nodes)
         self._attempt = attempt
+        self._ending, self._hang_settled = None, False
         place = Placement.in_attempt(endpoint, self.cluster.leader_host, leads=True,
                                      local_addr=self.cluster.leader_host)
         command = self.node.launch(attempt, directive, now, lambda: self.workers.launch(
@@ -227,12 +233,14 @@ class ClusterMembers(OnThisNode):
                 "spares": {str(n): self.cluster.hosts.get(n, "?") for n in spares}}
 
     def stop(self, reason: str, *, replacing: bool = False) -> int | None:
+        moot = Gathered()
+        if replacing and self._hang_settled:  # a relaunch after a hang: keep its last step
+            moot.entries += self._keep_last_step("hang", moot, watching=False)
         self.cluster.attempt.done = True  # what the nodes say of its end is moot now
         began = self.clock()
         self.cluster.tell(Stop(reason, replacing))
         code = self.node.stop(replacing)
         deadline = self.clock() + self.plan.config.launch.stop_grace_s + 10.0
-        moot = Gathered()
         while not self.cluster.all_stopped() and self.clock() < deadline:
             time.sleep(TICK_S)
             for node, message in self.cluster.receive():
@@ -260,6 +268,7 @@ class ClusterMembers(OnThisNode):
             hang = self.cluster.settled_hang()
             if hang is not None:
                 out.findings.append(hang)
+                self._hang_settled = True
             end = self.cluster.settled_exit()
             if end is not None:
                 out.end = self._job_end(end, out)
@@ -267,7 +276,24 @@ class ClusterMembers(OnThisNode):
         out.entries.extend(self.workers.take_standby_entries())  # its torchrun ahead's
         for node, message in self.cluster.receive():
             self._node_message(node, message, out, watching)
+        if self._ending is not None and watching:
+            out.entries += self._keep_last_step(self._ending, out, watching)
         return out
+
+    def _ending_here(self, fault: str) -> None:
+        self._ending = self._ending or fault
+
+    def _keep_last_step(self, fault: str, out: Gathered, watching: bool) -> list[Entry]:
+        """The just-in-time save of the last completed step from every node's ranks, once per
+        attempt (``cluster.keeping``): what the nodes say meanwhile is handled as ever."""
+        outcome = self.workers.keep_last_step(
+            fault, keeping.OtherNodes(
+                self.cluster, self.cluster.rank_node,
+                lambda node, message: self._node_message(node, message, out, watching)),
+            world_size=len(self.cluster.rank_node) or None)
+        if outcome is None:
+            return []
+        return [("just_in_time", {**outcome.fields, "summary": outcome.summary()})]
 
     def tails(self, attempt: int) -> dict[int, str]:
         tails = {**self.workers.tails(attempt, 8192), **self._crash_tails}
@@ -468,6 +494,7 @@ class ClusterMembers(OnThisNode):
                     self.cluster.hang_suspected(node)
                 case RankDied():
                     self.cluster.rank_died(node)
+                    self._ending = self._ending or "crash"
                 case HangCleared():
                     self.cluster.hang_cleared(node)
                 case NodeFinding():
@@ -563,6 +590,7 @@ class ClusterMembers(OnThisNode):
             # Its ranks are gone: an exit, so the others' exits still settle the attempt if
             # the policy's answer to the loss leaves the run going.
             self.cluster.exited(node, LOST_EXIT_CODE, {}, None)
+            self._ending = self._ending or "loss of a node"
             if watching:
                 out.findings.append(self.cluster.lost_finding(node, why, self._step))
 

@@ -11,12 +11,18 @@ on the wire (its kind under ``"type"``, its fields beside it), and ``from_leader
     Stop      stop the attempt's workers    NodeFinding    a per-rank detector, a named hang
     Control   a request to the ranks        HangSuspected  reading the ranks' stacks now
     Refused   this connection is not taken  HangCleared    the stalled ranks were working
-    Finish    the run is over               RankDied       a rank's process died
+    Finish    the run is over               RankDied       a rank's process died, or is ending
     Beat      heartbeat                     RankEvent      hello, checkpoint, fingerprint, ...
-                                            Exited         torchrun's exit: code, log tails
-                                            Stopped        the stop asked for is done
-                                            Leaving        a signal stops this node
+    KeepAsk   what do your ranks hold?      Exited         torchrun's exit: code, log tails
+    KeepWrite write your part of it         Stopped        the stop asked for is done
+    KeepRelease  done with your ranks       Leaving        a signal stops this node
+                                            KeepViews      what this node's ranks hold
+                                            KeepWritten    the files its writers wrote
                                             Beat           heartbeat
+
+The ``Keep`` messages are a just-in-time save of the last completed step across the nodes
+(``node.just_in_time``): the leader asks every node what its ranks hold, chooses the writers
+(``checkpoints.just_in_time.plan``), has them write, commits, and releases the ranks.
 
 What each side does with them is ``membership``'s and ``leader``'s (the leader) and
 ``follower``'s business. A follower's reports about an attempt carry its number, so the leader
@@ -120,6 +126,43 @@ class Finish:
     TYPE: ClassVar[str] = "finish"
     code: int
     """The run's exit code, which the follower exits with too."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAsk:
+    """Say what this node's ranks hold of the last completed step: answer ``KeepViews``."""
+
+    TYPE: ClassVar[str] = "keep_ask"
+    attempt: int
+    """The attempt whose ranks are asked."""
+    seconds: float
+    """How long the node may take (the leader's bound on the whole save, what is left of it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeepWrite:
+    """Have this node's writers of ``plan`` write their part into ``dest`` and copy the marks
+    it names from here: answer ``KeepWritten``."""
+
+    TYPE: ClassVar[str] = "keep_write"
+    attempt: int
+    """The attempt whose ranks write."""
+    plan: dict[str, Any]
+    """The plan (``checkpoints.just_in_time.Plan.to_json``)."""
+    dest: str
+    """The staging folder, on the storage every node shares."""
+    seconds: float
+    """How long the writes may take."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeepRelease:
+    """The save is over (written or not): release this node's ranks, which end as they would
+    have."""
+
+    TYPE: ClassVar[str] = "keep_release"
+    attempt: int
+    """The attempt whose ranks are released."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,10 +275,39 @@ class Leaving:
     """Which signal, for the leader's journal (``signal 2``)."""
 
 
-LeaderMessage = Launch | Stop | Control | Refused | Finish | Beat
+@dataclass(frozen=True, slots=True)
+class KeepViews:
+    """What this node's ranks hold (the answer to ``KeepAsk``)."""
+
+    TYPE: ClassVar[str] = "keep_views"
+    attempt: int
+    """The attempt asked about."""
+    views: list[dict[str, Any]]
+    """Each live rank's answer (``checkpoints.just_in_time.RankView``, as JSON)."""
+    absent: dict[int, str] = field(default_factory=dict)
+    """Why each other rank of this node gave none (dead, stopped, no answer)."""
+    marks: dict[int, int] = field(default_factory=dict)
+    """The step each mark file here starts from, by rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeepWritten:
+    """What this node's writers wrote (the answer to ``KeepWrite``)."""
+
+    TYPE: ClassVar[str] = "keep_written"
+    attempt: int
+    """The attempt whose ranks wrote."""
+    files: list[dict[str, Any]]
+    """The files written, as manifest entries (name, size, crc32)."""
+    failed: dict[int, str] = field(default_factory=dict)
+    """Why each writer here that failed did."""
+
+
+LeaderMessage = Launch | Stop | Control | Refused | Finish | Beat | KeepAsk | KeepWrite | \
+    KeepRelease
 """What a follower hears from the leader."""
 FollowerMessage = (Summary | NodeFinding | HangSuspected | HangCleared | RankDied | RankEvent
-                   | Exited | Stopped | Leaving | Beat)
+                   | Exited | Stopped | Leaving | Beat | KeepViews | KeepWritten)
 """What the leader hears from a follower."""
 Message = LeaderMessage | FollowerMessage
 
@@ -282,6 +354,20 @@ def encode(message: Message) -> dict[str, Any]:
                     "step": message.step}
         case Leaving():
             body = {"why": message.why}
+        case KeepAsk():
+            body = {"attempt": message.attempt, "seconds": message.seconds}
+        case KeepWrite():
+            body = {"attempt": message.attempt, "plan": message.plan, "dest": message.dest,
+                    "seconds": message.seconds}
+        case KeepRelease():
+            body = {"attempt": message.attempt}
+        case KeepViews():
+            body = {"attempt": message.attempt, "views": message.views,
+                    "absent": {str(r): w for r, w in message.absent.items()},
+                    "marks": {str(r): s for r, s in message.marks.items()}}
+        case KeepWritten():
+            body = {"attempt": message.attempt, "files": message.files,
+                    "failed": {str(r): w for r, w in message.failed.items()}}
     safe: dict[str, Any] = json_safe({"type": message.TYPE, **body})
     return safe
 
@@ -357,6 +443,13 @@ class _Fields:
             out[int(rank)] = value
         return out
 
+    def objects(self, key: str) -> list[dict[str, Any]]:
+        """A list of JSON objects."""
+        value = self._get(key, _REQUIRED)
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise self.error(key, f"is not a list of JSON objects: {value!r}")
+        return value
+
     def parsed(self, key: str, parse: Callable[[dict[str, Any]], T]) -> T:
         """A nested object, read by its own type's reader (``from_json``, ``from_dict``)."""
         value = self.mapping(key)
@@ -392,6 +485,10 @@ _FROM_LEADER: dict[str, Callable[[_Fields], LeaderMessage]] = {
     Refused.TYPE: lambda f: Refused(reason=f.text("reason"), final=f.flag("final")),
     Finish.TYPE: lambda f: Finish(code=f.integer("code")),
     Beat.TYPE: lambda f: Beat(),
+    KeepAsk.TYPE: lambda f: KeepAsk(attempt=f.integer("attempt"), seconds=f.number("seconds")),
+    KeepWrite.TYPE: lambda f: KeepWrite(attempt=f.integer("attempt"), plan=f.mapping("plan"),
+                                        dest=f.text("dest"), seconds=f.number("seconds")),
+    KeepRelease.TYPE: lambda f: KeepRelease(attempt=f.integer("attempt")),
 }
 
 _FROM_FOLLOWER: dict[str, Callable[[_Fields], FollowerMessage]] = {
@@ -407,6 +504,12 @@ _FROM_FOLLOWER: dict[str, Callable[[_Fields], FollowerMessage]] = {
     Stopped.TYPE: lambda f: Stopped(attempt=f.integer("attempt")),
     Leaving.TYPE: lambda f: Leaving(why=f.text("why")),
     Beat.TYPE: lambda f: Beat(),
+    KeepViews.TYPE: lambda f: KeepViews(attempt=f.integer("attempt"), views=f.objects("views"),
+                                        absent=f.by_rank("absent", str),
+                                        marks=f.by_rank("marks", int)),
+    KeepWritten.TYPE: lambda f: KeepWritten(attempt=f.integer("attempt"),
+                                            files=f.objects("files"),
+                                            failed=f.by_rank("failed", str)),
 }
 
 

@@ -21,6 +21,11 @@ from babysit.supervisor.cluster.messages import (
     FollowerMessage,
     HangCleared,
     HangSuspected,
+    KeepAsk,
+    KeepRelease,
+    KeepViews,
+    KeepWrite,
+    KeepWritten,
     Launch,
     LeaderMessage,
     Leaving,
@@ -73,6 +78,11 @@ LEADER_MESSAGES: list[LeaderMessage] = [
     Refused("node rank 7 is not in 1..2 (launch.nnodes)", final=True),
     Finish(3),
     Beat(),
+    KeepAsk(2, 9.5),
+    KeepWrite(2, {"step": 239, "cursor": 239, "samples": None, "lr_scale": 1.0,
+                  "writers": [0, 4], "marks": [1, 2, 3], "streams_lost": [5, 6, 7]},
+              "/ckpt/.just_in_time-00000239", 8.25),
+    KeepRelease(2),
 ]
 
 FOLLOWER_MESSAGES: list[FollowerMessage] = [
@@ -88,6 +98,12 @@ FOLLOWER_MESSAGES: list[FollowerMessage] = [
     Stopped(1),
     Leaving("signal 15"),
     Beat(),
+    KeepViews(2, [{"rank": 4, "consistent": True, "step": 239, "cursor": 239, "samples": None,
+                   "lr_scale": 1.0, "shard": 0, "shards": 1, "why": None}],
+              absent={5: "dead", 6: "stopped (SIGSTOP): it cannot answer until continued"},
+              marks={4: 239, 5: 239}),
+    KeepViews(2, []),
+    KeepWritten(2, [{"name": "__4_0.distcp", "size": 4096, "crc32": 123}], failed={4: "disk"}),
 ]
 
 
