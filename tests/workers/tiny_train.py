@@ -56,7 +56,9 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
                            a signal (WHAT = SIGSEGV, SIGKILL, SIGSTOP, ...), sleeps forever
                            outside the collective (``hang``), or keeps the CPU busy outside any
                            collective and any phase for SEC seconds (``busySEC``: a slow eval,
-                           a GC pause, a CPU-bound loader). Repeatable
+                           a GC pause, a CPU-bound loader); ``optimizer-WHAT`` strikes inside
+                           that step's ``optimizer.step()`` instead, half-way through its
+                           update (the first layer's weights already moved). Repeatable
     TINY_TRAIN_SEGV_AT=A:S,B:T (environment) this node's local rank 0 segfaults just before
                            step S of attempt A, T of B, ...: a machine that keeps failing, set
                            per node
@@ -320,6 +322,20 @@ def main() -> None:
         source = elastic_batches(run, rank, dist.get_world_size(), args, attempt)
     else:
         source = run.batches(Batches(rank, dist.get_world_size(), args))
+    in_optimizer = {(int(a), int(r), int(s)): what.removeprefix("optimizer-")
+                    for a, r, s, what in args.at if what.startswith("optimizer-")}
+    args.at = [at for at in args.at if not at[3].startswith("optimizer-")]
+
+    def half_way(optimizer, *_):
+        """A fault inside optimizer.step(): half the update done, then the strike."""
+        what = in_optimizer.get((attempt, rank, run.step_count))
+        if what is not None:
+            with torch.no_grad():
+                layers[0].weight.add_(0.01)
+            strike(what, rank, run.step_count)
+
+    if in_optimizer:
+        opt.register_step_pre_hook(half_way)
     for x, y in source:
         if run.step_count >= args.steps:
             break
