@@ -50,6 +50,10 @@ class Recovery:
         self.keep = keep
         self.vouched: int | None = -1 if sdc_checks else None
         """The newest step an SDC check agreed at (-1: none yet); None: no SDC checks."""
+        self.kept: int | None = None
+        """The step of the just-in-time state saved since the last launch, if any: the state
+        the fault's ranks held, which the relaunch may resume from however far the job's
+        merged steps lag behind it (a lost node's last summaries never come)."""
         self.unwatched: tuple[int, int] | None = None
         """Steps ``a < s <= b`` no supervisor observed (set by ``resume_latest`` on a
         takeover): checkpoints whose probation fell there stay pending."""
@@ -64,6 +68,8 @@ class Recovery:
         (checkpoints near its onset turn suspect), an SDC check (the step it vouches for).
         Returns the entries to journal in turn."""
         event = entry["event"]
+        if event == "just_in_time" and entry.get("outcome") == "saved":
+            self.kept = int(entry["step"])
         if event == "checkpoint_saved" or (event == "just_in_time"
                                            and entry.get("outcome") == "saved"):
             return self.on_checkpoint(int(entry["step"]))
@@ -169,6 +175,9 @@ class Recovery:
                 if resume is not None:
                     return resume, entries
         before, allow_pending = rollback.resume_bound(remedy)
+        if allow_pending and self.kept is not None:  # this fault's own just-in-time state
+            before = max(before, self.kept + 1)
+        self.kept = None
         return self._choose(before, allow_pending, entries)
 
     def resume_latest(self, watched_until: int | None = None

@@ -60,7 +60,9 @@ class Nodes:
 
     def __init__(self, tmp_path: Path, *args: str, nnodes: str = "2", nodes: str = "",
                  steps: int = 40, net: Network | None = None, nproc: int = 2,
-                 extra: str = "", overrides: str = "") -> None:
+                 extra: str = "", overrides: str = "",
+                 checkpoints: str = "{every_steps: 5, probation_steps: 5, async_save: false}"
+                 ) -> None:
         """``net``: each node in its own network namespace, with its own address; the config
         then names only the rendezvous endpoint, on node 0's address, as a user's would."""
         self.tmp_path = tmp_path
@@ -77,7 +79,7 @@ class Nodes:
             f"  teardown-idle-s: 8\n"
             f"  args: {json.dumps(['--steps', str(steps), '--step-sleep', '0.05', *args])}\n"
             f"run_dir: {self.run_dir}\n"
-            f"checkpoints: {{every_steps: 5, probation_steps: 5, async_save: false}}\n"
+            f"checkpoints: {checkpoints}\n"
             f"policy: {{name: {FAST_POLICY}"
             + (f", overrides: {overrides}" if overrides else "") + "}\n"
             f"nodes: {{{leader}heartbeat_s: 0.5, lost_after_s: 3,"
@@ -400,6 +402,40 @@ def test_nodes_on_their_own_addresses_start_and_a_healed_partition_rejoins(
     assert run.events("nodes_rejoined")
     relaunch = next(e for e in run.events("launch") if e["attempt"] == 1)
     assert relaunch["nodes"] == [0, 1]
+    assert run.events("run_finished")[-1]["state"] == "succeeded"
+
+
+def test_a_lost_node_costs_one_step_the_other_nodes_ranks_keep_it(
+        tmp_path: Path, net: Network) -> None:
+    """DDP on two nodes in network namespaces, 2 ranks each, checkpoints every 25 steps. Node
+    1's babysitter and every process on it are SIGKILLed mid-run (a dead host). Node 0's ranks
+    still hold the last completed step: the leader has one of them write it before anything
+    is stopped, and the relaunch on node 0 alone (``--nnodes 1:2``) resumes there, resharded
+    to 2 ranks, instead of at the last periodic checkpoint. Node 1's ranks' random streams
+    died with it (said so: a smaller world draws other samples anyway)."""
+    run = Nodes(tmp_path, "--eval-every", "20", nnodes="1:2", steps=90, net=net,
+                checkpoints="{every_steps: 25, probation_steps: 5, async_save: true}")
+    run.start(0), run.start(1)
+    run.until("step 35", lambda: _step(run) >= 35)
+    killed_at = _step(run)
+    run.kill(1)
+    codes = run.wait()
+    assert codes[0] == 0, run.logs()
+    node_of = {e["rank"]: e["data"]["node"] for e in run.events("worker_hello")
+               if e["attempt"] == 0}
+    here = sorted(r for r, n in node_of.items() if n == 0)
+    there = sorted(r for r, n in node_of.items() if n == 1)
+    [saved] = run.events("just_in_time")
+    assert saved["outcome"] == "saved", saved
+    assert saved["writers"] == [here[0]] and saved["marks"] == here[1:]
+    assert saved["streams_lost"] == there and saved["step"] >= killed_at
+    resume = run.events("launch")[1]
+    assert run.events("launch")[1]["nodes"] == [0] and resume["directive"]["reshard"]
+    assert resume["directive"]["resume"]["step"] == saved["step"]
+    [resumed] = [e for e in run.events("resume") if e.get("from")]
+    assert resumed["just_in_time"]["lost_steps"] <= 2 and resumed["just_in_time"][
+        "periodic_step"] == 25
+    assert [e["node"] for e in run.events("node_lost")] == [1]
     assert run.events("run_finished")[-1]["state"] == "succeeded"
 
 
