@@ -93,6 +93,9 @@ class NodeWorkers:
         """The job's ranks, from the hellos (the config's until one came)."""
         self._kept: int | None = None
         """The attempt whose just-in-time save was made (once per attempt)."""
+        self.keeping: dict[int, bool] = {}
+        """Rank -> its hello said it keeps its last step (``rank.just_in_time``)."""
+        self._told_off = False
 
     def open(self) -> None:
         self.intake.open()
@@ -286,7 +289,8 @@ class NodeWorkers:
         completed step (``node.just_in_time.save``) from this node's ranks and, on a
         multi-node leader, the ``remote`` nodes' (``world_size``: the whole job's ranks).
         None when the run keeps none, no rank attached, or this attempt's was made."""
-        if self.keepers is None or self._kept == self.attempt or not self.rank_pids:
+        if self.keepers is None or self._kept == self.attempt or \
+                not any(self.keeping.get(r) for r in self.rank_pids):
             return None
         self._kept = self.attempt
         return just_in_time.save(
@@ -302,6 +306,7 @@ class NodeWorkers:
         self.rank_pids = {}
         self.closed_ranks = set()
         self.global_rank = {}
+        self.keeping = {}
         self.printed.new_attempt()
         self._stopping = False
         if self.group is not None and self.group.pid is not None:
@@ -433,6 +438,7 @@ class NodeWorkers:
             world = event.data.get("world_size")
             if isinstance(world, int) and world > 0:
                 self.world_size = world
+            self._keeps(event)
             local = event.data.get("local_rank")
             if isinstance(local, int) and local >= 0:
                 self.global_rank[local] = event.rank
@@ -442,6 +448,22 @@ class NodeWorkers:
             took = event.data.get("write_s", event.data.get("blocking_s"))
             if isinstance(took, (int, float)):
                 self.budget.saved(float(took))  # how long a just-in-time save may take
+
+    def _keeps(self, hello: protocol.WorkerEvent) -> None:
+        """Whether the rank keeps its last step; the first time one says why it does not (or
+        the script never attached: stdout mode), journaled once for the run."""
+        if self.keepers is None:
+            return
+        keeps = hello.data.get("keeps")
+        self.keeping[hello.rank] = keeps is True
+        if keeps is not True and not self._told_off:
+            self._told_off = True
+            why = str(hello.data.get("keeps_not") or (
+                "the script prints its progress instead of attaching (stdout mode): babysit "
+                "has no view of its optimizer"))
+            self.standby_entries.append(("just_in_time_off", {
+                "why": why, "rank": hello.rank, "summary": f"no just-in-time state in this "
+                f"run: {why}; a fault resumes from the newest checkpoint"}))
 
     @property
     def all_closed(self) -> bool:

@@ -560,10 +560,17 @@ def attach(
         if model is not None:  # checked at the first forward: did the restore take?
             run._watch_restore()
     run._keeper = _keeper(run, directive, token_hex, model, optimizer, scheduler)
+    keeps: dict[str, Any] = {}
+    if directive.just_in_time:  # the node keeps the last step only with the ranks that can
+        keeps = {"keeps": run._keeper is not None}
+        if run._keeper is None:
+            keeps["keeps_not"] = (
+                "attach() got no model (a framework integration saves through the framework's "
+                "own checkpoints)") if model is None else "the supervisor cannot be reached"
     run._event("hello", pid=os.getpid(), host=socket.gethostname(), world_size=world_size,
                local_rank=int(os.environ.get("LOCAL_RANK", "0")), step=run.step_count,
                cursor=run.cursor, flops_per_token=flops_per_token, peak_flops=peak_flops,
-               restore_s=restore_s)
+               restore_s=restore_s, **keeps)
     return run
 
 

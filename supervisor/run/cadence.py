@@ -20,7 +20,10 @@ Where the numbers come from on a babysit run (see docs/cadence.md):
 
 - C: the median of the last few ``blocking_s`` that rank 0 reports with each checkpoint.
 - tau: n interruptions over T_obs seconds of running time, pooled with a prior of one
-  interruption per ``mtbf_prior_s`` (default a day): tau = (T_obs + tau0) / (n + 1).
+  interruption per ``mtbf_prior_s`` (default a day): tau = (T_obs + tau0) / (n + 1). An
+  interruption whose just-in-time state was saved (``checkpoints/just_in_time.py``) lost one
+  step, not the work since the last checkpoint: it is counted apart (``covered``) and not in n,
+  so a run whose faults the live ranks cover is advised sparser saves.
 - seconds to steps: the median of recent step times.
 
 Everything here is pure: no I/O and no clock; the loop passes times in. ``CadenceAdvisor`` is fed
@@ -69,6 +72,7 @@ class Advice:
     """"prior": no interruption yet and less running time than the prior is worth; "observed":
     the run supplied most of both the interruptions (n >= 2) and the time; "mixed" otherwise."""
     interruptions: int
+    """Interruptions that lost the work since the last checkpoint (in tau)."""
     observed_s: float
     """Running time observed (the workers in the running state)."""
     step_s: float
@@ -82,6 +86,8 @@ class Advice:
     waste_configured: float
     waste_optimal: float
     """At ``optimal_steps`` whole steps."""
+    covered: int = 0
+    """Interruptions just-in-time state covered (one step lost each): not in tau."""
 
     def summary(self) -> str:
         """One line for the console and ``babysit status``."""
@@ -90,7 +96,9 @@ class Advice:
             f"{self.configured_steps}): C={duration(self.blocking_s)}, "
             f"tau={duration(self.tau_s)} ({self.tau_source}; {self.interruptions} "
             f"interruption{'' if self.interruptions == 1 else 's'} in "
-            f"{duration(self.observed_s)}) -> T*={duration(self.optimal_interval_s)} at "
+            f"{duration(self.observed_s)}"
+            + (f", {self.covered} more covered by just-in-time state" if self.covered else "")
+            + f") -> T*={duration(self.optimal_interval_s)} at "
             f"{duration(self.step_s)}/step; waste {self.waste_configured:.2%} -> "
             f"{self.waste_optimal:.2%}")
 
@@ -164,6 +172,8 @@ class CadenceAdvisor:
         self._step_times: deque[float] = deque(maxlen=step_window)
         self._interruptions: deque[tuple[str, float]] = deque(maxlen=_KEEP_INTERRUPTIONS)
         self.interruption_count = 0
+        self.covered_count = 0
+        """Interruptions just-in-time state covered (``cover``): not in tau."""
         self.observed_s = 0.0
 
     # -- inputs ---------------------------------------------------------------------------------
@@ -190,6 +200,15 @@ class CadenceAdvisor:
         self.interruption_count += 1
         self._interruptions.append((kind, float(wall_time)))
 
+    def cover(self, interruption: tuple[str, float] | None) -> None:
+        """An interruption lost no more than the step it interrupted (its just-in-time state was
+        saved): ``interruption``, counted already by ``on_interruption``, is taken back out of
+        tau; None: one that was not counted."""
+        self.covered_count += 1
+        if interruption is not None and interruption in self._interruptions:
+            self._interruptions.remove(interruption)
+            self.interruption_count -= 1
+
     @property
     def interruptions(self) -> list[tuple[str, float]]:
         """The most recent interruptions, oldest first, as (kind, wall_time)."""
@@ -212,7 +231,8 @@ class CadenceAdvisor:
             interruptions=self.interruption_count, observed_s=self.observed_s, step_s=step_s,
             optimal_interval_s=interval, optimal_steps=steps, configured_steps=self.every_steps,
             waste_configured=waste_fraction(self.every_steps * step_s, blocking, tau),
-            waste_optimal=waste_fraction(steps * step_s, blocking, tau))
+            waste_optimal=waste_fraction(steps * step_s, blocking, tau),
+            covered=self.covered_count)
 
     # -- takeover -------------------------------------------------------------------------------
 
@@ -225,6 +245,7 @@ class CadenceAdvisor:
             "step_times": list(self._step_times),
             "interruptions": [[kind, t] for kind, t in self._interruptions],
             "interruption_count": self.interruption_count,
+            "covered_count": self.covered_count,
             "observed_s": self.observed_s,
         }
 
@@ -240,6 +261,7 @@ class CadenceAdvisor:
         self._interruptions.clear()
         self._interruptions.extend((str(k), float(t)) for k, t in state["interruptions"])
         self.interruption_count = int(state["interruption_count"])
+        self.covered_count = int(state.get("covered_count", 0))
         self.observed_s = float(state["observed_s"])
 
 
@@ -295,6 +317,8 @@ def replay_journal(advisor: CadenceAdvisor, entries: Iterable[dict[str, Any]]) -
       ("supervisor_lost"), unless the finding it had already journaled counted it.
     - ``checkpoint_saved`` (``data.blocking_s``): checkpoint costs; and, between two of one
       attempt, (seconds between them - blocking_s) / steps between them as the step time.
+    - ``just_in_time`` (``outcome`` saved): the interruption of its attempt is covered
+      (``Covering``).
     """
     running_since: float | None = None
     last_time: float | None = None
@@ -302,6 +326,7 @@ def replay_journal(advisor: CadenceAdvisor, entries: Iterable[dict[str, Any]]) -
     previous_unfinished, previous_end = False, 0.0
     final_requested: float | None = None
     last_save: tuple[Any, int, float] | None = None  # (attempt, step, time)
+    covering = Covering(advisor)
     for entry in entries:
         t = finite(entry.get("time"))
         if t is None:
@@ -323,10 +348,8 @@ def replay_journal(advisor: CadenceAdvisor, entries: Iterable[dict[str, Any]]) -
                 running_since = None
             if entry.get("new") == "running" and running_since is None:
                 running_since = t
-        elif event == "finding":
-            kind = interruption(entry)
-            if kind is not None:
-                advisor.on_interruption(kind, t)
+        elif event in Covering.EVENTS:
+            covering.hear(entry, t)
         elif event == "final_checkpoint_requested":
             final_requested = t
         elif event == "final_checkpoint":
@@ -343,6 +366,38 @@ def replay_journal(advisor: CadenceAdvisor, entries: Iterable[dict[str, Any]]) -
         last_time = t
     if running_since is not None and last_time is not None:
         advisor.on_run_time(last_time - running_since)  # still running, as far as we know
+
+
+class Covering:
+    """Interruptions and the just-in-time saves that cover them, matched by attempt: a crash's
+    save comes before its finding (its ranks hold on while it is written), a hang's after (it is
+    written just before the workers are stopped). Feeds ``advisor``, live and replayed alike."""
+
+    EVENTS = ("finding", "just_in_time")
+
+    def __init__(self, advisor: CadenceAdvisor) -> None:
+        self.advisor = advisor
+        self._saved: set[Any] = set()
+        self._counted: dict[Any, tuple[str, float]] = {}
+
+    def hear(self, entry: dict[str, Any], t: float) -> None:
+        attempt = entry.get("attempt")
+        if entry.get("event") == "just_in_time":
+            if entry.get("outcome") == "saved" and attempt not in self._saved:
+                self._saved.add(attempt)
+                counted = self._counted.pop(attempt, None)
+                if counted is not None:
+                    self.advisor.cover(counted)
+            return
+        kind = interruption(entry)
+        if kind is None:
+            return
+        if attempt in self._saved and attempt not in self._counted:
+            self._counted[attempt] = (kind, t)  # one per attempt is covered: this one
+            self.advisor.cover(None)
+            return
+        self.advisor.on_interruption(kind, t)
+        self._counted.setdefault(attempt, (kind, t))
 
 
 def interruption(entry: dict[str, Any]) -> str | None:

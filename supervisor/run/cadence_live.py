@@ -5,6 +5,7 @@ for what the advice is made of, and speaks through the handles the loop gives it
 
     state            running time: the time between entering and leaving "running"
     finding          an interruption, when the remedy ends the workers (rollback, relaunch, stop)
+    just_in_time     its attempt's interruption lost one step: covered, not in tau
     supervisor_takeover   an interruption, when the previous supervisor died with workers up
                           and left no remedy that counted it
     checkpoint_saved its cost (``data.blocking_s``); then the advice is journaled when it moved,
@@ -24,7 +25,7 @@ from babysit.supervisor.contract.protocol import finite
 from babysit.supervisor.run.cadence import (
     CadenceAdvisor,
     CadenceKeeper,
-    interruption,
+    Covering,
     replay_journal,
 )
 
@@ -36,7 +37,7 @@ class LiveCadence:
     thread, ``hear()`` each journal entry of ``EVENTS`` (``Journal.listen``), ``observe_step()``
     each merged step, and ``closing()`` once as the run finishes."""
 
-    EVENTS = ("state", "finding", "supervisor_takeover", "checkpoint_saved")
+    EVENTS = ("state", "finding", "supervisor_takeover", "checkpoint_saved", "just_in_time")
     PRINT_CHANGE = 2.0
     """The console shows the advice again only once the advised interval moved by this factor
     from the one it last showed (the journal keeps every move of 10 %: early estimates wander
@@ -55,6 +56,7 @@ class LiveCadence:
         self.advisor = self.keeper.advisor
         self._journal, self._log, self._request = journal, log, request
         self._newest_step = newest_step
+        self._covering = Covering(self.advisor)
         self._running_since: float | None = None
         self._printed: int | None = None
         """The advised interval the console last showed (``PRINT_CHANGE``)."""
@@ -99,10 +101,8 @@ class LiveCadence:
                 self._running_since = None
             if entry.get("new") == "running":
                 self._running_since = t
-        elif event == "finding":
-            kind = interruption(entry)
-            if kind is not None:
-                self.advisor.on_interruption(kind, t)
+        elif event in Covering.EVENTS:  # an interruption, or the just-in-time save covering it
+            self._covering.hear(entry, t)
         elif event == "supervisor_takeover":
             if not entry.get("inherited_remedy"):  # one it inherited counted the loss already
                 self.advisor.on_interruption("supervisor_lost", t)

@@ -44,7 +44,7 @@ class Console:
             self._out.write(text + "\n")
             self._out.flush()
 
-    HEARS = ("just_in_time", "resume")
+    HEARS = ("just_in_time", "just_in_time_off", "resume")
     """Journal entries whose ``summary`` a person watching should read (``hear``)."""
 
     def hear(self, entry: Mapping[str, Any]) -> None:

@@ -306,6 +306,32 @@ def test_journal_rebuild_counts_a_vanished_supervisor_once() -> None:
         ("loss_spike", 50.0)]
 
 
+def test_an_interruption_just_in_time_state_covered_is_not_in_tau() -> None:
+    """A crash's just-in-time save is journaled before its finding, a hang's after: either
+    way the attempt's interruption lost one step and is counted apart, not in tau; one whose
+    save failed (a shard lost) counts as ever."""
+    def keep(t: float, attempt: int, outcome: str) -> dict[str, Any]:
+        return {"time": t, "event": "just_in_time", "attempt": attempt, "outcome": outcome}
+
+    def fault(t: float, attempt: int, incident: str) -> dict[str, Any]:
+        return {**finding(t, incident, "relaunch"), "attempt": attempt}
+
+    journal = [{"time": 0.0, "event": "run_started", "attempt": 0},
+               state(1.0, 0, "starting", "running"),
+               saved(10.0, 0, 10, 1.0), saved(20.0, 0, 20, 1.0),
+               keep(100.0, 0, "saved"), fault(100.5, 0, "crash"),     # covered: save first
+               fault(200.0, 1, "hang"), keep(200.5, 1, "saved"),      # covered: save after
+               fault(300.0, 2, "hang"), keep(300.5, 2, "none"),       # a shard lost: counted
+               fault(400.0, 3, "loss_spike")]                         # a rollback: counted
+    advisor = advisor_from_journal(journal, every_steps=10, mtbf_prior_s=DAY)
+    assert advisor.interruptions == [("hang", 300.0), ("loss_spike", 400.0)]
+    assert advisor.covered_count == 2
+    advice = advisor.advice()
+    assert advice is not None and advice.interruptions == 2 and advice.covered == 2
+    assert "2 more covered by just-in-time state" in advice.summary()
+    assert advice.tau_s == pytest.approx((advisor.observed_s + DAY) / 3)
+
+
 def test_journal_rebuild_of_nothing_advises_nothing() -> None:
     advisor = advisor_from_journal([], every_steps=100)
     assert advisor.advice() is None and advisor.observed_s == 0.0
