@@ -29,9 +29,12 @@ def test_relaunch_after_a_crash_resumes_bit_exact(tmp_path: Path) -> None:
     clean, clean_dir = babysat(tmp_path, "clean", "--steps", "24")
     assert clean.returncode == 0, clean.stdout + clean.stderr
     # The crashed run saves asynchronously, the clean one synchronously: same checkpoints.
-    # Rank 0 is SIGKILLed, as the OOM killer would, under the default crash policy.
+    # Rank 0 is SIGKILLed, as the OOM killer would, under the default crash policy. Without
+    # just-in-time state (tests/e2e/test_just_in_time.py has it) the relaunch resumes from the
+    # newest committed checkpoint.
     crashed, run_dir = babysat(tmp_path, "crashed", "--steps", "24", "--at", "0:0:13:SIGKILL",
-                               checkpoints="{every_steps: 5, probation_steps: 5, async_save: true}")
+                               checkpoints="{every_steps: 5, probation_steps: 5, async_save: true, "
+                                           "just_in_time: false}")
     assert crashed.returncode == 0, crashed.stdout + crashed.stderr
     (crash,) = [e["finding"] for e in journal(run_dir, "finding")
                 if e["finding"]["incident"] == "crash"]
@@ -41,14 +44,15 @@ def test_relaunch_after_a_crash_resumes_bit_exact(tmp_path: Path) -> None:
     assert_resumed_bit_exact(run_dir, clean_dir, last_step=24)
 
 
-def assert_resumed_bit_exact(run_dir: Path, clean_dir: Path, last_step: int) -> None:
-    """Attempt 1 of ``run_dir`` resumed from a checkpoint at step 5 or 10 and replayed every
-    step after it with the same losses on every rank, bit for bit, as the clean run."""
+def assert_resumed_bit_exact(run_dir: Path, clean_dir: Path, last_step: int,
+                             starts: tuple[int, ...] = (5, 10)) -> None:
+    """Attempt 1 of ``run_dir`` resumed from a checkpoint at one of ``starts`` and replayed
+    every step after it with the same losses on every rank, bit for bit, as the clean run."""
     (resume,) = [e for e in journal(run_dir, "resume") if e.get("from")]
-    # The newest *committed* checkpoint: the async save of step 10 may still be writing when
-    # rank 0 crashes three steps later, and then step 5 is the one to trust.
+    # By default the newest *committed* checkpoint: the async save of step 10 may still be
+    # writing when rank 0 crashes three steps later, and then step 5 is the one to trust.
     start = resume["checkpoint_step"]
-    assert start in (5, 10) and resume["cursor"] == start
+    assert start in starts and resume["cursor"] == start
     after = losses(run_dir, attempt=1)
     assert sorted(after) == list(range(start + 1, last_step + 1))
     reference = losses(clean_dir, attempt=0)

@@ -30,7 +30,7 @@ def test_a_crash_resumes_bit_exact_from_a_checkpoint_of_cuda_tensors(tmp_path: P
     crashed, run_dir = babysat(tmp_path, "crashed", "--steps", "24", "--crash", "0:13", *CUDA,
                                launch_extra=DETERMINISTIC + "  max_restarts: 1\n",
                                checkpoints="{every_steps: 5, probation_steps: 5, "
-                                           "async_save: true}")
+                                           "async_save: true, just_in_time: false}")
     assert crashed.returncode == 0, crashed.stdout[-3000:] + crashed.stderr[-3000:]
     assert_resumed_bit_exact(run_dir, clean_dir, last_step=24)
 

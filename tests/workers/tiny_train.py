@@ -56,9 +56,12 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
                            a signal (WHAT = SIGSEGV, SIGKILL, SIGSTOP, ...), sleeps forever
                            outside the collective (``hang``), or keeps the CPU busy outside any
                            collective and any phase for SEC seconds (``busySEC``: a slow eval,
-                           a GC pause, a CPU-bound loader); ``optimizer-WHAT`` strikes inside
-                           that step's ``optimizer.step()`` instead, half-way through its
-                           update (the first layer's weights already moved). Repeatable
+                           a GC pause, a CPU-bound loader), or (``spin``, on a GPU) launches a
+                           kernel that never ends on the compute stream and waits for it, as a
+                           rank inside an NCCL collective whose peer never came.
+                           ``optimizer-WHAT`` strikes inside that step's ``optimizer.step()``
+                           instead, half-way through its update (the first layer's weights
+                           already moved). Repeatable
     TINY_TRAIN_SEGV_AT=A:S,B:T (environment) this node's local rank 0 segfaults just before
                            step S of attempt A, T of B, ...: a machine that keeps failing, set
                            per node
@@ -104,6 +107,9 @@ def strike(what: str, rank: int, step: int) -> None:
     print(f"rank {rank}: injected {what} at step {step}", flush=True)
     if what == "hang":
         time.sleep(3600)
+    elif what == "spin":  # a kernel that never ends, and the host waiting for it (NCCL's stand-in)
+        torch.cuda._sleep(1 << 42)
+        torch.cuda.synchronize()
     elif what.startswith("busy"):
         until = time.perf_counter() + float(what[4:])
         while time.perf_counter() < until:
