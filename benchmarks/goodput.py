@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/goodput.py [--minutes 2] [--stall-s 30]
                                            [--saves default|sync|async]
+                                           [--just-in-time on|off|both] [--repeats N]
                                            [--no-torchrun] [--keep DIR]
 
 The job is ``tests/workers/tiny_train.py``, 2 gloo ranks on this CPU, 0.05 s of sleep per
@@ -29,6 +30,12 @@ step and from its last step to its exit (never more than the ledger's ``startup`
 ``shutdown``), plus the babysit process's seconds outside its ledger (its interpreter and
 imports before the run's first journal entry, its exit after the last), over the babysit
 process's whole wall time. The gross figures are printed beside it.
+
+``--just-in-time both --repeats 3`` runs babysit's half six times, with
+``checkpoints.just_in_time`` on (the default) and off in turn, and prints each figure's median
+side by side: what the ranks that still hold the last step save of the work since the last
+checkpoint (the hang's and the crash's "lost"; the spike's rollback goes back before its onset
+either way).
 
 torchrun (``python -m torch.distributed.run --standalone``) gets the same faults, all in its
 only attempt. It trains through the spike, then hangs: gloo would wait 30 minutes before its
@@ -119,10 +126,15 @@ def job(steps: int, at: dict[str, int], hang_attempt: int, crash_attempt: int) -
 
 
 def under_babysit(workdir: Path, steps: int, at: dict[str, int],
-                  saves: str = "default") -> dict[str, Any]:
+                  saves: str = "default", just_in_time: bool = True) -> dict[str, Any]:
     run_dir = workdir / "babysit"
+    if run_dir.exists():  # a repeat: a fresh run, not a takeover of the last one
+        import shutil
+
+        shutil.rmtree(run_dir)
     config = workdir / "run.yaml"
     how = {"default": "", "sync": ", async_save: false", "async": ", async_save: true"}[saves]
+    how += "" if just_in_time else ", just_in_time: false"
     config.write_text(
         f"launch:\n  script: {WORKER}\n  nproc-per-node: 2\n"
         f"  args: {json.dumps(job(steps, at, hang_attempt=2, crash_attempt=3))}\n"
@@ -140,9 +152,11 @@ def under_babysit(workdir: Path, steps: int, at: dict[str, int],
     if missed:
         raise SystemExit(f"babysit never met the scheduled {' and '.join(missed)} "
                          f"(attempt numbering changed?); its remedies: {remedies}")
+    lost = {str(a["attempt"]): round(a["seconds"].get("lost", 0.0), 3)
+            for a in snap["goodput"].get("attempts", [])}
     return {"exit": done.returncode, "wall_s": wall, "ledger": snap["goodput"],
             "step": snap["step"], "loss": snap["loss"], "remedies": remedies,
-            "tail": done.stdout[-1500:]}
+            "tail": done.stdout[-1500:], "lost_by_attempt": lost}
 
 
 def under_torchrun(workdir: Path, steps: int, at: dict[str, int],
@@ -179,6 +193,41 @@ def under_torchrun(workdir: Path, steps: int, at: dict[str, int],
             "loss_step": int(losses[-1][0]) if losses else None}
 
 
+def report(b: dict[str, Any], job_start_s: float, job_exit_s: float) -> dict[str, float]:
+    """Print one babysit run's figures; return them for the medians."""
+    ledger = b["ledger"]
+    bad = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(
+        ledger["seconds"].items(), key=lambda kv: -kv[1]) if k != "productive" and v >= 0.05)
+    print(f"babysit:  goodput {100 * ledger['goodput']:.1f}% of {ledger['wall_s']:.1f} s "
+          f"(exit {b['exit']}), step {b['step']}, final loss {b['loss']:.4f}; "
+          f"{'; '.join(b['remedies'])}", flush=True)
+    print(f"          badput: {bad}; lost by attempt: {b['lost_by_attempt']}", flush=True)
+    if b["exit"] != 0:
+        print(b["tail"])
+    straggler = ledger["seconds"].get("straggler", 0.0)
+    if straggler:  # the injected slow loader: the job's own, whoever supervises it
+        print(f"          without the straggler's own delay: goodput "
+              f"{100 * ledger['seconds']['productive'] / (ledger['wall_s'] - straggler):.1f}%",
+              flush=True)
+    # babysit's own: its badput less the job's own delays, which the same job pays under
+    # plain torchrun (the slow loader; starting and ending its processes, measured above).
+    sec = ledger["seconds"]
+    gross = sum(v for k, v in sec.items() if k != "productive")
+    # ...and the seconds of the babysit process outside its ledger (its interpreter and
+    # imports before the run's first journal entry, its exit after the last).
+    outside = max(0.0, b["wall_s"] - ledger["wall_s"])
+    own = gross - straggler - min(sec.get("startup", 0.0), job_start_s) \
+        - min(sec.get("shutdown", 0.0), job_exit_s) + outside
+    print(f"          babysit's own badput: {own:.1f} s, {100 * own / b['wall_s']:.1f}% "
+          f"of the process's wall time {b['wall_s']:.1f} s (its badput {gross:.1f} s, "
+          f"less the straggler {straggler:.1f} s and the job's own start {job_start_s:.1f} s "
+          f"and exit {job_exit_s:.1f} s under plain torchrun, plus {outside:.1f} s of its "
+          f"process outside the ledger)", flush=True)
+    return {"goodput_%": 100 * ledger["goodput"], "own_badput_s": own,
+            "own_badput_%": 100 * own / b["wall_s"], "lost_s": sec.get("lost", 0.0),
+            "wall_s": b["wall_s"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=2.0,
@@ -188,6 +237,10 @@ def main() -> None:
     p.add_argument("--saves", choices=("default", "sync", "async"), default="default",
                    help="checkpoints.async_save: babysit's default (true: asynchronous), "
                         "false or true")
+    p.add_argument("--just-in-time", choices=("on", "off", "both"), default="on",
+                   help="checkpoints.just_in_time: on (the default), off, or both in turn")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="babysit runs of each setting (medians printed when more than one)")
     p.add_argument("--no-torchrun", action="store_true", help="run only the babysit half")
     p.add_argument("--keep", type=Path, metavar="DIR",
                    help="run in DIR and keep it (babysit's run directory: DIR/babysit) instead "
@@ -202,35 +255,21 @@ def main() -> None:
               f"fault-free here); spike at batch {at['spike']}, hang at step {at['hang']}, "
               f"crash at step {at['crash']}, slow loader batches {at['slow_start']}-"
               f"{at['slow_end'] - 1}", flush=True)
-        b = under_babysit(workdir, steps, at, saves=args.saves)
-        ledger = b["ledger"]
-        bad = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(
-            ledger["seconds"].items(), key=lambda kv: -kv[1]) if k != "productive" and v >= 0.05)
-        print(f"babysit:  goodput {100 * ledger['goodput']:.1f}% of {ledger['wall_s']:.1f} s "
-              f"(exit {b['exit']}), step {b['step']}, final loss {b['loss']:.4f}; "
-              f"{'; '.join(b['remedies'])}", flush=True)
-        print(f"          badput: {bad}", flush=True)
-        if b["exit"] != 0:
-            print(b["tail"])
-        straggler = ledger["seconds"].get("straggler", 0.0)
-        if straggler:  # the injected slow loader: the job's own, whoever supervises it
-            print(f"          without the straggler's own delay: goodput "
-                  f"{100 * ledger['seconds']['productive'] / (ledger['wall_s'] - straggler):.1f}%",
-                  flush=True)
-        # babysit's own: its badput less the job's own delays, which the same job pays under
-        # plain torchrun (the slow loader; starting and ending its processes, measured above).
-        sec = ledger["seconds"]
-        gross = sum(v for k, v in sec.items() if k != "productive")
-        # ...and the seconds of the babysit process outside its ledger (its interpreter and
-        # imports before the run's first journal entry, its exit after the last).
-        outside = max(0.0, b["wall_s"] - ledger["wall_s"])
-        own = gross - straggler - min(sec.get("startup", 0.0), job_start_s) \
-            - min(sec.get("shutdown", 0.0), job_exit_s) + outside
-        print(f"          babysit's own badput: {own:.1f} s, {100 * own / b['wall_s']:.1f}% "
-              f"of the process's wall time {b['wall_s']:.1f} s (its badput {gross:.1f} s, "
-              f"less the straggler {straggler:.1f} s and the job's own start {job_start_s:.1f} s "
-              f"and exit {job_exit_s:.1f} s under plain torchrun, plus {outside:.1f} s of its "
-              f"process outside the ledger)", flush=True)
+        settings = {"on": [True], "off": [False], "both": [True, False]}[args.just_in_time]
+        figures: dict[bool, list[dict[str, float]]] = {s: [] for s in settings}
+        for repeat in range(args.repeats):
+            for keeping in settings:
+                if len(settings) > 1 or args.repeats > 1:
+                    print(f"-- babysit, just_in_time {'on' if keeping else 'off'}, run "
+                          f"{repeat + 1} of {args.repeats}", flush=True)
+                b = under_babysit(workdir, steps, at, saves=args.saves, just_in_time=keeping)
+                figures[keeping].append(report(b, job_start_s, job_exit_s))
+        if len(settings) > 1 or args.repeats > 1:
+            print(f"\nmedians of {args.repeats} (just_in_time on / off):")
+            for name in ("goodput_%", "own_badput_s", "own_badput_%", "lost_s", "wall_s"):
+                cells = " / ".join(
+                    f"{statistics.median(f[name] for f in figures[s]):.2f}" for s in settings)
+                print(f"  {name:14s} {cells}")
         if args.no_torchrun:
             return
         t = under_torchrun(workdir, steps, at, args.stall_s)
