@@ -125,6 +125,9 @@ class NoPlan:
 
     why: str
     step: int | None = None
+    nothing: bool = False
+    """Nothing was there to keep (no step since the attempt began, or a checkpoint of that very
+    step is saved): nothing lost either."""
 
 
 def plan(world_size: int, views: Mapping[int, RankView], marks: Mapping[int, int],
@@ -140,6 +143,8 @@ def plan(world_size: int, views: Mapping[int, RankView], marks: Mapping[int, int
     if not consistent:
         if not views:
             return NoPlan("no rank is alive and running to write it")
+        if all(v.step < 0 for v in views.values()):
+            return NoPlan("no step started in this attempt", nothing=True)
         rank, view = min(views.items())
         return NoPlan(f"rank {rank}'s state is not that of a completed step ({view.why})")
     steps = {v.step for v in consistent.values()}

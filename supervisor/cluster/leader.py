@@ -293,7 +293,7 @@ class ClusterMembers(OnThisNode):
             world_size=len(self.cluster.rank_node) or None)
         if outcome is None:
             return []
-        return [("just_in_time", {**outcome.fields, "summary": outcome.summary()})]
+        return [("just_in_time", {**outcome.fields, "summary": outcome.summary() or ""})]
 
     def tails(self, attempt: int) -> dict[int, str]:
         tails = {**self.workers.tails(attempt, 8192), **self._crash_tails}

@@ -224,7 +224,10 @@ def _not_running(pid: int) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What a just-in-time save came to: the journal's ``just_in_time`` entry's fields."""
+    """What a just-in-time save came to: the journal's ``just_in_time`` entry's fields;
+    ``outcome`` is ``saved``, ``none`` (there was state to keep, and it could not be: ``why``)
+    or ``nothing`` (nothing to keep: no step since the attempt began, or a checkpoint of that
+    very step saved)."""
 
     fields: dict[str, Any]
 
@@ -232,9 +235,11 @@ class Outcome:
     def saved(self) -> bool:
         return self.fields.get("outcome") == "saved"
 
-    def summary(self) -> str:
-        """One line for the console."""
+    def summary(self) -> str | None:
+        """One line for the console; None when there was nothing to keep (nothing lost)."""
         f = self.fields
+        if f["outcome"] == "nothing":
+            return None
         if f["outcome"] != "saved":
             return f"no just-in-time state after the {f['fault']}: {f['why']}"
         writers = f["writers"]
@@ -262,10 +267,10 @@ def decide(root: Path, world_size: int, gathered: Gathered, since_step: int
         return got
     if got.step <= since_step:
         return just_in_time.NoPlan(f"no step completed since the attempt resumed at step "
-                                   f"{since_step}", got.step)
+                                   f"{since_step}", got.step, nothing=True)
     if just_in_time.is_committed(step_dir(root, got.step)):
         return just_in_time.NoPlan(f"the checkpoint of step {got.step} is saved already",
-                                   got.step)
+                                   got.step, nothing=True)
     return got
 
 
@@ -286,7 +291,8 @@ def save(keepers: Keepers, attempt: int, ranks: Mapping[int, int], *, root: Path
             gathered.add(remote.answers(deadline))
         got = decide(root, world_size, gathered, since_step)
         if isinstance(got, just_in_time.NoPlan):
-            fields.update(outcome="none", why=got.why, step=got.step)
+            fields.update(outcome="nothing" if got.nothing else "none", why=got.why,
+                          step=got.step)
             return Outcome(fields)
         dest = just_in_time.staging_dir(root, got.step)
         shutil.rmtree(dest, ignore_errors=True)

@@ -172,7 +172,7 @@ class Run:
             if self._keeper is not None and self.step_count != self._marked:
                 self._marked = self.step_count
                 self._keeper.mark(self.step_count, self.cursor,
-                                  sampler.samples_at(self.cursor) if sampler else None,
+                                  sampler.samples_at(self.cursor) if sampler is not None else None,
                                   self.lr_scale)
             self._checkpointer.maybe_save(self.step_count, self.cursor, self.lr_scale,
                                           self.phase)

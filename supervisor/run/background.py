@@ -111,7 +111,9 @@ class Services:
         with self._ledger_lock:
             self.ledger.entry(entry)
         event = entry.get("event")
-        if event == "launch":
+        if event == "resume":
+            self.story.resuming(entry)
+        elif event == "launch":
             self._launched(Directive.from_json(entry["directive"]))
         elif event == "state":
             self._transition(str(entry["old"]), str(entry["new"]))

@@ -336,7 +336,7 @@ class LocalMembers(OnThisNode):
         outcome = self.workers.keep_last_step(fault)
         if outcome is not None:
             self._entries.append(("just_in_time", {**outcome.fields,
-                                                   "summary": outcome.summary()}))
+                                                   "summary": outcome.summary() or ""}))
 
     # -- stdout mode (``node.printed``): the script's own checkpoints ---------------------------
 

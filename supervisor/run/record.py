@@ -97,7 +97,8 @@ class Record:
         if got.steps:
             newest = got.steps[-1][0].step
             items.append(sm.Progress(newest))
-            self.write_all(self.recovery.on_progress(newest))
+            if judging:  # steps gathered while the workers are replaced vouch for nothing
+                self.write_all(self.recovery.on_progress(newest))
         return items + got.findings
 
     def _judge_step(self, record: JobStep) -> list[Finding]:

@@ -108,12 +108,16 @@ def test_a_hang_and_a_spike_are_told_in_full_and_the_final_state_stays_scrapeabl
     story = [b for b in bodies if b["kind"] != "warning"]
     hang = [b for b in story if b["incident"] == "hang"]
     spike = [b for b in story if b["incident_id"] and b not in hang]
-    # The hang: found on rank 1 on this host, relaunched from step 10, recovered.
+    # The hang: found on rank 1 on this host, relaunched from the just-in-time state of step 14
+    # (the last step it completed), recovered.
     assert [b["kind"] for b in hang] == ["incident", "remedy", "recovered"], hang
     assert hang[0]["ranks"] == [1] and hang[0]["host"] and hang[0]["incident_dir"]
     assert len({b["incident_id"] for b in hang}) == 1
     assert all(b["title"].startswith(f"[run #{hang[0]['incident_id']}]") for b in hang)
-    assert hang[1]["remedy"]["resume_step"] == 10 and hang[1]["remedy"]["lr_scale"] == 1.0
+    assert hang[1]["remedy"]["resume_step"] == 14 and hang[1]["remedy"]["lr_scale"] == 1.0
+    assert hang[1]["remedy"]["just_in_time"]["writers"] == [0]
+    assert hang[1]["evidence"]["steps_to_redo"] == 1
+    assert "resumed from the just-in-time state of step 14" in hang[1]["title"]
     assert hang[2]["evidence"]["time_lost_s"] > 0
     # The spike: rolled back before the poisoned batches, skipped them all, LR halved.
     assert [b["kind"] for b in spike] == ["incident", "remedy", "recovered"], spike

@@ -5,6 +5,8 @@ five attempts, every fault on rank 1 while rank 0 survives it:
 
     attempt 0   rank 1 dies of SIGSEGV
     attempt 1   a long first step after the restore (rank 0, 2.5 s), then rank 1 is SIGKILLed
+                (each attempt resumes at the step the fault before it interrupted: the live
+                rank kept it)
     attempt 2   rank 1 is SIGSTOPped (its stack cannot be read)
     attempt 3   rank 1 sleeps forever outside the all-reduce (stuck at 0.05 s steps)
     attempt 4   slow work that is not a hang (rank 0 busy 3 s outside the all-reduce rank 1
@@ -26,12 +28,12 @@ from tests.conftest import babysat, read_jsonl
 
 pytestmark = pytest.mark.e2e
 
-FAULTS = [
+FAULTS = [  # each relaunch resumes at the step its fault interrupted (just-in-time state)
     "0:1:7:SIGSEGV",
-    "1:0:6:busy2.5", "1:1:9:SIGKILL",
-    "2:1:8:SIGSTOP",
-    "3:1:9:hang",
-    "4:0:12:busy3", "4:0:18:busy2.5", "4:1:18:busy2.5",
+    "1:0:7:busy2.5", "1:1:9:SIGKILL",
+    "2:1:10:SIGSTOP",
+    "3:1:12:hang",
+    "4:0:14:busy3", "4:0:20:busy2.5", "4:1:20:busy2.5",
 ]
 
 
@@ -64,6 +66,14 @@ def test_faults_on_rank_1_name_rank_1_and_slow_work_is_no_hang(tmp_path: Path) -
     # The stuck rank: outside the collective, idle; rank 0 waits in DDP's all-reduce.
     assert stuck["evidence"]["processes"]["1"]["cpu"] < 0.1
     assert "rank 1 is outside any collective" in stuck["message"]
+
+    # Each fault left rank 0 holding the last step rank 1 had completed with it: the relaunch
+    # resumed there, and rank 1's random streams came from its mark (dead, killed, stopped or
+    # asleep, it was never asked).
+    kept = [(e["fault"], e["step"], e["writers"], e["marks"]) for e in journal
+            if e["event"] == "just_in_time"]
+    assert kept == [("crash", 6, [0], [1]), ("crash", 8, [0], [1]), ("hang", 9, [0], [1]),
+                    ("hang", 11, [0], [1])], kept
 
     # Slow work was suspected (2 s without a step) and cleared by the processes, never acted on.
     cleared = [e for e in journal if e["event"] == "hang_cleared"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST_POLICY, babysat, journal, kept_indices, run_babysit
+from tests.conftest import FAST_POLICY, babysat, journal, kept_indices, read_jsonl, run_babysit
 
 pytestmark = pytest.mark.e2e
 
@@ -34,9 +34,9 @@ def last_eval(run_dir: Path) -> float:
 
 @pytest.fixture(scope="module")
 def fixed(tmp_path_factory: pytest.TempPathFactory) -> float:
-    """The final evaluation of a clean run on the data set without global batch 10."""
+    """The final evaluation of a clean run on the data set without global batch 13."""
     tmp = tmp_path_factory.mktemp("fixed")
-    result, run_dir = babysat(tmp, "fixed", *STEPS, "--drop-batch", "10", launch_extra=NO_STANDBY)
+    result, run_dir = babysat(tmp, "fixed", *STEPS, "--drop-batch", "13", launch_extra=NO_STANDBY)
     assert result.returncode == 0, result.stdout + result.stderr
     return last_eval(run_dir)
 
@@ -84,13 +84,16 @@ def test_a_spike_the_rerun_does_not_meet_is_transient_and_costs_no_data(
                                              ("--raise-batch", "crash")])
 def test_a_fault_at_the_same_batch_twice_is_the_datas_and_that_batch_is_skipped(
         tmp_path: Path, fixed: float, fault: str, incident: str) -> None:
-    # Checkpoints every 5 steps: the one at step 10 is saved right before batch 10 is drawn, so
-    # the relaunch resumes there and meets the batch again before its first step. A hang there
-    # is allowed what this run's first steps took (at least first_step_floor_s), not the fast
-    # policy's startup_s (60 s).
+    # Checkpoints every 25 steps; rank 1's loader meets batch 13 (drawn for step 14). Each time,
+    # the live ranks keep the state of step 13 (just-in-time), so the relaunch resumes right
+    # before that batch and meets it again before its first step. A hang there is allowed what
+    # this run's first steps took (at least first_step_floor_s), not the fast policy's
+    # startup_s (60 s).
     policy = (f"{{name: {FAST_POLICY}, overrides: "
               "{detectors: {hang: {first_step_floor_s: 8.0}}}}")
-    result, run_dir = babysat(tmp_path, incident, *STEPS, fault, "1:10", policy=policy)
+    result, run_dir = babysat(tmp_path, incident, *STEPS, fault, "1:13", policy=policy,
+                              checkpoints="{every_steps: 25, probation_steps: 5, "
+                                          "async_save: false}")
     assert result.returncode == 0, result.stdout + result.stderr
 
     findings = [e for e in journal(run_dir, "finding") if e["finding"]["incident"] == incident]
@@ -102,23 +105,31 @@ def test_a_fault_at_the_same_batch_twice_is_the_datas_and_that_batch_is_skipped(
     else:  # raised by the loader: relaunched once (never, as user code), then placed
         first = findings[0]["finding"]
         assert first["evidence"]["class"] == "data" and first["ranks"] == [1]
-        assert "ValueError: corrupt sample in global batch 10" in first["message"]
+        assert "ValueError: corrupt sample in global batch 13" in first["message"]
         assert "data crash 1/1: relaunch at once" in findings[0]["remedy"]["reason"]
     data = findings[1]["remedy"]["reason"]
-    assert f"same {incident} at global batch 10 on rank 1" in data
-    assert "the data's: rolled back and batch 10 skipped, the LR unchanged" in data
-    # The third attempt skips exactly batch 10, at the LR the run had.
+    assert f"same {incident} at global batch 13 on rank 1" in data
+    assert "the data's: rolled back and batch 13 skipped, the LR unchanged" in data
+    # Both relaunches resumed from the state of step 13 the live ranks kept (the second fault
+    # had no step of its own to keep), not from step 0: nothing else was replayed.
+    kept = [(e["outcome"], e["step"]) for e in journal(run_dir, "just_in_time")]
+    assert kept == [("saved", 13), ("nothing", 13)], kept
+    resumed = [e["checkpoint_step"] for e in journal(run_dir, "resume") if e.get("from")]
+    assert resumed == [13, 13]
+    # The third attempt skips exactly batch 13, at the LR the run had, and its first step is 14.
     launch = journal(run_dir, "launch")[2]["directive"]
-    assert launch["skip"] == [{"start": 10, "end": 11}] and launch["lr_scale"] == 1.0
+    assert launch["skip"] == [{"start": 13, "end": 14}] and launch["lr_scale"] == 1.0
     assert journal(run_dir, "lr_scale") == []
+    assert min(m["step"] for m in read_jsonl(run_dir / "metrics.jsonl") if m["attempt"] == 2) \
+        == 14
     # Every resume was checked at its first forward, and took.
     checks = journal(run_dir, "resume_check")
     assert checks and all(e["data"]["took"] for e in checks)
     skipped = [e["data"] for e in journal(run_dir, "worker_skip")]
-    assert skipped and all((s["start"], s["end"]) == (10, 11) for s in skipped)
+    assert skipped and all((s["start"], s["end"]) == (13, 14) for s in skipped)
     (finished,) = journal(run_dir, "run_finished")
     assert finished["state"] == "succeeded" and finished["step"] == 30
-    # Resumed bit-exact from the checkpoint, batch 10 left out: what a person's fix trains.
+    # Resumed bit-exact from the kept state, batch 13 left out: what a person's fix trains.
     assert last_eval(run_dir) == pytest.approx(fixed, rel=1e-6)
 
 
@@ -171,9 +182,10 @@ def test_a_resume_that_did_not_take_is_tried_once_older_then_stopped(tmp_path: P
     assert [e["remedy"]["action"] for e in findings] == ["rollback", "stop"]
     assert "the restore did not take" in findings[0]["finding"]["message"]
     assert "no batches skipped, LR kept" in findings[0]["remedy"]["reason"]
-    # From the newest checkpoint (20, still pending), then once from the next older good one.
+    # From the state the live rank kept of step 21 (just-in-time, pending), then once from the
+    # next older good checkpoint (never a just-in-time one).
     resumed = [e["checkpoint_step"] for e in journal(run_dir, "resume") if e.get("from")]
-    assert resumed[0] == 20 and resumed[1] < 20 and len(resumed) == 2
+    assert resumed[0] == 21 and resumed[1] <= 20 and len(resumed) == 2
     assert [f["finding"]["step"] for f in findings] == resumed
     failed = [e for e in journal(run_dir, "resume_check") if not e["data"]["took"]]
     assert failed and failed[0]["data"]["restored"] != failed[0]["data"]["seen"]

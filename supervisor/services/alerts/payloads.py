@@ -32,7 +32,11 @@ consumers must ignore keys they do not know; a removal or change of meaning bump
         "lr_rewarm_steps": 50,                        # batches over which the cut wears off;
                                                       # null: the cut stays (a repeat spike)
         "lr_ramp": {"cut": 5090, "start": 5131,       # kind "remedy" only: the directive's ramp
-                    "end": 5181, "to": 1.0}           # (data-cursor space), or null
+                    "end": 5181, "to": 1.0},          # (data-cursor space), or null
+        "just_in_time": {"step": 5120,                # kind "remedy", when the relaunch resumed
+                         "writers": [0],              # from the state the live ranks wrote after
+                         "fault": "hang",             # the fault (absent otherwise): its step,
+                         "lost_steps": 1, ...}        # who wrote it, the steps lost
       }
     }
 
@@ -200,8 +204,9 @@ def slack_payload(alert: Alert, *, duplicates: int = 0, rate_limited: int = 0) -
     applied = alert.remedy if alert.kind == "remedy" else None
     if applied:
         skipped = applied.get("skipped_batches") or []
+        kept = " (just-in-time state)" if applied.get("just_in_time") else ""
         fields += [
-            ("Resumed from step", _or_dash(applied.get("resume_step"))),
+            ("Resumed from step", f"{_or_dash(applied.get('resume_step'))}{kept}"),
             ("Skipped batches", ", ".join(f"{a}-{b}" for a, b in skipped) or "none"),
             ("LR scale", f"x{applied.get('lr_scale', 1.0):g}"),
         ]

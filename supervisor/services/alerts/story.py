@@ -24,7 +24,7 @@ constructor does no I/O; ``host`` is passed in.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
@@ -68,6 +68,8 @@ class IncidentStory:
         self._skips: tuple[SkipRange, ...] = ()
         self._lr_scale = 1.0
         self._lr_ramp: LrRamp | None = None
+        self._kept: dict[str, Any] | None = None
+        """The just-in-time state the next launch resumes from (the journal's ``resume``)."""
         self._last_step_at: float | None = None
         self._started_at: float | None = None
         self._lost_s = 0.0
@@ -127,6 +129,13 @@ class IncidentStory:
             self._open = None
         return alert
 
+    def resuming(self, entry: Mapping[str, Any]) -> None:
+        """The journal's ``resume`` entry of the launch about to start: from just-in-time state
+        (``checkpoints/just_in_time.py``) or not."""
+        kept = entry.get("just_in_time")
+        self._kept = {**kept, "step": entry.get("checkpoint_step")} \
+            if isinstance(kept, dict) else None
+
     def launched(self, directive: Directive, now: float) -> Alert | None:
         """An attempt started with ``directive``. Says what the open incident's remedy did;
         None for the first attempt, or when no incident is open."""
@@ -143,7 +152,12 @@ class IncidentStory:
         o.launched = True
         resume = directive.resume
         o.resume_step = resume.step if resume is not None else None
+        kept, self._kept = self._kept, None
+        if kept is not None and (resume is None or kept.get("step") != resume.step):
+            kept = None
         parts = [f"attempt {directive.attempt} started",
+                 f"resumed from the just-in-time state of step {kept['step']} (written by the "
+                 f"ranks still alive)" if kept is not None else
                  f"resumed from step {resume.step}" if resume is not None
                  else "no good checkpoint before the trouble: restarted from step 0"]
         if new_skips:
@@ -151,6 +165,8 @@ class IncidentStory:
         if (directive.lr_scale, directive.lr_ramp) != old:
             parts.append(f"{_lr(directive)} (was x{old_scale:g})")
         lost = o.remedy.finding.step - (resume.step if resume is not None else 0)
+        if kept is not None:
+            lost = int(kept.get("lost_steps") or 0)
         if lost > 0:
             parts.append(f"{lost} step(s) to redo")
         finding = o.remedy.finding
@@ -160,7 +176,8 @@ class IncidentStory:
             step=resume.step if resume is not None else 0, ranks=finding.ranks,
             incident=finding.incident, action="; ".join(parts), kind="remedy",
             incident_id=o.id, host=self.host,
-            remedy=remedy_fields(o.remedy, directive, new_skips),
+            remedy={**remedy_fields(o.remedy, directive, new_skips),
+                    **({"just_in_time": kept} if kept is not None else {})},
             evidence={"detected_at_step": finding.step, "steps_to_redo": max(lost, 0)},
             time=now,
         )
