@@ -84,14 +84,16 @@ class Services:
         """This session's goodput ledger, fed as the loop journals and records."""
         self._ledger_lock = threading.Lock()
 
-    def start(self) -> list[Entry]:
+    def start(self, log: Callable[[str], None] = lambda line: None) -> list[Entry]:
+        """Start the jobs, the dashboards and the exporter; the journal entries to write
+        (each also said through ``log``)."""
         self._jobs.start()
         self.dashboards.start()  # each opens on its own thread; drain() says how it went
         if self.exporter is None:
             return []
-        port = self.exporter.start()
-        return [("prometheus_started", {
-            "url": f"http://{self._plan.config.prometheus.host}:{port}/metrics"})]
+        url = f"http://{self._plan.config.prometheus.host}:{self.exporter.start()}/metrics"
+        log(f"babysit: prometheus started: {{'url': '{url}'}}")
+        return [("prometheus_started", {"url": url})]
 
     def publish(self, snapshot: DigestSnapshot, pids: tuple[int, ...]) -> None:
         ledger = self.goodput()
@@ -214,16 +216,20 @@ class Services:
         if self.exporter is not None:
             self.exporter.count_intervention(finding.incident.value, remedy.action.value)
 
-    def drain(self) -> list[tuple[Entry, str | None]]:
-        """Messages from the jobs and the dashboards as (journal entry, console line or
-        None); alerts are sent."""
+    def drain(self, log: Callable[[str], None] = lambda line: None) -> list[Entry]:
+        """Messages from the jobs and the dashboards as journal entries, each console line
+        said through ``log``; alerts are sent."""
         out = self.dashboards.drain()
         while True:
             try:
                 message = self._outbox.get_nowait()
             except queue.Empty:
-                return out
+                break
             out.extend(self._handle(message))
+        for _, line in out:
+            if line:
+                log(line)
+        return [entry for entry, _ in out]
 
     def _handle(self, message: Message) -> list[tuple[Entry, str | None]]:
         run, snap = self._plan.name, self._snapshot

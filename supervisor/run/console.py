@@ -13,6 +13,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+from babysit.supervisor.node.standby import CONFIGURED_OFF
+
 
 class Console:
     def __init__(self, stream: TextIO | None = None, tty: bool | None = None,
@@ -22,6 +24,7 @@ class Console:
         self._plain_interval_s = plain_interval_s
         self._status = ""
         self._last_plain = 0.0
+        self._launched = False
 
     def log(self, text: str) -> None:
         """A permanent line (worker output, a decision)."""
@@ -44,14 +47,20 @@ class Console:
             self._out.write(text + "\n")
             self._out.flush()
 
-    HEARS = ("just_in_time", "just_in_time_off", "resume")
-    """Journal entries whose ``summary`` a person watching should read (``hear``)."""
+    HEARS = ("just_in_time", "just_in_time_off", "resume", "launch")
+    """Journal entries a person watching should read of (``hear``)."""
 
     def hear(self, entry: Mapping[str, Any]) -> None:
-        """A journal entry of ``HEARS``: its summary, when it has one, as a line."""
+        """A journal entry of ``HEARS``: its summary, when it has one, as a line; and at the
+        first launch, why no relaunch will be warm (the user's own choice needs no word)."""
         summary = entry.get("summary")
         if summary:
             self.log(f"babysit: {summary}")
+        if entry.get("event") == "launch" and not self._launched:
+            self._launched = True
+            off = entry.get("standby_off")
+            if off and off != CONFIGURED_OFF:
+                self.log(f"babysit: relaunches will start cold: {off}")
 
     def close(self) -> None:
         """End the status line so the shell prompt starts on a fresh line."""

@@ -27,13 +27,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 from babysit.checkpoints import Catalog
 from babysit.policies import decide as sm
 from babysit.policies.types import Finding, Remedy, Severity
 from babysit.supervisor.config.plan import RunPlan
-from babysit.supervisor.node import ahead, launcher, standby
+from babysit.supervisor.node import ahead, launcher
 from babysit.supervisor.run import exit_codes, preemption, run_dir, takeover
 from babysit.supervisor.run import journal as journal_mod
 from babysit.supervisor.run.background import Services
@@ -52,6 +51,7 @@ from babysit.supervisor.run.members import (
 from babysit.supervisor.run.progress import RunProgress
 from babysit.supervisor.run.record import Record
 from babysit.supervisor.run.recovery import Recovery
+from babysit.supervisor.run.resuming import resuming
 from babysit.supervisor.run.watch import Watch
 from babysit.supervisor.services.alerts import AlertDispatcher
 
@@ -89,8 +89,9 @@ class Supervisor:
                            console.log)
         self.cadence = LiveCadence(c, journal=self._journal, log=console.log,
                                    request=self.members.request, newest_step=self._newest)
-        self.alerts = AlertDispatcher.from_config(plan.config.alerts,
-                                                  on_result=self._alert_result)
+        # Results come on an alert sender thread; the journal is thread-safe, records hold no URL.
+        self.alerts = AlertDispatcher.from_config(plan.config.alerts, on_result=lambda record:
+                                                  self._journal("alert_delivery", result=record))
         self.services = Services(plan, self.alerts)
         self.progress = RunProgress()
         self._signal: int | None = None
@@ -145,15 +146,9 @@ class Supervisor:
                       source=self.plan.source, pid=os.getpid(), resumed_journal=bool(previous))
         self._journal_all(restored)
         self.console.log(f"babysit: run '{self.plan.name}' in {self.plan.run_dir}")
-        prior = journal_mod.prior_run(previous)
-        if prior is not None and prior.unfinished:
-            self._takeover = takeover.take_over(prior, self.plan.run_dir,
-                                                self.plan.config.launch.stop_grace_s, self.watch)
-            self._journal("supervisor_takeover", **self._takeover.fields)
-            self.console.log(self._takeover.describe())
-        for event, fields in self.services.start():
-            self._journal(event, **fields)
-            self.console.log(f"babysit: {event.replace('_', ' ')}: {fields}")
+        self._takeover = takeover.begin(journal_mod.prior_run(previous), self.plan, self.watch,
+                                        self._journal, self.console.log)
+        self._journal_all(self.services.start(self.console.log))
 
     def _listen(self) -> None:
         """Who hears what happened, in the order they hear it."""
@@ -221,10 +216,7 @@ class Supervisor:
             self._wake_at = None
             items.append(sm.BackoffElapsed())
         self.services.publish(self.progress.snapshot(self.machine), self.members.rank_pids())
-        for (event, fields), line in self.services.drain():
-            self._journal(event, **fields)
-            if line:
-                self.console.log(line)
+        self._journal_all(self.services.drain(self.console.log))
         return items
 
     def _settle(self, pending: deque[Item]) -> int | None:
@@ -276,8 +268,6 @@ class Supervisor:
             return self._finish(action.code)
         return None
 
-    # -- judging -------------------------------------------------------------------------------
-
     def _take(self, got: Gathered) -> list[Item]:
         """Record what the members saw (``Record.take``), print the ranks' output, and judge
         the attempt's end; what is left to decide, in order."""
@@ -291,17 +281,12 @@ class Supervisor:
     # -- actions --------------------------------------------------------------------------------
 
     def _launch(self, attempt: int, remedy: Remedy | None) -> None:
-        if self._takeover is not None and attempt == self._first_attempt and remedy is None:
-            resume, entries = self.recovery.resume_latest(self._takeover.prior.last_step)
-        else:
-            resume, entries = self.recovery.resume_for(remedy, self.watch.replayed(remedy))
-        self._journal_all(entries)
-        prepared = self.members.prepare(remedy, attempt)
-        self._journal_all(prepared)
-        # A script's own checkpoint put back (stdout mode): the step its resume is checked at.
-        restored = next((int(f["checkpoint_step"]) for event, f in prepared
-                         if event == "script_checkpoint_restored" and f.get("from")), None)
-        directive, changes = self.watch.launch(attempt, remedy, resume,
+        takeover = self._takeover if attempt == self._first_attempt and remedy is None else None
+        found = resuming(self.recovery, self.members, self.watch, remedy, attempt,
+                         takeover.prior.last_step if takeover is not None else None)
+        self._journal_all(found.entries)
+        restored = found.restored  # the script's own checkpoint put back (stdout mode)
+        directive, changes = self.watch.launch(attempt, remedy, found.resume,
                                                self.cadence.every_steps)
         for event, fields in changes:  # every change of the LR scale is on the record
             self._journal(event, **fields)
@@ -312,13 +297,10 @@ class Supervisor:
         # is taken at the first checkpoint after its verdict, ``incidents.node_joined``).
         fields = self.members.launch(attempt, directive, self.clock(),
                                      keep_nodes=self.watch.rerun is not None)
-        first, self._launched = not self._launched, True
+        self._launched = True
         if restored is not None:  # where the attempt really resumes: the script restores itself
             fields["script_resume"] = {"step": restored}
         self._journal("launch", directive=directive.to_json(), **fields)
-        off = fields.get("standby_off")
-        if first and off and off != standby.CONFIGURED_OFF:  # the user's own choice needs no word
-            self.console.log(f"babysit: relaunches will start cold: {off}")
 
     def _stop_workers(self, reason: str, replacing: bool = False) -> None:
         if not self._launched:
@@ -338,14 +320,10 @@ class Supervisor:
         self._notify(sm.Notify(severity, title))
 
     def _finish(self, code: int) -> int:
-        verdict: dict[str, Any] = {}
-        if code == exit_codes.STOP and self.machine.state is sm.State.FAILED:
-            # Requeue or stop: what the scheduler that started this run acts on.
-            judged = exit_codes.for_failure(self.machine.pending, self._newest(),
-                                            self._requeued)
-            code, verdict = judged.code, judged.to_json()
-            if judged.exclude:
-                run_dir.exclude_hosts(self.plan.run_dir, judged.exclude)
+        # Requeue or stop: what the scheduler that started this run acts on.
+        code, verdict = exit_codes.on_finish(
+            code, self.machine.state is sm.State.FAILED, self.machine.pending, self._newest(),
+            self._requeued, self.plan.run_dir)
         self._journal_all(self.cadence.closing())  # the whole run's figures: status, report
         # Nothing of the run outlives it: a warm standby waiting for an attempt that will never
         # come is stopped now, and said so before run_finished.
@@ -357,8 +335,6 @@ class Supervisor:
                       reason=self.machine.reason, **verdict)
         self.services.finished(self.machine, code)
         return code
-
-    # -- ends without a decision ------------------------------------------------------------------
 
     def _members_missing(self, exc: MembersMissing) -> int:
         """Too few members for the run to go on (nodes that never joined or did not come
@@ -385,6 +361,3 @@ class Supervisor:
             self.machine.attempt - self._first_attempt + 1, self.services.goodput().summary(),
             str(self.record.journal.path), code))
 
-    def _alert_result(self, record: dict[str, Any]) -> None:
-        # Runs on an alert sender thread; the journal is thread-safe and records carry no URL.
-        self._journal("alert_delivery", result=record)

@@ -8,11 +8,13 @@ says so and retrains nothing. ``take_over`` does all of it once, before the firs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from babysit.policies.types import Finding, Remedy
+from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import closed_ranks
 from babysit.supervisor.node import launcher
 from babysit.supervisor.run.journal import PriorRun
@@ -43,6 +45,19 @@ class Takeover:
     def describe(self) -> str:
         return (f"babysit: taking over an unfinished run (attempt {self.prior.last_attempt}); "
                 f"stopped {len(self.fields['stopped_pids'])} leftover process(es)")
+
+
+def begin(prior: PriorRun | None, plan: RunPlan, watch: Watch, journal: Callable[..., None],
+          log: Callable[[str], None]) -> Takeover | None:
+    """At a run's start: when this run directory's last supervisor died without finishing it
+    (``prior``: its record), take its run over (``take_over``), journaled and said; None for a
+    fresh or finished run."""
+    if prior is None or not prior.unfinished:
+        return None
+    taken = take_over(prior, plan.run_dir, plan.config.launch.stop_grace_s, watch)
+    journal("supervisor_takeover", **taken.fields)
+    log(taken.describe())
+    return taken
 
 
 def take_over(prior: PriorRun, run_dir: Path, stop_grace_s: float, watch: Watch) -> Takeover:

@@ -159,6 +159,11 @@ def test_with_its_checkpoint_keys_set_a_printing_script_rolls_back_over_poison(
     restored = journal(run_dir, "script_checkpoint_restored")[0]
     assert restored["checkpoint_step"] < finding["finding"]["onset_step"]
     assert Path(restored["set_aside"], "ckpt.pt").exists()  # the poisoned save, kept aside
+    # The journal, which tools read, names what the relaunch really resumed from: the
+    # script's own checkpoint put back, not babysit's empty catalog.
+    [resume] = journal(run_dir, "resume")
+    assert (resume["from"], resume["checkpoint_step"], resume["source"]) == (
+        restored["from"], restored["checkpoint_step"], "script"), resume
     launches = journal(run_dir, "launch")
     assert launches[-1]["command"][-1] == "--init_from=resume"
     assert "resuming from iteration" in result.stdout
