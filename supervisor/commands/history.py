@@ -57,7 +57,8 @@ as in the journal)::
                                 cause: the
                                 incident that made babysit launch it, or null}
     checkpoint_dir              the checkpoint root looked at (str)
-    checkpoints                 [{step, cursor, verdict, reason, path}], oldest first
+    checkpoints                 [{step, cursor, verdict, reason, path, origin}], oldest first
+                                (origin: periodic or just_in_time)
     goodput                     the goodput ledger (``babysit.supervisor.services.goodput``):
                                 {wall_s, goodput (0..1, productive / wall), seconds: {category:
                                 s} for productive, startup, checkpoint, restore, detection,
@@ -305,7 +306,8 @@ def checkpoints(h: History) -> list[dict[str, Any]]:
 
         try:
             return [{"step": c.step, "cursor": c.cursor, "verdict": c.verdict.value,
-                     "reason": c.reason, "path": str(c.path)} for c in Catalog(root).checkpoints()]
+                     "reason": c.reason, "path": str(c.path), "origin": c.manifest.origin}
+                    for c in Catalog(root).checkpoints()]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return [{"step": None, "cursor": None, "verdict": "unreadable",
                      "reason": f"{type(exc).__name__}: {exc}", "path": str(root)}]
@@ -323,6 +325,9 @@ def checkpoints(h: History) -> list[dict[str, Any]]:
                                      "back on a relaunch, never judged by probation"
                            if copy else None,
                            "path": data.get("path", e.get("path"))}
+        elif e.get("event") == "just_in_time" and e.get("outcome") == "saved":
+            found[step] = {"step": step, "cursor": e.get("cursor"), "verdict": "pending",
+                           "reason": None, "path": e.get("path"), "origin": "just_in_time"}
         elif e.get("event") == "checkpoint_verdict" and step in found:
             found[step]["verdict"] = str(e.get("verdict"))
             found[step]["reason"] = e.get("reason")

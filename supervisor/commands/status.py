@@ -145,7 +145,8 @@ def render(s: dict[str, Any], now: float | None = None) -> str:
         else f"{len(s['checkpoints'])} in {s['checkpoint_dir']}")
     for c in s["checkpoints"][-5:]:
         why = f"  ({c['reason']})" if c["reason"] and c["verdict"] != "good" else ""
-        lines.append(f"    step {_fmt(c['step']):>7}  {c['verdict']:<8}{why}")
+        kept = "  just-in-time" if c.get("origin") == "just_in_time" else ""
+        lines.append(f"    step {_fmt(c['step']):>7}  {c['verdict']:<8}{kept}{why}")
     row("journal", s["journal"])
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
