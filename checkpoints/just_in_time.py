@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -197,8 +198,10 @@ def write_part(dest: Path, rank: int, *, model: Any, optimizer: Any, scheduler: 
     dest.mkdir(parents=True, exist_ok=True)
     names = [rank_state_name(rank)]
     if with_model:
-        dcp_save(_dcp_state(model, optimizer), storage_writer=_writer(dest, rank),
-                 no_dist=True, use_collectives=False)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_save(_dcp_state(model, optimizer), storage_writer=_writer(dest, rank),
+                     no_dist=True, use_collectives=False)
         names += [n for n in list_content_files(dest)
                   if n.startswith(f"__{rank}_") or n == f"__{rank}.metadata"]
     buf = io.BytesIO()

@@ -124,6 +124,8 @@ class NodeWorkers:
 
     def close(self) -> None:
         if self.group is not None and self.group.processes():
+            if self.keepers is not None:  # so that ranks holding on at their end do not wait
+                self.keepers.release(self.attempt, self.rank_pids)
             self.group.stop(self.plan.config.launch.stop_grace_s)
         self.drop_standby("the run ended")
         self._drop_ahead()

@@ -42,6 +42,9 @@ from typing import Any
 from babysit.supervisor.contract import just_in_time as contract
 
 Emit = Callable[..., None]
+POLL_S = 0.05
+"""How often the keeper's thread looks for a request to stop it (``close`` waits that long at
+most); it waits for requests without waking."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +89,9 @@ class Keeper:
         self._server: socketserver.ThreadingUnixStreamServer | None = None
         self._previous_hook: Any = None
         self._installed_sigterm = False
+        self._pid = os.getpid()
+        """The rank's process: a child it forks (a DataLoader worker) inherits the handlers,
+        which then do what they would have done without babysit."""
 
     # -- the training thread ----------------------------------------------------------------------
 
@@ -103,6 +109,7 @@ class Keeper:
             if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
                 signal.signal(signal.SIGTERM, self._on_sigterm)
                 self._installed_sigterm = True
+                _forget_in_children()
 
     def mark(self, step: int, cursor: int, samples: int | None, lr_scale: float) -> None:
         """The step after ``step`` starts here (the data at ``cursor``): record what it starts
@@ -120,14 +127,10 @@ class Keeper:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if self._server is not None:  # its loop ends within its poll interval, not waited for
+        if self._server is not None:  # its loop ends within its poll interval (POLL_S)
             server, self._server = self._server, None
-
-            def end() -> None:
-                server.shutdown()
-                server.server_close()
-
-            threading.Thread(target=end, daemon=True).start()
+            server.shutdown()
+            server.server_close()
         if sys.excepthook == self._on_exception:
             sys.excepthook = self._previous_hook
         if self._installed_sigterm:
@@ -153,6 +156,8 @@ class Keeper:
 
     def _on_exception(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
         (self._previous_hook or sys.__excepthook__)(kind, value, tb)
+        if os.getpid() != self._pid:
+            return
         if not issubclass(kind, KeyboardInterrupt):  # a person's Ctrl-C is babysit's to handle
             self.hold(f"{kind.__name__}: {value}"[:300])
         if self._sigterm:  # torchrun's SIGTERM came while holding: end by it, as it would have
@@ -162,7 +167,8 @@ class Keeper:
         if self._holding:
             self._sigterm = True
             return
-        self.hold("SIGTERM")
+        if os.getpid() == self._pid:
+            self.hold("SIGTERM")
         self._die_by_sigterm()
 
     def hold(self, why: str) -> None:
@@ -269,6 +275,27 @@ class Keeper:
             yield
 
 
+_FORK_HOOKED = False
+
+
+def _forget_in_children() -> None:
+    """A process the rank forks (a DataLoader worker) starts with SIGTERM's default action, as
+    it would have without babysit (a keeper's handler belongs to the rank alone). Once per
+    process: fork hooks cannot be taken back, so the hook checks whose handler it finds."""
+    global _FORK_HOOKED
+    if _FORK_HOOKED:
+        return
+    _FORK_HOOKED = True
+
+    def child() -> None:
+        handler = signal.getsignal(signal.SIGTERM)
+        if getattr(handler, "__self__", None).__class__ is Keeper:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    os.register_at_fork(after_in_child=child)
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
@@ -290,12 +317,16 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(act)
 
     def _answer(self, act: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
+        try:
+            length = min(int(self.headers.get("Content-Length") or 0), 1 << 16)
+            raw = self.rfile.read(length) if length else b""
+        except ValueError:
+            raw = b""
         if self.headers.get(contract.TOKEN_HEADER) != self.server.keeper._token:
             self._send(403, {"why": "wrong token"})
             return
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-            body = json.loads(self.rfile.read(length) or b"{}") if length else {}
+            body = json.loads(raw or b"{}")
             answer = act(body)
         except (ValueError, KeyError, TypeError) as exc:
             self._send(400, {"why": str(exc)})
@@ -322,7 +353,7 @@ class _Server(socketserver.ThreadingUnixStreamServer):
 def _serve(address: str, keeper: Keeper) -> _Server:
     server = _Server(address, _Handler)
     server.keeper = keeper
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5},
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": POLL_S},
                      name="babysit-keeper", daemon=True).start()
     return server
 
