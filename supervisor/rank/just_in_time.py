@@ -29,6 +29,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import socketserver
 import sys
 import threading
@@ -42,9 +43,6 @@ from typing import Any
 from babysit.supervisor.contract import just_in_time as contract
 
 Emit = Callable[..., None]
-POLL_S = 0.05
-"""How often the keeper's thread looks for a request to stop it (``close`` waits that long at
-most); it waits for requests without waking."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +84,7 @@ class Keeper:
         self._released = threading.Event()
         self._holding = False
         self._sigterm = False
-        self._server: socketserver.ThreadingUnixStreamServer | None = None
+        self._server: _Server | None = None
         self._previous_hook: Any = None
         self._installed_sigterm = False
         self._pid = os.getpid()
@@ -127,10 +125,9 @@ class Keeper:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if self._server is not None:  # its loop ends within its poll interval (POLL_S)
+        if self._server is not None:
             server, self._server = self._server, None
-            server.shutdown()
-            server.server_close()
+            server.stop()
         if sys.excepthook == self._on_exception:
             sys.excepthook = self._previous_hook
         if self._installed_sigterm:
@@ -346,15 +343,34 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _Server(socketserver.ThreadingUnixStreamServer):
+    """The keeper's socket, served by one thread that sleeps in ``select`` until a request
+    comes (no timer: nothing wakes it while the rank trains) and a thread per request."""
+
     daemon_threads = True
+    timeout = None
     keeper: Keeper
+    _stopping = False
+    _thread: threading.Thread
+
+    def serve(self) -> None:
+        while not self._stopping:
+            self.handle_request()
+
+    def stop(self) -> None:
+        """End the serving thread at once (shutting the socket down wakes its ``select``) and
+        free the socket's name."""
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self.socket.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=1.0)
+        self.server_close()
 
 
 def _serve(address: str, keeper: Keeper) -> _Server:
     server = _Server(address, _Handler)
     server.keeper = keeper
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": POLL_S},
-                     name="babysit-keeper", daemon=True).start()
+    server._thread = threading.Thread(target=server.serve, name="babysit-keeper", daemon=True)
+    server._thread.start()
     return server
 
 
