@@ -179,9 +179,14 @@ class OwnNode(Generic[Out]):
         (off while the caller is replacing the workers: what they do then judges nothing)."""
         out: NodeTick[Out] = NodeTick()
         self.looming = False
-        self._drain(now, out)
+        holding = self._drain(now, out)
         if not (watching and self.running):
             return out
+        if holding is not None and self.on_ending is not None:
+            # A rank holds on at its end: after a crash when a rank here died (torchrun's SIGTERM
+            # to the survivors is the crash's, not a scheduler's), else for what it said.
+            dead = not stall.all_alive(self.workers.rank_pids.values())
+            self.on_ending("crash" if dead else holding)
         if self.gpus is not None and self._ranks:
             out.faults += [self.judge.name(f)
                            for f in self.gpus.look(now, self._step, self._ranks)]
@@ -225,7 +230,9 @@ class OwnNode(Generic[Out]):
                     self._end(now, out, self._exit(1))
         return out
 
-    def _drain(self, now: float, out: NodeTick[Out]) -> None:
+    def _drain(self, now: float, out: NodeTick[Out]) -> str | None:
+        """Everything the ranks sent; whether one says it is holding on at its end, and why
+        (``"crash"``: an uncaught exception; ``"SIGTERM"``)."""
         holding: str | None = None
         for message in self.workers.telemetry():  # the socket, then printed progress
             if isinstance(message, RankStep):
@@ -240,8 +247,7 @@ class OwnNode(Generic[Out]):
                 out.events.append(message)
                 if message.type == "holding" and holding is None:
                     holding = "SIGTERM" if message.data.get("why") == "SIGTERM" else "crash"
-        if holding is not None and self.running and self.on_ending is not None:
-            self.on_ending(holding)
+        return holding
 
     def _end(self, now: float, out: NodeTick[Out], end: NodeExit) -> None:
         self.running = False
