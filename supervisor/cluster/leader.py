@@ -289,8 +289,7 @@ class ClusterMembers(OnThisNode):
         outcome = self.workers.keep_last_step(
             fault, keeping.OtherNodes(
                 self.cluster, self.cluster.rank_node,
-                lambda node, message: self._node_message(node, message, out, watching)),
-            world_size=len(self.cluster.rank_node) or None)
+                lambda node, message: self._node_message(node, message, out, watching)))
         if outcome is None:
             return []
         return [("just_in_time", {**outcome.fields, "summary": outcome.summary() or ""})]
