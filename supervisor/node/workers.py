@@ -417,8 +417,10 @@ class NodeWorkers:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")  # so rank output reaches the console live
         env.update(self.plan.config.launch.env)
-        # NCCL's flight recorder dumps into the attempt's folder (unless the user chose).
-        env.update(flight_recorder.environment(attempt_dir, env))
+        # NCCL's flight recorder dumps into the attempt's folder (unless the user chose), each
+        # setting under the name the ranks' torch reads (an old name read makes torch warn).
+        env.update(flight_recorder.environment(
+            attempt_dir, env, flight_recorder.torch_reads(self.plan.python)))
         flight_recorder.prepare(attempt_dir)
         env.update({
             protocol.ENV_SOCKET: str(self.intake.path),
