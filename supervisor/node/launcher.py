@@ -167,7 +167,8 @@ def torchrun_command(
     cmd = [python, "-m", "torch.distributed.run",
            "--nproc-per-node", str(launch.nproc_per_node),
            "--nnodes", launch.nnodes,
-           "--node-rank", str(launch.node_rank),
+           # Read by the static rendezvous only; any other warns that it ignores it.
+           *(["--node-rank", str(launch.node_rank)] if launch.rendezvous == "static" else []),
            "--max-restarts", "0",
            "--rdzv-backend", launch.rendezvous,
            "--rdzv-endpoint", rdzv_endpoint,
