@@ -102,7 +102,8 @@ class ClusterMembers(OnThisNode):
         self.view = NodeView.from_plan(plan, plan.node_rank)
         self.node: OwnNode[tuple[list[StepSummary], list[Finding]]] = OwnNode(
             self.workers, self.view, flush_on_exit=True,
-            gpus=GpuWatch(plan.config.schedule.health_every_s), on_ending=self._ending_here)
+            gpus=GpuWatch(plan.config.schedule.health_every_s), on_ending=self._ending_here,
+            others_up=self._others_up)
         self._ending: str | None = None
         """Ranks are ending on their own somewhere (a crash, a SIGTERM, a lost node): the
         fault the just-in-time save at the end of this tick is for (``_keep_last_step``)."""
@@ -545,6 +546,12 @@ class ClusterMembers(OnThisNode):
             self._evict_slow_at(event.data["step"], out)
             self._grow_at(event.data["step"], out)
         out.events.append(event)
+
+    def _others_up(self) -> bool:
+        """Another node of the attempt has not exited yet: its torchrun may still need the
+        rendezvous store this node's torchrun hosts (its exit barrier, its shutdown)."""
+        a = self.cluster.attempt
+        return any(node not in a.exits for node in a.nodes if node != self.cluster.me)
 
     def _evict_slow_at(self, step: int, out: Gathered) -> None:
         """The running attempt saved a checkpoint at ``step``: the slow node the cost said to

@@ -243,7 +243,8 @@ class NodeWorkers:
         """``group``, a torchrun started ahead, made to run ``command`` with ``env`` (its
         ``ahead.Order``); None, and it stopped, when it cannot run it or is gone."""
         order = ahead.Order.of(command, env, str(Path.cwd()))
-        if order is None or not group.feed(order.encode(), command, env):
+        if order is None or not group.feed(order.encode(), command, env,
+                                           keep_open=order.hold is not None):
             self._stop_group(group)
             return None
         return group
@@ -525,6 +526,12 @@ class NodeWorkers:
             self.keepers.release(self.attempt, self.rank_pids)
         return self.group.stop(self.plan.config.launch.stop_grace_s,
                                launcher_grace_s=0.0 if replacing else None)
+
+    def release_store(self) -> None:
+        """The attempt's torchrun may let the rendezvous store it hosts go once it is done: no
+        other node's torchrun needs it any more (``ahead.Order.hold``)."""
+        if self.group is not None:
+            self.group.release()
 
     def end_now(self) -> int | None:
         """Stop a torchrun whose ranks are done instead of waiting for its exit: it already
