@@ -116,7 +116,13 @@ class ClusterMembers(OnThisNode):
         self._voice: Voice | None = None
         self._attempt = -1
         self._step = 0
-        """The newest merged step: what a lost node's finding is dated with."""
+        """The newest merged step."""
+        self._reported = 0
+        """The newest step any node reported: what a lost node's finding is dated with. Its own
+        last steps never merge, and the others' ranks may have finished (and saved) one more
+        than the job's merged step: a relaunch's checkpoint is one before the finding's next
+        step, and the one the ranks saved must not be left out for an older one (the attempt
+        after it trained those steps again and saved the same step twice)."""
         self._crash_tails: dict[int, str] = {}
         """The failed ranks' log tails from every node, for the crash's incident folder."""
         self.faults = NodeFaults(plan.config.nodes.evict_after)
@@ -522,6 +528,7 @@ class ClusterMembers(OnThisNode):
                      out: Gathered) -> None:
         for summary in summaries:
             out.newest = max(out.newest or 0, summary.step)
+            self._reported = max(self._reported, summary.step)
             for merged in self.cluster.summary(node, summary):
                 if self._launched is not None:  # the attempt's first step: its start's cost
                     self._starts.append(self.clock() - self._launched)
@@ -599,7 +606,8 @@ class ClusterMembers(OnThisNode):
             self.cluster.exited(node, LOST_EXIT_CODE, {}, None)
             self._ending = self._ending or "loss of a node"
             if watching:
-                out.findings.append(self.cluster.lost_finding(node, why, self._step))
+                out.findings.append(self.cluster.lost_finding(
+                    node, why, max(self._step, self._reported)))
 
     def _job_end(self, end: JobExit, out: Gathered) -> JobEnd:
         out.entries.append(("nodes_exited", {"codes": {str(n): c for n, c in end.nodes.items()}}))
