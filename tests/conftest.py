@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -45,6 +46,28 @@ def run_babysit(*args: str, cwd: Path, timeout: float = 120,
     return subprocess.run([sys.executable, "-m", "babysit", *args], cwd=cwd,
                           env=babysit_env(), capture_output=True, text=True, timeout=timeout,
                           **kw)
+
+
+NOT_BABYSITS = (
+    # c10d names each socket's peer by a reverse lookup of its address; the test's network
+    # namespaces give their addresses no name (the machine's resolver, not babysit's settings).
+    "The hostname of the client socket cannot be retrieved",
+)
+"""Warnings a clean run may print that no setting of babysit's causes or could prevent."""
+
+_NOISE = re.compile(r"Warning|Traceback|\b[WE]\d{4} \d\d:\d\d:\d\d")
+"""A warning or a traceback: Python's (``UserWarning:``, ``Traceback``), torch's C++ and its
+launcher's log lines (``[W1128 03:32:07.40 Utils.hpp:137] Warning: ...``,
+``W1128 03:32:03.71 5741 run.py:865] node_rank is only used...``)."""
+
+
+def noise(console: str, alerts: bool = True) -> list[str]:
+    """The lines of a console (babysit's, or an attempt's ``launcher.log``) that warn or trace
+    back, but for ``NOT_BABYSITS``: on a clean run, what babysit could have prevented.
+    ``alerts``: babysit's own warnings count too (``babysit: [warning] ...``)."""
+    pattern = re.compile(_NOISE.pattern + (r"|\[warning\]|\[critical\]" if alerts else ""))
+    return [line for line in console.splitlines()
+            if pattern.search(line) and not any(known in line for known in NOT_BABYSITS)]
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

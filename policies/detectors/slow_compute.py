@@ -8,18 +8,23 @@ step time is not (every rank waits for the slowest inside the all-reduce, see
 so a whole slow node is seen against the others.
 
 A step is *slow* when the slowest forward exceeds ``factor`` x the median by at least
-``min_excess_s``. The machine is reported (one WARNING) once the last ``window_s`` seconds of
-steps were slow in at least ``min_share`` of them: for minutes, and so across many batches
-(each step draws new data; a long sequence or a large image slows one step, not minutes of
-them). The finding names the ranks that were the slowest in at least a quarter as many slow
-steps as the rank most often slowest (a healthy rank a busy moment made the slowest of a few
-steps is left out; how often each was, in its evidence): a multi-node leader evicts a node
-only when they are all on it (``cluster.eviction``), and a slowness that follows the data
-names many ranks. A finding that names more than half the ranks (a busy host whose every rank
-is late by turns, long sequences landing anywhere) is no one machine's; if fewer of them then
-stand out, the slowest in ``min_share`` of the steps on their own (a machine throttled on a
-host that was noisy already), they are reported again, by themselves. The episode ends when
-fewer than half the window's steps are slow; a new one is reported again.
+``min_excess_s``; its slowest rank *held the job up* for the step's time. The ranks are named
+(one WARNING) once they held the job up in at least ``min_share`` of the last ``window_s``
+seconds (most of them: for minutes, and so across many batches; each step draws new data, and
+a long sequence or a large image slows one step, not minutes of them). The window is weighed
+by time, each step by its step time, not by steps: a machine that slows the job makes fewer
+steps a minute, and counted by steps the quick ones from before it would outvote it for longer
+than the window. Which ranks: those that held the job up at least a quarter as long as the
+rank that held it up longest, in the window's last quarter (who holds it up now: a healthy
+rank a busy moment made the slowest of a few steps is left out, and so is a busy host's steady
+noise from before; how often each was the slowest, in the evidence): a multi-node leader
+evicts a node only when they are all on it (``cluster.eviction``), and a slowness that follows
+the data names many ranks. A finding that would name more than half the ranks (a busy host
+whose every rank is late by turns, long sequences landing anywhere) is no one machine's: it is
+said only when the job was slow in ``spread_share`` of the window; if fewer ranks then stand
+out, holding the job up in ``min_share`` of it on their own (a machine throttled on a host that
+was noisy already), they are reported again, by themselves. The episode ends when the job was
+slow in less than half of ``min_share`` of the window; a new one is reported again.
 
 Its evidence also carries what the slow machine costs the job: ``slowdown``, the fraction of
 the job's pace lost, from the job's step time now against its step time before the episode
@@ -33,8 +38,8 @@ old), or, with no such step seen yet, from the forward's excess over the median 
 bound: the backward's excess is not counted). The episode began where the named ranks began
 holding the job up in most steps (each mark also counts who held it up since the one before;
 the start of the stretch whose tally leads the most), not at the window's first slow step: a
-machine throttled in bursts can take minutes to be slow in ``min_share`` of a window, and by
-then the window starts long after the slowdown did.
+machine throttled in bursts can take minutes to hold the job up in ``min_share`` of a window,
+and by then the window starts long after the slowdown did.
 
 Calling rules: one ``observe`` per merged step (any ``JobStep``); steps without forward times
 (a script that passes no model to ``attach()``) are ignored. Units: seconds.
@@ -74,8 +79,15 @@ class SlowComputeConfig(DetectorConfig):
     """...and above it by at least this many seconds (millisecond jitter is no machine)."""
     window_s: float = Field(default=120.0, gt=0.0)
     """How long the steps must have been slow: minutes, so across many batches."""
-    min_share: float = Field(default=0.8, gt=0.0, le=1.0)
-    """The share of the window's steps that must be slow."""
+    min_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    """The share of the window's time in which the named ranks must have held the job up: most
+    of it. A rank a tenth as fast as its peers holds it up in 55-95% (a throttle in bursts lets
+    some of its forwards through at full speed); a healthy one on a busy host, by turns with
+    the others, in a third at most."""
+    spread_share: float = Field(default=0.8, gt=0.0, le=1.0)
+    """For a finding that names no one machine (more than half the ranks, slow by turns): the
+    share of the window's time that must be slow. A busy host is late by turns in many steps;
+    that is worth saying only when it is nearly all of them."""
     baseline_steps: int = Field(default=50, ge=1)
     """Steps whose median is the job's pace before the episode (its cost): the last ones the
     named ranks did not hold up."""
@@ -83,21 +95,27 @@ class SlowComputeConfig(DetectorConfig):
 
 class _Bucket:
     """The steps of one slice of the window (``window_s / BUCKETS`` seconds): how many, how
-    many slow, who was the slowest in those, and the sums their means come from."""
+    many slow, who was the slowest in those, the time each took (``Held``), and the sums their
+    means come from."""
 
-    __slots__ = ("first_slow", "forward", "median", "n", "ranks", "slow", "start", "timed",
-                 "times")
+    __slots__ = ("first_slow", "forward", "held", "median", "n", "ranks", "slow", "start",
+                 "timed", "times", "weight")
 
     def __init__(self, start: float) -> None:
         self.start, self.n, self.slow = start, 0, 0
         self.ranks: Counter[int] = Counter()
+        self.held: dict[int, float] = {}
+        """Seconds of the slow steps each rank was the slowest of (their step times)."""
+        self.weight = 0.0
+        """Seconds of all the bucket's steps (their step times)."""
         self.forward = self.median = self.times = 0.0
         self.timed = 0
         self.first_slow: int | None = None
 
     def to_json(self) -> list[Any]:
         return [self.start, self.n, self.slow, {str(k): v for k, v in self.ranks.items()},
-                self.forward, self.median, self.times, self.timed, self.first_slow]
+                self.forward, self.median, self.times, self.timed, self.first_slow,
+                self.weight, {str(k): v for k, v in self.held.items()}]
 
     @classmethod
     def from_json(cls, d: list[Any]) -> _Bucket:
@@ -106,6 +124,8 @@ class _Bucket:
         b.ranks = Counter({int(k): int(v) for k, v in d[3].items()})
         b.forward, b.median, b.times, b.timed = float(d[4]), float(d[5]), float(d[6]), int(d[7])
         b.first_slow = d[8]
+        if len(d) > 10:
+            b.weight, b.held = float(d[9]), {int(k): float(v) for k, v in d[10].items()}
         return b
 
 
@@ -156,8 +176,7 @@ class SlowComputeDetector:
                   record.step_time)
         if self._first is None:
             self._first = now
-        n = sum(b.n for b in self._window)
-        share = sum(b.slow for b in self._window) / n
+        share = self._share()
         self._held[self._pace(spread.rank if slow else None, record.step_time)] += 1
         if self._paces and (not self._marks
                             or now >= self._marks[-1][0] + cfg.window_s / (MARKS / 3)):
@@ -165,26 +184,74 @@ class SlowComputeDetector:
                                       for held, pace in self._paces.items() if pace],
                                 self._held))
             self._held = Counter()
+        # Who holds the job up now (the window's last quarter), and whether they did for most
+        # of the window: a busy host's steady noise from before is not the new slow machine.
+        ranks = _dominant(self._weights(since=now - cfg.window_s / 4))
         if self._named is not None:
-            if share < 0.5:
+            if share < cfg.min_share / 2:
                 self._named = None
-            # Told already, unless fewer of the ranks it named now hold the job up in most
-            # steps on their own: a machine standing out of what was everyone's.
-            if self._named is None or len(self._named) == 1 or not self._narrower(n):
+            # Told already, unless fewer of the ranks it named now stand out on their own: a
+            # machine standing out of what was everyone's.
+            if self._named is None or len(self._named) == 1 or \
+                    not set(ranks) < set(self._named) or not self._machine(ranks, spread.count):
                 return None
-        elif share < cfg.min_share or now - self._first < cfg.window_s:
+        elif not (self._long(None, cfg.spread_share) if _spread(ranks, spread.count) else
+                  self._machine(ranks, spread.count)):
             return None
-        finding = self._finding(record.step, share, spread.count)
+        finding = self._finding(record.step, self._share(ranks), spread.count, ranks)
         self._named = finding.ranks
         return finding
 
-    def _narrower(self, steps: int) -> bool:
-        """Fewer of the ranks named so far are the slowest of at least ``min_share`` of the
-        window's ``steps`` on their own."""
-        counts = self._counts()
-        ranks = _dominant(counts)
-        return set(ranks) < set(self._named or ()) and \
-            sum(counts[r] for r in ranks) >= self.config.min_share * steps
+    def _machine(self, ranks: tuple[int, ...], count: int) -> bool:
+        """``ranks`` are one machine's that slows the job: no more than half the ``count``
+        ranks compared, they held the job up in ``min_share`` of the window, and each of them
+        on average at least four times as long as each of the others did (as a rank is named
+        beside the slowest only when it held the job up a quarter as long: a slowness that
+        follows the data holds it up on every rank alike, and any half of them hold it up
+        half the time)."""
+        if not ranks or _spread(ranks, count) or not self._long(ranks, self.config.min_share):
+            return False
+        share, rest = self._share(ranks), max(1, count - len(ranks))
+        return share / len(ranks) >= 4 * (self._share() - share) / rest
+
+    def _long(self, ranks: tuple[int, ...] | None, share: float) -> bool:
+        """``ranks`` (None: anyone) held the job up in ``share`` of the window's time, and so
+        for ``share`` x ``window_s`` seconds: a slowness that began minutes ago is named as soon
+        as it has held the job up that long, not only once the window has seen nothing else.
+        Where no step said its time: in ``share`` of a window's steps, once one was seen."""
+        if self._share(ranks) < share:
+            return False
+        if any(b.weight > 0 for b in self._window):
+            held = sum(w for b in self._window for r, w in b.held.items()
+                       if ranks is None or r in ranks)
+            return held >= share * self.config.window_s
+        return self._first is not None and self._window[-1].start - self._first >= \
+            self.config.window_s
+
+    def _share(self, ranks: tuple[int, ...] | None = None) -> float:
+        """The share of the window's time (its steps' step times) in which ``ranks`` held the
+        job up (None: anyone did: the step was slow). Time, not steps: a machine that slows
+        the job makes fewer steps a minute, and counted by steps the quick ones from before it
+        would outvote it for longer than ``window_s``. By steps where none said its time."""
+        window = self._window
+        total = sum(b.weight for b in window)
+        if total > 0:
+            return sum(w for b in window for r, w in b.held.items()
+                       if ranks is None or r in ranks) / total
+        return sum(c for b in window for r, c in b.ranks.items()
+                   if ranks is None or r in ranks) / max(1, sum(b.n for b in window))
+
+    def _weights(self, since: float = -math.inf) -> dict[int, float]:
+        """How long each rank held the job up in the window's slices from ``since`` on
+        (seconds of the slow steps it was the slowest of; how many of them where no step said
+        its time)."""
+        held: dict[int, float] = {}
+        timed = any(b.weight > 0 for b in self._window)
+        for b in self._window:
+            if b.start + self.config.window_s / BUCKETS > since:
+                for r, w in (b.held.items() if timed else b.ranks.items()):
+                    held[r] = held.get(r, 0.0) + w
+        return held
 
     def _counts(self) -> Counter[int]:
         """How often each rank was the slowest of a slow step in the window."""
@@ -197,9 +264,12 @@ class SlowComputeDetector:
             self._window.append(_Bucket(now))
         b = self._window[-1]
         b.n += 1
+        took = step_time if step_time is not None and step_time > 0 else 0.0
+        b.weight += took
         if slow:
             b.slow += 1
             b.ranks[rank] += 1
+            b.held[rank] = b.held.get(rank, 0.0) + took
             self._slowest[rank] += 1
             b.forward += forward
             b.median += median
@@ -211,15 +281,21 @@ class SlowComputeDetector:
         while self._window[0].start + width <= now - self.config.window_s:
             self._slowest -= self._window.popleft().ranks
 
-    def _finding(self, step: int, share: float, count: int) -> Finding:
+    def _finding(self, step: int, share: float, count: int, ranks: tuple[int, ...]
+                 ) -> Finding:
+        """The finding naming ``ranks``, which held the job up in ``share`` of the window."""
         window = self._window
         slow = sum(b.slow for b in window)
         counts = self._counts()
         forward = sum(b.forward for b in window) / slow
         median = sum(b.median for b in window) / slow
+        # The job's step time now: of the steps the named ranks held up (not of the slow steps
+        # the others held up, a busy host's noise from before them).
+        held_s = sum(b.held.get(r, 0.0) for b in window for r in ranks)
+        held_n = sum(b.ranks.get(r, 0) for b in window for r in ranks)
         timed = sum(b.timed for b in window)
-        now_s = sum(b.times for b in window) / timed if timed else None
-        ranks = _dominant(counts)
+        now_s = held_s / held_n if held_s > 0 and held_n else \
+            sum(b.times for b in window) / timed if timed else None
         began = self._began(ranks)
         base = self._pace_without(ranks, began - self.config.window_s / 4, began)
         if now_s is not None and base is not None and now_s > 0:
@@ -228,7 +304,8 @@ class SlowComputeDetector:
             slowdown, source = min(1.0, (forward - median) / now_s), "forward excess"
         else:
             slowdown, source = None, None
-        top = counts.most_common(1)[0][0]
+        weights = self._weights()
+        top = max(ranks, key=lambda r: weights.get(r, 0.0), default=counts.most_common(1)[0][0])
         onset = next(b.first_slow for b in window if b.first_slow is not None)
         span = window[-1].start - window[0].start
         return Finding(
@@ -236,7 +313,7 @@ class SlowComputeDetector:
             step=step, onset_step=onset, ranks=ranks,
             message=(f"slow {self.said[0]} at step {step}: rank {top}'s {self.said[1]} "
                      f"{forward:.3g}s vs "
-                     f"median {median:.3g}s in {share:.0%} of the steps of the last "
+                     f"median {median:.3g}s, holding the job up {share:.0%} of the last "
                      f"{span:.0f}s"
                      + (f"; the job runs {slowdown:.0%} slower for it" if slowdown else "")
                      + (f"; {len(ranks)} of {count} ranks were the slowest by turns: no one "
@@ -340,9 +417,9 @@ def _spread(ranks: tuple[int, ...], count: int) -> bool:
     return len(ranks) > max(1, count // 2)
 
 
-def _dominant(counts: Counter[int]) -> tuple[int, ...]:
-    """The ranks that were the slowest in at least a quarter as many slow steps as the rank
-    most often slowest: the slow machine's ranks (all of a slow node's share the steps), not
-    a healthy rank that a busy moment made the slowest of a few steps."""
-    top = max(counts.values())
-    return tuple(sorted(rank for rank, n in counts.items() if 4 * n >= top))
+def _dominant(held: dict[int, float]) -> tuple[int, ...]:
+    """The ranks that held the job up at least a quarter as long as the rank that held it up
+    longest: the slow machine's ranks (all of a slow node's share the steps), not a healthy
+    rank that a busy moment made the slowest of a few steps. None when no step was slow."""
+    top = max(held.values(), default=0.0)
+    return tuple(sorted(rank for rank, w in held.items() if w > 0 and 4 * w >= top))

@@ -102,7 +102,8 @@ class ClusterMembers(OnThisNode):
         self.view = NodeView.from_plan(plan, plan.node_rank)
         self.node: OwnNode[tuple[list[StepSummary], list[Finding]]] = OwnNode(
             self.workers, self.view, flush_on_exit=True,
-            gpus=GpuWatch(plan.config.schedule.health_every_s), on_ending=self._ending_here)
+            gpus=GpuWatch(plan.config.schedule.health_every_s), on_ending=self._ending_here,
+            others_up=self._others_up)
         self._ending: str | None = None
         """Ranks are ending on their own somewhere (a crash, a SIGTERM, a lost node): the
         fault the just-in-time save at the end of this tick is for (``_keep_last_step``)."""
@@ -115,7 +116,13 @@ class ClusterMembers(OnThisNode):
         self._voice: Voice | None = None
         self._attempt = -1
         self._step = 0
-        """The newest merged step: what a lost node's finding is dated with."""
+        """The newest merged step."""
+        self._reported = 0
+        """The newest step any node reported: what a lost node's finding is dated with. Its own
+        last steps never merge, and the others' ranks may have finished (and saved) one more
+        than the job's merged step: a relaunch's checkpoint is one before the finding's next
+        step, and the one the ranks saved must not be left out for an older one (the attempt
+        after it trained those steps again and saved the same step twice)."""
         self._crash_tails: dict[int, str] = {}
         """The failed ranks' log tails from every node, for the crash's incident folder."""
         self.faults = NodeFaults(plan.config.nodes.evict_after)
@@ -520,6 +527,7 @@ class ClusterMembers(OnThisNode):
                      out: Gathered) -> None:
         for summary in summaries:
             out.newest = max(out.newest or 0, summary.step)
+            self._reported = max(self._reported, summary.step)
             for merged in self.cluster.summary(node, summary):
                 if self._launched is not None:  # the attempt's first step: its start's cost
                     self._starts.append(self.clock() - self._launched)
@@ -544,6 +552,12 @@ class ClusterMembers(OnThisNode):
             self._evict_slow_at(event.data["step"], out)
             self._grow_at(event.data["step"], out)
         out.events.append(event)
+
+    def _others_up(self) -> bool:
+        """Another node of the attempt has not exited yet: its torchrun may still need the
+        rendezvous store this node's torchrun hosts (its exit barrier, its shutdown)."""
+        a = self.cluster.attempt
+        return any(node not in a.exits for node in a.nodes if node != self.cluster.me)
 
     def _evict_slow_at(self, step: int, out: Gathered) -> None:
         """The running attempt saved a checkpoint at ``step``: the slow node the cost said to
@@ -591,7 +605,8 @@ class ClusterMembers(OnThisNode):
             self.cluster.exited(node, LOST_EXIT_CODE, {}, None)
             self._ending = self._ending or "loss of a node"
             if watching:
-                out.findings.append(self.cluster.lost_finding(node, why, self._step))
+                out.findings.append(self.cluster.lost_finding(
+                    node, why, max(self._step, self._reported)))
 
     def _job_end(self, end: JobExit, out: Gathered) -> JobEnd:
         out.entries.append(("nodes_exited", {"codes": {str(n): c for n, c in end.nodes.items()}}))

@@ -91,8 +91,10 @@ class LaunchConfig(DashedSection):
     progress before babysit calls the teardown stuck (a rank hung in gloo's teardown, say),
     stops torchrun and counts the attempt finished. A script still working after
     ``run.close()`` (saving, uploading) uses CPU and is waited for. Once every rank's process
-    has exited, torchrun gets 3 s to exit too (it takes about 0.5 s; on several nodes its exit
-    barrier can wait minutes for a node whose rank aborted), whatever this says."""
+    has exited, torchrun gets 3 s to exit too (it takes about 0.5 s), whatever this says; on
+    several nodes its exit barrier waits for the other nodes' (minutes for a node whose rank
+    aborted), so a follower's gets this long more, and the leader's, which hosts the rendezvous
+    store the others shut down on, as long as another node's torchrun runs, then 3 s."""
     warm_standby: bool | Literal["auto", "imports"] = "auto"
     """Keep the next attempt's workers started and waiting, so a relaunch (rollback, hang,
     crash) skips most of a cold start (docs/recovery.md). Once an attempt has trained a few

@@ -52,15 +52,24 @@ class Order:
     """torchrun's arguments (the command line after ``python -m torch.distributed.run``)."""
     env: dict[str, str]
     cwd: str
+    hold: str | None = None
+    """The rendezvous endpoint (``host:port``) whose c10d store this torchrun hosts
+    (``hosted_store``): held open once torchrun is done, until babysit closes the standard
+    input, since the other nodes' torchruns use it to the end of their exit barrier and
+    rendezvous shutdown (``main``)."""
 
     def encode(self) -> bytes:
-        return (json.dumps({"argv": self.argv, "env": self.env, "cwd": self.cwd}) + "\n").encode()
+        fields: dict[str, Any] = {"argv": self.argv, "env": self.env, "cwd": self.cwd}
+        if self.hold is not None:
+            fields["hold"] = self.hold
+        return (json.dumps(fields) + "\n").encode()
 
     @classmethod
     def decode(cls, line: bytes | str) -> Order:
         data: dict[str, Any] = json.loads(line)
+        hold = data.get("hold")
         return cls([str(a) for a in data["argv"]], {str(k): str(v) for k, v in data["env"].items()},
-                   str(data["cwd"]))
+                   str(data["cwd"]), str(hold) if hold is not None else None)
 
     @classmethod
     def of(cls, command: list[str], env: dict[str, str], cwd: str) -> Order | None:
@@ -68,7 +77,17 @@ class Order:
         is not one an ahead process can run (another interpreter was asked for)."""
         if len(command) < 3 or command[1:3] != TORCHRUN:
             return None
-        return cls(command[3:], env, cwd)
+        return cls(command[3:], env, cwd, hosted_store(command[3:]))
+
+
+def hosted_store(argv: list[str]) -> str | None:
+    """The endpoint of the c10d rendezvous store torchrun's arguments ``argv`` say it hosts
+    (``is_host=1`` in ``--rdzv-conf``: the leader's node, ``launcher.Placement``), or None."""
+    def value(flag: str) -> str | None:
+        return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
+
+    hosts = "is_host=1" in (value("--rdzv-conf") or "").split(",")
+    return value("--rdzv-endpoint") if hosts and value("--rdzv-backend") == "c10d" else None
 
 
 def command(python: str) -> list[str]:
@@ -143,7 +162,30 @@ def main() -> None:
     os.environ.update(order.env)
     os.chdir(order.cwd)
     sys.argv = ["torch.distributed.run", *order.argv]
+    held = _hold(order.hold) if order.hold is not None else None
     run.main(order.argv)
+    if held is not None:
+        # torchrun's agent is done with the store, its exit barrier passed; the other nodes'
+        # agents still use it to shut the rendezvous down, and would fail to (a warning and a
+        # stack on each) if it went with this process. babysit says when they are all gone.
+        with contextlib.suppress(Exception):  # a stop's SIGTERM: torchrun's handler raises
+            sys.stdin.buffer.read()
+
+
+def _hold(endpoint: str) -> Any:
+    """A server of the c10d store at ``endpoint`` in this process, which torchrun's agent then
+    shares (the rendezvous opens it multi-tenant: one server per port and process) and which
+    outlives the agent; None when it cannot be opened (torchrun then opens its own, as ever)."""
+    # Public, but re-exported without __all__: mypy cannot see it.
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    from babysit.supervisor.config.address import parse_address
+
+    try:
+        host, port = parse_address(endpoint)
+        return TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False)
+    except (RuntimeError, ValueError):
+        return None
 
 
 if __name__ == "__main__":

@@ -167,7 +167,8 @@ def torchrun_command(
     cmd = [python, "-m", "torch.distributed.run",
            "--nproc-per-node", str(launch.nproc_per_node),
            "--nnodes", launch.nnodes,
-           "--node-rank", str(launch.node_rank),
+           # Read by the static rendezvous only; any other warns that it ignores it.
+           *(["--node-rank", str(launch.node_rank)] if launch.rendezvous == "static" else []),
            "--max-restarts", "0",
            "--rdzv-backend", launch.rendezvous,
            "--rdzv-endpoint", rdzv_endpoint,
@@ -264,18 +265,28 @@ class WorkerGroup:
                     except queue.Full:
                         self.dropped_lines += 1
 
-    def feed(self, data: bytes, command: list[str], env: dict[str, str]) -> bool:
-        """Write ``data`` to the process's standard input and close it; from now on the group
-        is ``command`` run with ``env`` (what it became: ``node.ahead``). False when the
-        process is gone (nothing became of it)."""
+    def feed(self, data: bytes, command: list[str], env: dict[str, str],
+             keep_open: bool = False) -> bool:
+        """Write ``data`` to the process's standard input and close it (``keep_open``: not
+        until ``release``); from now on the group is ``command`` run with ``env`` (what it
+        became: ``node.ahead``). False when the process is gone (nothing became of it)."""
         assert self._proc is not None and self._proc.stdin is not None
         try:
             self._proc.stdin.write(data)
-            self._proc.stdin.close()
+            self._proc.stdin.flush()
+            if not keep_open:
+                self._proc.stdin.close()
         except (BrokenPipeError, ValueError):
             return False
         self.command, self._env = command, env
         return True
+
+    def release(self) -> None:
+        """Close the process's standard input, if still open: a torchrun started ahead that
+        hosts the rendezvous store holds it until then (``ahead.Order.hold``)."""
+        if self._proc is not None and self._proc.stdin is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._proc.stdin.close()
 
     def redirect(self, lines: queue.Queue[OutputLine]) -> None:
         """Send output to ``lines`` from now on, after what was queued so far (a standby's
@@ -340,6 +351,7 @@ class WorkerGroup:
 
         Blocks until everything is gone. Returns torchrun's exit code.
         """
+        self.release()
         self._signal_all(signal.SIGTERM)
         # A stopped rank (SIGSTOP, a hang babysit found) handles SIGTERM only once continued.
         self._signal_all(signal.SIGCONT)

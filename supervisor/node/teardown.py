@@ -5,7 +5,8 @@ finished, and the journal says what went wrong on the way out (``tick.NodeExit.t
 
     teardown_only(code, attempt_dir)   torchrun failed, but no rank left an error of its own
     Teardown(pids, now).stuck(now)     the ranks' processes have sat idle for ``idle_s``, or
-                                       exited while torchrun lingers (``EXITED_S``)
+                                       exited while torchrun lingers (``linger_s``: longer
+                                       on several nodes, see ``Teardown``)
 """
 
 from __future__ import annotations
@@ -38,10 +39,17 @@ class Teardown:
     than ``IDLE_CPU`` of a core over ``idle_s`` seconds since the last look, which a script
     still working after ``run.close()`` (saving a model, an upload, an eval) does not.
 
-    Or once every rank's process has exited and torchrun is still up ``EXITED_S`` later: on
+    Or once every rank's process has exited and torchrun is still up ``linger_s`` later: on
     several nodes its agent waits in its exit barrier for every other node's, and one whose
     rank aborted in gloo's teardown never comes (the barrier's own timeout is minutes). Nothing
-    is left on this node to finish: ``exited`` says which way it was judged."""
+    is left on this node to finish: ``exited`` says which way it was judged. On one node
+    nobody else is waited for: ``EXITED_S``. On several, another node still tearing down is
+    not one that never comes: its own babysitter gives its ranks ``idle_s`` before it stops
+    them, so a follower waits that long more (``linger_s``); the node whose torchrun hosts the
+    rendezvous store (the leader's) waits as long as any other node's torchrun runs
+    (``stuck(now, others_up=True)``), since stopping it takes the store from under their exit
+    barrier and shutdown (a traceback on every one of them), and ``EXITED_S`` after the last.
+    """
 
     EXITED_S = 3.0
     """torchrun's own exit once its ranks are gone takes about 0.5 s (measured beside the
@@ -51,9 +59,11 @@ class Teardown:
     """Cores used over the whole window (0.3 s of CPU over 30 s): a process blocked on a socket
     uses about 0; any work at all (TLS, serialization, a loop) uses more."""
 
-    def __init__(self, pids: Mapping[int, int], now: float, idle_s: float = 30.0) -> None:
+    def __init__(self, pids: Mapping[int, int], now: float, idle_s: float = 30.0,
+                 linger_s: float = EXITED_S) -> None:
         self.pids = dict(pids)
         self.idle_s = idle_s
+        self.linger_s = linger_s
         self._since = now
         self._sample = stall.Sample(self.pids)
         self.seen: dict[int, stall.RankProcess] = {}
@@ -62,10 +72,16 @@ class Teardown:
         """Judged stuck because every rank's process had exited and torchrun had not."""
         self._exited_at: float | None = None
 
-    def stuck(self, now: float) -> bool:
+    def stuck(self, now: float, others_up: bool = False) -> bool:
+        """``others_up``: other nodes' torchruns still run and need this one's (it hosts their
+        rendezvous store): its lingering is waited out, and ``linger_s`` counts from the tick
+        that says they are gone."""
         if not stall.any_alive(self.pids.values()):
+            if others_up:
+                self._exited_at = None
+                return False
             self._exited_at = now if self._exited_at is None else self._exited_at
-            if now - self._exited_at >= self.EXITED_S:
+            if now - self._exited_at >= self.linger_s:
                 self.exited = True
                 self.seen = stall.Sample(self.pids).finish(0.0)
                 return True

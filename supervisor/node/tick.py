@@ -9,7 +9,9 @@ things with the ranks on their machine each tick, and this is the one place that
                                   (a rank died and torchrun printed its failure summary: as
                                   good as exited, so it is stopped rather than waited for)
     every rank closed, still up?  a teardown with no CPU progress for
-                                  ``launch.teardown_idle_s`` is stopped, counted as finished
+                                  ``launch.teardown_idle_s`` is stopped, counted as finished;
+                                  so is torchrun lingering after its ranks exited, once no
+                                  other node can still come to its exit barrier
     is anything hung?             the judge's hang timers, confirmed from the ranks' process
                                   state, CPU and stacks, and named (or cleared: working); half-way
                                   to a suspicion, the slow native stacks are read ahead
@@ -128,7 +130,8 @@ class OwnNode(Generic[Out]):
     def __init__(self, workers: NodeWorkers, judge: NodeJudge[Out], *, flush_on_exit: bool,
                  on_suspect: Callable[[Finding], None] | None = None,
                  gpus: GpuWatch | None = None,
-                 on_ending: Callable[[str], None] | None = None) -> None:
+                 on_ending: Callable[[str], None] | None = None,
+                 others_up: Callable[[], bool] | None = None) -> None:
         """``flush_on_exit``: at torchrun's exit, the steps some rank never finished still go
         out (a node of a cluster: the leader merges what each node has); a single-node run
         drops them instead. ``on_suspect`` hears of a hang before the stacks are read, which
@@ -137,10 +140,14 @@ class OwnNode(Generic[Out]):
         once, that ranks are ending on their own: one died while torchrun runs, or one is holding
         on at its end after an uncaught exception (``"crash"``), or after a SIGTERM
         (``"SIGTERM"``); the others still hold the last completed step
-        (``node.just_in_time``)."""
+        (``node.just_in_time``). ``others_up``: a leader's node, whose torchrun hosts the
+        rendezvous store: whether other nodes' torchruns of the attempt still run (a torchrun
+        lingering here after its ranks exited is waited out while they do:
+        ``teardown.Teardown``)."""
         self.workers = workers
         self.on_ending = on_ending
         self.gpus = gpus
+        self.others_up = others_up
         self._ranks: set[int] = set()
         """This attempt's ranks on this node, from their hellos."""
         self._step = 0
@@ -192,21 +199,29 @@ class OwnNode(Generic[Out]):
                            for f in self.gpus.look(now, self._step, self._ranks)]
         if out.newest is not None:  # stepping: its own start-up no longer needs the CPU
             self.workers.keep_ahead(self.attempt + 1)
+        if self.others_up is not None and not self.others_up():
+            self.workers.release_store()  # nobody else's torchrun needs it now
         code = self.workers.poll()
         if code is not None:
             self._end(now, out, self._exit(code))
         elif self.workers.all_closed:
             # The training is over: only the processes' teardown is left, which no hang timer
             # watches. One that sits with no CPU progress is stuck: torchrun would wait forever.
-            idle_s = self.workers.plan.config.launch.teardown_idle_s
+            launch = self.workers.plan.config.launch
+            idle_s = launch.teardown_idle_s
             if self._teardown is None:
-                self._teardown = teardown.Teardown(self.workers.rank_pids, now, idle_s)
-            elif self._teardown.stuck(now):
+                # A follower's torchrun waits in its exit barrier for the other nodes, whose
+                # teardowns their own babysitters give idle_s; the leader's, while they run.
+                several = launch.multinode and self.others_up is None
+                self._teardown = teardown.Teardown(
+                    self.workers.rank_pids, now, idle_s,
+                    idle_s + teardown.Teardown.EXITED_S if several else teardown.Teardown.EXITED_S)
+            elif self._teardown.stuck(now, self.others_up is not None and self.others_up()):
                 seen = {str(r): p.to_json() for r, p in self._teardown.seen.items()}
                 stopped = self.workers.end_now()  # nothing in it is left to wait for
                 self._end(now, out, NodeExit(0, {}, None, teardown_code=stopped, teardown_hung={
                     "idle_s": idle_s, "processes": seen,
-                    "ranks_exited_s": teardown.Teardown.EXITED_S
+                    "ranks_exited_s": self._teardown.linger_s
                     if self._teardown.exited else None}))
         elif self.workers.group is not None:
             if stall.all_alive(self.workers.rank_pids.values()):

@@ -245,7 +245,8 @@ class NodeWorkers:
         """``group``, a torchrun started ahead, made to run ``command`` with ``env`` (its
         ``ahead.Order``); None, and it stopped, when it cannot run it or is gone."""
         order = ahead.Order.of(command, env, str(Path.cwd()))
-        if order is None or not group.feed(order.encode(), command, env):
+        if order is None or not group.feed(order.encode(), command, env,
+                                           keep_open=order.hold is not None):
             self._stop_group(group)
             return None
         return group
@@ -419,8 +420,10 @@ class NodeWorkers:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")  # so rank output reaches the console live
         env.update(self.plan.config.launch.env)
-        # NCCL's flight recorder dumps into the attempt's folder (unless the user chose).
-        env.update(flight_recorder.environment(attempt_dir, env))
+        # NCCL's flight recorder dumps into the attempt's folder (unless the user chose), each
+        # setting under the name the ranks' torch reads (an old name read makes torch warn).
+        env.update(flight_recorder.environment(
+            attempt_dir, env, flight_recorder.torch_reads(self.plan.python)))
         flight_recorder.prepare(attempt_dir)
         env.update({
             protocol.ENV_SOCKET: str(self.intake.path),
@@ -525,6 +528,12 @@ class NodeWorkers:
             self.keepers.release(self.attempt, self.rank_pids)
         return self.group.stop(self.plan.config.launch.stop_grace_s,
                                launcher_grace_s=0.0 if replacing else None)
+
+    def release_store(self) -> None:
+        """The attempt's torchrun may let the rendezvous store it hosts go once it is done: no
+        other node's torchrun needs it any more (``ahead.Order.hold``)."""
+        if self.group is not None:
+            self.group.release()
 
     def end_now(self) -> int | None:
         """Stop a torchrun whose ranks are done instead of waiting for its exit: it already

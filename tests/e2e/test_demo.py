@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, babysit_env, read_jsonl, run_babysit
+from tests.conftest import ROOT, babysit_env, noise, read_jsonl, run_babysit
 
 pytestmark = pytest.mark.e2e
 
@@ -50,6 +50,9 @@ def test_babysit_recovers_a_data_spike_to_within_1_percent_of_the_clean_run(
     spiked = run_babysit("run", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "spike"),
                          str(DEMO), *ARGS, *CORRUPT, cwd=tmp_path, timeout=300)
     assert spiked.returncode == 0, spiked.stdout[-3000:]
+    # Its console says what babysit did, and nothing of torch's that babysit caused (every
+    # rank of every attempt once warned of a deprecated flight recorder setting).
+    assert noise(spiked.stdout + spiked.stderr, alerts=False) == []
 
     journal = read_jsonl(tmp_path / "spike" / "events.jsonl")
     # Rerun from there first, nothing skipped; the spike came back at the same batches (the

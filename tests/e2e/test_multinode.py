@@ -31,6 +31,7 @@ from tests.conftest import (
     babysat,
     babysit_env,
     kept_indices,
+    noise,
     read_jsonl,
     run_babysit,
 )
@@ -137,6 +138,33 @@ class Nodes:
                 raise AssertionError(f"timed out waiting for {what}; logs:\n{self.logs()}")
             time.sleep(0.2)
 
+    def ending_noise(self) -> list[str]:
+        """What the run's last attempt printed that warns or traces back (``noise``): its
+        torchrun's output on every node that ran it, the leader's console from its launch on,
+        and any node's journaled teardown trouble. A clean finish has none (node 0 leads)."""
+        last = self.events("launch")[-1]
+        attempt = last["attempt"]
+        folders = [self.run_dir] + [self.run_dir / "nodes" / str(n) for n in last["nodes"] if n]
+        said = [(folder / "attempts" / str(attempt) / "launcher.log").read_text()
+                for folder in folders]
+        console = (self.tmp_path / "node0.log").read_text()
+        said.append(console[console.rindex(f"babysit: attempt {attempt} on"):])
+        troubles = [f"node {n}: {e['event']}" for n in last["nodes"]
+                    for e in self.journal(n) if e["event"] in ("teardown_hang", "teardown_crash")
+                    and e["attempt"] == attempt]
+        return [line for text in said for line in noise(text)] + troubles
+
+    def aborted_in_teardown(self) -> bool:
+        """A rank of the run's last attempt died in its own teardown after closing its run
+        (gloo in torch 2.13 now and then: "terminate called without an active exception"):
+        its node's torchrun fails, never comes to the exit barrier, and takes the others'
+        shutdown with it. Not a clean finish, and nothing of babysit's."""
+        last = self.events("launch")[-1]
+        folders = [self.run_dir] + [self.run_dir / "nodes" / str(n) for n in last["nodes"] if n]
+        return any("terminate called without an active exception" in
+                   (folder / "attempts" / str(last["attempt"]) / "launcher.log").read_text()
+                   for folder in folders)
+
     def logs(self) -> str:
         """Every node's console and the end of its journal: what a failed assertion prints."""
         def journal_tail(node: int) -> str:
@@ -233,9 +261,10 @@ STEPS = 100
 def clean_fsdp(tmp_path_factory: pytest.TempPathFactory) -> float:
     """The final evaluation of an uninterrupted FSDP2 run of 3 ranks (on one node)."""
     tmp = tmp_path_factory.mktemp("clean")
-    _, run_dir = babysat(tmp, "clean", "--fsdp", "--steps", str(STEPS), "--step-sleep", "0.05",
-                         "--eval-every", "10", "--global-batch", "12", nproc=3,
-                         launch_extra="  warm_standby: false\n")  # it never relaunches
+    done, run_dir = babysat(tmp, "clean", "--fsdp", "--steps", str(STEPS), "--step-sleep",
+                            "0.05", "--eval-every", "10", "--global-batch", "12", nproc=3,
+                            launch_extra="  warm_standby: false\n")  # it never relaunches
+    assert noise(done.stdout + done.stderr) == []  # a clean run, clean on the console
     return _final_eval(read_jsonl(run_dir / "events.jsonl"), STEPS)
 
 
@@ -302,6 +331,10 @@ def test_an_fsdp2_job_that_loses_a_node_goes_on_resharded_and_grows_back_when_it
     # 0.1993 against 0.2033 here (not bit-exact: a rank's dropout covers other rows at
     # another size); 4 samples a rank at every size gave 0.1945.
     assert resharded == pytest.approx(clean_fsdp, rel=0.06), (resharded, clean_fsdp)
+    # Its last attempt ends clean on every node: no torchrun rendezvous shutdown failing on
+    # the followers (the leader's torchrun hosts the store: it is never stopped under them).
+    # Unless gloo aborted a rank in its teardown (2 of 6 runs under two busy loops here).
+    assert run.aborted_in_teardown() or run.ending_noise() == [], run.logs()
 
 
 def test_a_stranger_without_the_secret_can_neither_join_nor_stall_the_run(
@@ -318,6 +351,17 @@ def test_a_stranger_without_the_secret_can_neither_join_nor_stall_the_run(
     assert not run.events("node_joined") and not run.events("launch")
     finished = run.events("run_finished")[-1]
     assert finished["state"] == "failed" and "joined within 8 s" in finished["reason"]
+
+
+def _spare_joins(run: Nodes) -> None:
+    """Node 3, the spare, is started once the first attempt is launched on nodes 0-2 (so it
+    cannot take part in it) and has joined: it waits. A babysitter's start took 17 s on a
+    busy CI host, longer than such a run's training: the fault meant for when a spare waits is
+    injected only once it does."""
+    run.until("the first launch", lambda: run.events("launch"))
+    run.start(3)
+    run.until("the spare to join", lambda: any(e["node"] == 3
+                                               for e in run.events("node_joined")))
 
 
 def _step(run: Nodes) -> int:
@@ -612,8 +656,7 @@ def test_a_node_whose_link_slows_down_is_named_and_evicted_for_a_spare_when_it_p
                 overrides="{detectors: {slow_link: {window_s: 8, min_excess_s: 0.005}}}")
     for node in range(3):
         run.start(node)
-    run.until("step 5", lambda: _step(run) >= 5)
-    run.start(3)  # the spare: it waits
+    _spare_joins(run)
     run.until("step 25", lambda: _step(run) >= 25)
     net4.slow(2, "200kbit")
     codes = run.wait()
@@ -632,6 +675,8 @@ def test_a_node_whose_link_slows_down_is_named_and_evicted_for_a_spare_when_it_p
     launches = run.events("launch")
     assert [sorted(e["nodes"]) for e in launches] == [[0, 1, 2], [0, 1, 3]], launches
     assert run.events("run_finished")[-1]["state"] == "succeeded"
+    # The relaunch with the spare ends clean (unless gloo aborted a rank in its teardown).
+    assert run.aborted_in_teardown() or run.ending_noise() == [], run.logs()
 
 
 @pytest.mark.skipif(NO_NETNS is not None, reason=str(NO_NETNS))
@@ -642,14 +687,16 @@ def test_a_node_slowed_by_a_cpu_limit_is_named_and_evicted_for_a_spare_when_it_p
     compute in each forward before the first sharded layer. At step 25 node 2's rank is put
     under a CPU limit (a tenth of a core): the whole job slows, every rank's step time alike,
     and the other ranks' forwards too (they wait for node 2 at the layer's all-gather). Its
-    forward time, less that wait, names node 2; with the
-    run's remaining time given (``nodes.run_left_s``) keeping it costs more than a relaunch
-    with the spare, so the attempt's next checkpoint relaunches without it, at full size.
-    The default ``factor`` (1.5): on CI's 2 shared cores the healthy ranks' forward clocks read
-    late by turns in most steps before the limit (72% of them over 1.5x in one run), so the
-    first finding may name every rank; node 2 is then named alone once it is the slowest in
-    80% of the window's steps by itself (86% in that run). (A factor of 2.5, tried to stay
-    above that noise, left the throttled rank's share at 68% in another: never named.)"""
+    forward time, less that wait, names node 2; with the run's remaining time given
+    (``nodes.run_left_s``) keeping it costs more than a relaunch with the spare, so the
+    attempt's next checkpoint relaunches without it, at full size. On CI's 2 shared cores,
+    busy with other jobs, the healthy ranks' forwards read late by turns in most steps (72% of
+    them over 1.5x in one run), and the throttled one was the slowest in as few as 55% of the
+    steps after the limit (its throttle lets some forwards through at full speed): a finding
+    naming several ranks may come first; node 2 alone is named once it held the job up in
+    most of the window. How much slower the job runs depends on how busy the host already
+    was (0.10 s steps before the limit on a quiet one, 0.18 s on a busy one; about 0.22 s after
+    on either): the cost's slowdown is measured, not assumed."""
     run = Nodes(tmp_path, "--fsdp", "--forward-work", "40", nnodes="3", steps=120, net=net4,
                 nproc=1,
                 nodes=", spares: 1, run_left_s: 600",
@@ -657,8 +704,7 @@ def test_a_node_slowed_by_a_cpu_limit_is_named_and_evicted_for_a_spare_when_it_p
     with cpulimit.cpu_limit(quota_us=1000, period_us=10000) as limit:
         for node in range(3):
             run.start(node)
-        run.until("step 5", lambda: _step(run) >= 5)
-        run.start(3)  # the spare: it waits
+        _spare_joins(run)
         run.until("step 25", lambda: _step(run) >= 25)
         [rank] = [p for p in psutil.Process(run.procs[2].pid).children(recursive=True)
                   if "tiny_train.py" in " ".join(p.cmdline()) and "RANK" in p.environ()]
@@ -670,7 +716,8 @@ def test_a_node_slowed_by_a_cpu_limit_is_named_and_evicted_for_a_spare_when_it_p
     assert all(2 in f["ranks"] and len(f["ranks"]) > 1 for f in noisy), noisy
     assert slow["ranks"] == [2] and slow["evidence"]["node"] == 2, slow
     assert slow["evidence"]["cost"]["evict"] and slow["evidence"]["cost"]["spare"], slow
-    assert slow["evidence"]["slowdown"] > 0.25, slow  # ~0.1 s steps before the limit, ~0.25 s after
+    assert slow["evidence"]["slowdown_from"] == "step times before", slow
+    assert slow["evidence"]["slowdown"] > 0.1, slow
     [cost] = run.events("slow_node_cost")
     assert cost["verdict"] == "evict" and cost["node"] == 2
     [evicted] = run.events("node_evicted")
@@ -682,3 +729,6 @@ def test_a_node_slowed_by_a_cpu_limit_is_named_and_evicted_for_a_spare_when_it_p
     assert run.events("run_finished")[-1]["state"] == "succeeded"
     status = run_babysit("status", str(run.run_dir), cwd=tmp_path).stdout
     assert "evicted     node 2" in status, status
+    # The relaunch on 0, 1 and the spare ends clean on every node (node 2's torchrun and its
+    # slow teardown are gone with its eviction).
+    assert run.aborted_in_teardown() or run.ending_noise() == [], run.logs()

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from babysit.policies.detectors.slow_compute import SlowComputeConfig, SlowComputeDetector
 from babysit.policies.types import Finding, Incident, RankStep, Spread, StepRecord
@@ -16,10 +18,10 @@ WORLD = 6
 
 
 def record(step: int, forwards: dict[int, float], step_time: float = 0.5,
-           per_s: float = 1.0) -> StepRecord:
-    """One step at ``per_s`` steps a second: each rank's forward (0.1 s unless said), every
-    rank's step as long as the slowest (they wait for it in the all-reduce)."""
-    now = step / per_s
+           per_s: float = 1.0, now: float | None = None) -> StepRecord:
+    """One step at ``per_s`` steps a second (or at ``now``): each rank's forward (0.1 s unless
+    said), every rank's step as long as the slowest (they wait for it in the all-reduce)."""
+    now = step / per_s if now is None else now
     ranks = tuple(RankStep(rank=r, step=step, time=now, step_time=step_time,
                            data_wait=0.001, forward_time=forwards.get(r, 0.1))
                   for r in range(WORLD))
@@ -33,15 +35,16 @@ def run(records: list[StepRecord], config: SlowComputeConfig | None = None) -> l
 
 def test_a_rank_slow_for_minutes_is_named_once_with_what_it_costs() -> None:
     """60 healthy steps at 0.5 s, then rank 4's forward at 0.3 s (3x) and every step 0.7 s:
-    named once, when 80% of the last two minutes' steps were slow (97 s in), with the job 29%
-    slower than its pace before."""
+    named once, when it has held the job up for half of two minutes (60 s of its 0.7 s steps:
+    86 of them, 85 s in; 77% of the window's time), with the job 29% slower than its pace
+    before."""
     healthy = [record(s, {}) for s in range(1, 61)]
     slow = [record(s, {4: 0.3}, step_time=0.7) for s in range(61, 400)]
     [finding] = run(healthy + slow)
     assert finding.incident is Incident.STRAGGLER and finding.detector == "slow_compute"
-    assert finding.ranks == (4,) and finding.step == 157 and finding.onset_step == 61
+    assert finding.ranks == (4,) and finding.step == 146 and finding.onset_step == 61
     ev = finding.evidence
-    assert ev["slowest"] == {"4": 97} and ev["ratio"] == 3.0 and ev["share"] == 0.8017
+    assert ev["slowest"] == {"4": 86} and ev["ratio"] == 3.0 and ev["share"] == 0.7748
     assert ev["baseline_step_time_s"] == 0.5 and ev["step_time_s"] == 0.7
     assert ev["slowdown"] == round(1 - 0.5 / 0.7, 4) and ev["slowdown_from"] == "step times before"
     assert "rank 4's forward 0.3s vs median 0.1s" in finding.message
@@ -60,9 +63,10 @@ def test_a_slowdown_shorter_than_the_window_or_that_follows_the_data_names_nobod
     brief = [record(s, {4: 0.3} if 60 < s < 120 else {}) for s in range(1, 400)]
     assert run(brief) == []
     rng = random.Random(0)
-    anywhere = [record(s, {rng.randrange(WORLD): 0.3}) for s in range(1, 400)]
-    [finding] = run(anywhere)
+    anywhere = [record(s, {rng.randrange(WORLD): 0.3}, step_time=1.0) for s in range(1, 400)]
+    [finding] = run(anywhere)  # slow all the time, on every rank by turns
     assert len(finding.ranks) >= 4  # a multi-node leader places this on no node
+    assert "no one machine" in finding.message
 
 
 def test_a_machine_that_stands_out_of_a_noisy_host_is_named_after_the_noise() -> None:
@@ -70,21 +74,23 @@ def test_a_machine_that_stands_out_of_a_noisy_host_is_named_after_the_noise() ->
     forward read late by turns in most steps, so the window was "slow" with every rank named
     (no one machine) before rank 4 was throttled at all. Once rank 4 holds the job up in most
     steps it is named on its own, with the pace before it, and a leader can act on it."""
-    noisy = [record(s, {s % WORLD: 0.2}) for s in range(1, 201)]  # slow by turns, every step
-    slow = [record(s, {4: 0.4}, step_time=1.0) for s in range(201, 500)]
+    # Slow by turns in every step, two 0.5 s steps a second; then 1 s steps, one a second.
+    noisy = [record(s, {s % WORLD: 0.2}, now=s / 2) for s in range(1, 201)]
+    slow = [record(s, {4: 0.4}, step_time=1.0, now=s - 100.0) for s in range(201, 500)]
     spread, machine = run(noisy + slow)
     assert len(spread.ranks) == WORLD and "no one machine" in spread.message
-    # Once its own share of the window's steps reached 80% (rank 4 was among the noisy too).
-    assert machine.ranks == (4,) and 280 < machine.step < 300
+    # Once it alone held the job up in half the window (rank 4 was among the noisy too).
+    assert machine.ranks == (4,) and 240 < machine.step < 260
     assert "no one machine" not in machine.message
     # The pace before: the noisy steps nobody held up for long. The job runs half as fast;
-    # the window still holds some noisy 0.5 s steps, so "now" reads 0.88 s: 43%.
+    # "now" is rank 4's steps in the window, some of them noisy 0.5 s ones: 0.84 s, 40%.
     assert machine.evidence["baseline_step_time_s"] == 0.5
-    assert 0.4 < machine.evidence["slowdown"] <= 0.5
+    assert 0.35 < machine.evidence["slowdown"] <= 0.5
 
 
 def test_a_healthy_rank_that_was_the_slowest_of_a_few_busy_steps_is_left_out() -> None:
-    steps = [record(s, {1: 0.3} if s % 12 == 0 else {4: 0.3}) for s in range(1, 400)]
+    steps = [record(s, {1: 0.3} if s % 12 == 0 else {4: 0.3}, step_time=1.0)
+             for s in range(1, 400)]
     [finding] = run(steps)
     assert finding.ranks == (4,) and set(finding.evidence["slowest"]) == {"1", "4"}
 
@@ -133,7 +139,7 @@ def test_its_state_survives_a_json_round_trip_mid_stream() -> None:
     second = SlowComputeDetector()
     second.load_state_dict(json.loads(json.dumps(first.state_dict())))
     found = [f.step for r in steps[100:] if (f := second.observe(r)) is not None]
-    assert found == [121]  # every step slow: two minutes in
+    assert found == [120]  # every step slow: 60 s of its 0.5 s steps held up
 
 
 def test_steps_held_up_in_the_backward_do_not_move_the_pace_before() -> None:
@@ -211,28 +217,70 @@ def test_where_the_episode_began_survives_a_json_round_trip() -> None:
 RECORDED = Path(__file__).parent / "recorded"
 
 
-def replay(name: str) -> list[Finding]:
-    """The leader's merged steps of a real CI run of the CPU-limited node (3 nodes, one FSDP2
-    rank each, node 2's rank under a tenth of a core from step 25; ``tests/e2e/test_multinode
-    .py``, its metrics rows cut to what this detector reads), through the detector as that
-    test configures it (``window_s`` 8, the default factor)."""
-    rows = [json.loads(line) for line in (RECORDED / name).read_text().splitlines()]
+def replay(name: str, window_s: float = 8) -> list[Finding]:
+    """The leader's merged steps of a real run, its metrics rows cut to what this detector
+    reads, through the detector with ``window_s``. ``cpu_limit_*``: CI runs of the CPU-limited
+    node (3 nodes, one FSDP2 rank each, node 2's rank under a tenth of a core from step 25;
+    ``tests/e2e/test_multinode.py``), whose test sets ``window_s`` 8."""
     steps = [SimpleNamespace(step=r["step"], time=r["time"], step_time=r["step_time"],
                              slowest_forward=Spread(r["forward_max_rank"], r["forward_max"],
                                                     r["forward_p50"], r["n_ranks"])
-                             if r["forward_max"] and r["forward_p50"] else None) for r in rows]
-    detector = SlowComputeDetector(SlowComputeConfig(window_s=8))
+                             if r["forward_max"] and r["forward_p50"] else None)
+             for r in rows(name)]
+    detector = SlowComputeDetector(SlowComputeConfig(window_s=window_s))
     return [f for r in steps if (f := detector.observe(r)) is not None]  # type: ignore[arg-type]
 
 
-def test_a_real_noisy_host_names_the_throttled_node_after_naming_two() -> None:
-    """The CI run that failed: before the limit the healthy ranks read over 1.5x in 72% of the
-    steps; the first finding names ranks 1 and 2 (no one node), then rank 2 alone once it is
-    the slowest in 80% of the window's steps by itself, with the job's step time before it."""
-    first, second = replay("cpu_limit_noisy_host.jsonl")
-    assert first.ranks == (1, 2) and second.ranks == (2,)
-    assert second.evidence["slowdown_from"] == "step times before"
-    assert second.evidence["slowdown"] > 0.5  # 0.085 s a step before, 0.24 after
+def rows(name: str) -> list[dict[str, Any]]:
+    """A recorded run's metrics rows (``.gz``: gzipped)."""
+    data = (RECORDED / name).read_bytes()
+    text = (gzip.decompress(data) if name.endswith(".gz") else data).decode()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def time_at(name: str, step: int) -> float:
+    """When the recorded run reached ``step``."""
+    return next(r["time"] for r in rows(name) if r["step"] >= step)
+
+
+def test_a_node_throttled_on_a_busy_host_is_named_though_it_holds_up_barely_most_steps() -> None:
+    """The CI run that failed under load (two busy loops beside the suite): the job already ran
+    0.18 s a step, the throttled rank's forward was the slow one in only 55% of the steps
+    after the limit (its throttle lets some through at full speed; the others' forwards were
+    late too), never the 80% the detector asked for then: no finding, no eviction. Now: named
+    alone within three windows of the limit, with the pace before it (0.18 s against 0.22 s
+    after: about 20%)."""
+    name = "cpu_limit_busy_host.jsonl"
+    [finding] = replay(name)
+    assert finding.ranks == (2,)
+    assert 0 < time_at(name, finding.step) - time_at(name, 25) < 3 * 8  # 21 s
+    assert finding.evidence["slowdown_from"] == "step times before"
+    assert 0.15 < finding.evidence["slowdown"] < 0.3
+
+
+def test_the_two_minute_benchmarks_limited_node_is_named_within_the_window() -> None:
+    """``benchmarks/slow_node.py --minutes 2`` (3 nodes, one rank each; node 2's rank, rank 1
+    here, under a tenth of a core from step 380, about 30 s in; the default window of 120 s):
+    the rank held the job up in 75-80% of the steps after it, and counted by steps the
+    quicker steps from before it kept the window's share under 80% for 118 s. By time, it is
+    named once it held the job up for a minute, in the window's first two minutes after the
+    limit; the same job without the limit names nobody."""
+    name = "slow_node_2min.jsonl.gz"
+    [finding] = replay(name, window_s=120)
+    assert finding.ranks == (1,)
+    assert 60 < time_at(name, finding.step) - time_at(name, 380) < 120  # 72 s
+    assert replay("slow_node_2min_clean.jsonl.gz", window_s=120) == []
+
+
+def test_a_real_noisy_host_names_the_throttled_node_alone() -> None:
+    """A CI run: before the limit the healthy ranks read over 1.5x in 72% of the steps, by
+    turns (once named as ranks 1 and 2 together, no one node); rank 2 alone is named once it
+    held the job up in most of the window, 6 s after the limit, with the job's step time
+    before it."""
+    [finding] = replay("cpu_limit_noisy_host.jsonl")
+    assert finding.ranks == (2,)
+    assert finding.evidence["slowdown_from"] == "step times before"
+    assert finding.evidence["slowdown"] > 0.5  # 0.085 s a step before, 0.19 after
 
 
 def test_a_pace_marked_under_the_slow_rank_before_it_slowed_is_the_pace_before() -> None:

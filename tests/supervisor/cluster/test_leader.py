@@ -1056,10 +1056,15 @@ def test_a_failed_attempt_stops_the_others_without_waiting_for_their_torchruns(
 
 def test_a_follower_that_hangs_up_is_a_lost_node_with_its_ranks(
         members: ClusterMembers) -> None:
+    """Dated with the newest step any node reported, not the merged one: a node that reported
+    step 15 (and whose ranks may have saved it) while another's never came is lost at 15, so
+    the relaunch may resume from a checkpoint of step 15 rather than train it again."""
     follower = join(members, Said())
     members.launch(0, Directive(), time.monotonic())
     follower.send(encode(RankEvent(0, WorkerEvent(rank=3, type="hello", time=1.0, data={}))))
     gathered(members, lambda g: bool(g.events))
+    follower.send(encode(Summary(0, StepSummary.of(15, 2, [
+        RankStep(rank=3, step=15, time=1.0, step_time=0.1)]))))  # the leader's never comes
 
     follower.close()
     out = gathered(members, lambda g: bool(g.findings))
@@ -1067,7 +1072,7 @@ def test_a_follower_that_hangs_up_is_a_lost_node_with_its_ranks(
     [(_, fields)] = [e for e in out.entries if e[0] == "node_lost"]
     assert fields == {"node": 1, "host": "gpu-1", "why": "its connection closed (eof)"}
     [lost] = out.findings
-    assert (lost.incident, lost.ranks) == (Incident.NODE_LOST, (3,))
+    assert (lost.incident, lost.ranks, lost.step) == (Incident.NODE_LOST, (3,), 15)
     assert members.cluster.present() == [LEADER]
 
 

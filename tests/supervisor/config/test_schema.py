@@ -204,3 +204,9 @@ def test_one_node_rendezvous_is_static_several_are_c10d_and_a_choice_is_kept(
     cmd = torchrun_command(one.config.launch, one.script, python="python", rdzv_id="r-0",
                            rdzv_endpoint="127.0.0.1:29500", log_dir=tmp_path)
     assert cmd[cmd.index("--rdzv-backend") + 1] == "static"
+    assert cmd[cmd.index("--node-rank") + 1] == "0"  # the static rendezvous reads it
+    node = config.LaunchConfig(script="train.py", nnodes="2", node_rank=1)
+    cmd = torchrun_command(node, Path("train.py"), python="python", rdzv_id="r-0",
+                           rdzv_endpoint="10.0.0.1:29400", log_dir=tmp_path)
+    # c10d ignores it (the rendezvous orders the nodes), and torchrun warns that it does.
+    assert "--node-rank" not in cmd and cmd[cmd.index("--rdzv-backend") + 1] == "c10d"

@@ -17,7 +17,7 @@ import psutil
 from babysit.supervisor.config import plan as plan_mod
 from babysit.supervisor.contract.protocol import ENV_RUN_DIR
 from babysit.supervisor.node import ahead
-from babysit.supervisor.node.launcher import stop_leftovers, torchrun_command
+from babysit.supervisor.node.launcher import free_port, stop_leftovers, torchrun_command
 from babysit.supervisor.node.workers import NodeWorkers
 
 
@@ -29,6 +29,37 @@ def test_an_order_carries_torchruns_arguments_environment_and_folder() -> None:
     assert order.encode().endswith(b"\n") and order.encode().count(b"\n") == 1
     assert ahead.Order.of(["python", "train.py"], {}, "/") is None  # not torchrun's
     assert ahead.command("/opt/py") == ["/opt/py", "-m", "babysit.supervisor.node.ahead"]
+
+
+def test_the_torchrun_that_hosts_the_rendezvous_store_holds_it_until_babysit_lets_go() -> None:
+    """The node whose torchrun hosts the c10d store (the leader's: ``is_host=1``) keeps it
+    open past its torchrun's end, until babysit closes its standard input: the other nodes'
+    torchruns shut the rendezvous down on it after their exit barrier, and fail to (a warning
+    and a C++ stack on each) when it is gone. torchrun's own store shares the held server
+    (multi-tenant: one server per port and process) and may go first."""
+    def command(conf: str, backend: str = "c10d") -> list[str]:
+        return ["python", "-m", "torch.distributed.run", "--nnodes", "2", "--rdzv-backend",
+                backend, "--rdzv-endpoint", "10.0.0.1:29400", "--rdzv-conf", conf, "train.py"]
+
+    order = ahead.Order.of(command("is_host=1"), {}, "/")
+    assert order is not None and order.hold == "10.0.0.1:29400"
+    assert ahead.Order.decode(order.encode()) == order
+    for other in (command("is_host=0"), command("read_timeout=60"),
+                  command("is_host=1", backend="static")):
+        assert ahead.Order.of(other, {}, "/") == ahead.Order(other[3:], {}, "/")
+
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    port = free_port()
+    held = ahead._hold(f"127.0.0.1:{port}")
+    agent = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True)  # as torchrun's
+    agent.set("torch.rendezvous.r", "closed")
+    del agent
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+    assert client.get("torch.rendezvous.r") == b"closed"  # the server outlived torchrun's
+    assert held is not None and ahead._hold("no port") is None
 
 
 def test_every_torchrun_command_babysit_builds_can_be_run_ahead(tmp_path: Path) -> None:

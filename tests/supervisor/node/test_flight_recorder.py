@@ -32,8 +32,10 @@ def test_the_ranks_environment_points_the_recorder_at_the_attempt(tmp_path: Path
     attempt_dir = workers.attempt_dir(2)
     env = workers._env(attempt_dir, 2)
     prefix = str(attempt_dir / "flight_recorder" / "rank_")
-    assert env["TORCH_FR_BUFFER_SIZE"] == env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
-    assert env["TORCH_FR_DUMP_TEMP_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == prefix
+    # torch 2.13 (pinned) reads the new names, and warns in every rank about the old ones.
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == prefix
+    assert "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env
     assert env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == prefix
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"  # the user's launch.env wins
     assert (attempt_dir / "flight_recorder").is_dir()  # torch does not create it
@@ -42,8 +44,35 @@ def test_the_ranks_environment_points_the_recorder_at_the_attempt(tmp_path: Path
 def test_a_setting_the_user_made_under_any_of_its_names_is_left_alone(tmp_path: Path) -> None:
     assert set(flight_recorder.environment(tmp_path, {})) == set(NAMES)
     mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_FR_DUMP_TEMP_FILE": "/scratch/fr_"}
-    added = flight_recorder.environment(tmp_path, mine)
+    added = flight_recorder.environment(tmp_path, mine, frozenset(NAMES))
     assert set(added) == {"TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT"}
+
+
+def test_a_renamed_setting_goes_under_the_newest_name_torch_reads(tmp_path: Path) -> None:
+    """torch 2.13 holds both names of a renamed setting (and warns about the old one): the new
+    one is set. A torch from before the rename holds only the old one: the old one is set. A
+    torch that holds neither (a CPU build before the flight recorder left NCCL) or one not
+    known: every name, as any torch reads one."""
+    new = {"TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"}
+    old = {"TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}
+    always = {"TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT"}
+    assert set(flight_recorder.environment(tmp_path, {}, frozenset(new | old))) == new | always
+    assert set(flight_recorder.environment(tmp_path, {}, frozenset(old))) == old | always
+    assert set(flight_recorder.environment(tmp_path, {}, frozenset())) == set(NAMES)
+    assert set(flight_recorder.environment(tmp_path, {}, None)) == set(NAMES)
+
+
+def test_what_torch_reads_is_found_in_its_native_libraries(tmp_path: Path) -> None:
+    """The installed torch's libraries, read: torch 2.13 (pinned) holds both names of each
+    renamed setting (its CPU build has no NCCL group, so not the NCCL-only two). Another
+    interpreter's torch is not looked for. A file that is no ELF is searched whole."""
+    reads = flight_recorder.torch_reads()
+    assert reads is not None and {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+                                  "TORCH_FR_DUMP_TEMP_FILE"} <= reads
+    assert flight_recorder.torch_reads("/usr/bin/false") is None
+    lib = tmp_path / "libtorch_cpu.so"
+    lib.write_bytes(b"\x00" * 100 + b"TORCH_FR_BUFFER_SIZE\x00TORCH_FR_DUMP_TEMP_FILEX\x00")
+    assert flight_recorder._names_in(lib, NAMES) == {"TORCH_FR_BUFFER_SIZE"}
 
 
 def fake_rank(pipe: Path, dump: Path, stop: threading.Event, ready: threading.Event) -> None:

@@ -51,3 +51,21 @@ def test_torchrun_outliving_its_exited_ranks_is_stuck_after_a_few_seconds_not_id
     one_left = Teardown({0: procs["exited"].pid, 1: procs["blocked"].pid}, now=0.0,
                         idle_s=30.0)
     assert not one_left.stuck(Teardown.EXITED_S + 0.1) and not one_left.exited
+
+
+def test_on_several_nodes_torchrun_is_waited_for_as_long_as_another_node_may_still_come(
+        procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    """A follower's torchrun lingers in its exit barrier for the other nodes, whose teardowns
+    their own babysitters give ``idle_s``: it waits that long more (``linger_s``). The leader's
+    hosts the rendezvous store: stopping it while another node's torchrun runs takes the store
+    from under that node's exit barrier and shutdown, so it waits while they run, and
+    ``EXITED_S`` from the tick that says they are gone."""
+    ranks = {0: procs["exited"].pid}
+    follower = Teardown(ranks, now=0.0, idle_s=8.0, linger_s=8.0 + Teardown.EXITED_S)
+    assert not follower.stuck(0.0) and not follower.stuck(Teardown.EXITED_S + 1)
+    assert follower.stuck(8.0 + Teardown.EXITED_S) and follower.exited
+    leader = Teardown(ranks, now=0.0, idle_s=8.0)
+    assert not leader.stuck(0.0, others_up=True)
+    assert not leader.stuck(100.0, others_up=True)  # another node still tears down
+    assert not leader.stuck(101.0) and not leader.stuck(101.0 + Teardown.EXITED_S - 0.5)
+    assert leader.stuck(101.0 + Teardown.EXITED_S) and leader.exited
