@@ -283,7 +283,7 @@ class Supervisor:
     def _launch(self, attempt: int, remedy: Remedy | None) -> None:
         takeover = self._takeover if attempt == self._first_attempt and remedy is None else None
         found = resuming(self.recovery, self.members, self.watch, remedy, attempt,
-                         takeover.prior.last_step if takeover is not None else None)
+                         takeover.prior.last_step if takeover is not None else None, self._newest())
         self._journal_all(found.entries)
         restored = found.restored  # the script's own checkpoint put back (stdout mode)
         directive, changes = self.watch.launch(attempt, remedy, found.resume,

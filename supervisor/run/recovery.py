@@ -140,10 +140,15 @@ class Recovery:
                                  c.manifest.is_just_in_time) for c in listed),
                      self.probation_steps)
 
-    def resume_for(self, remedy: Remedy | None, replayed: tuple[int, int] | None = None
-                   ) -> tuple[Resume | None, list[Entry]]:
+    def resume_for(self, remedy: Remedy | None, replayed: tuple[int, int] | None = None,
+                   newest: int = 0) -> tuple[Resume | None, list[Entry]]:
         """The checkpoint the next attempt starts from (None: from scratch), and what was
         refused on the way. Also cleans checkpoints a killed attempt left half-written.
+
+        ``newest``: the newest step any rank of the stopped attempt reported. A relaunch (which
+        may take the newest checkpoint) may take one saved up to there, though the steps the
+        finding is dated with lagged behind it: retraining those steps would save the same
+        step twice.
 
         ``replayed``: ``(after_step, upto_cursor)`` of the data's rollback after a rerun that
         reproduced its anomaly (``Watch.replayed``): the rerun trained the steps after
@@ -175,8 +180,8 @@ class Recovery:
                 if resume is not None:
                     return resume, entries
         before, allow_pending = rollback.resume_bound(remedy)
-        if allow_pending and self.kept is not None:  # this fault's own just-in-time state
-            before = max(before, self.kept + 1)
+        if allow_pending:  # up to the newest step reported, and this fault's own kept state
+            before = max(before, newest + 1, (self.kept or 0) + 1)
         self.kept = None
         return self._choose(before, allow_pending, entries)
 

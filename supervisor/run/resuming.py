@@ -39,14 +39,14 @@ class Resuming:
 
 
 def resuming(recovery: Recovery, members: Members, watch: Watch, remedy: Remedy | None,
-             attempt: int, takeover_step: int | None = None) -> Resuming:
+             attempt: int, takeover_step: int | None = None, newest: int = 0) -> Resuming:
     """Where ``attempt`` (caused by ``remedy``; None: a plain start) resumes from.
     ``takeover_step``: the newest step a dead supervisor saw, when this launch takes its run
-    over."""
+    over; ``newest``: the newest step any rank of the attempt before reported."""
     if takeover_step is not None:
         resume, entries = recovery.resume_latest(takeover_step)
     else:
-        resume, entries = recovery.resume_for(remedy, watch.replayed(remedy))
+        resume, entries = recovery.resume_for(remedy, watch.replayed(remedy), newest)
     prepared = members.prepare(remedy, attempt)
     put_back = next((f for event, f in prepared if event == RESTORED and f.get("from")), None)
     if put_back is None:

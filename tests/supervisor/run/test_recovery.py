@@ -103,3 +103,26 @@ def test_the_data_remedy_after_a_rerun_resumes_from_the_reruns_own_save(tmp_path
     assert chosen[1]["replayed"].startswith("replayed by the rerun of steps 101-160")
     assert Catalog(tmp_path).get(125).verdict is Verdict.PENDING  # type: ignore[union-attr]
     assert Catalog(tmp_path).get(150).verdict is Verdict.SUSPECT  # type: ignore[union-attr]
+
+
+def test_a_relaunch_takes_a_checkpoint_saved_where_the_ranks_were_past_the_finding(
+        tmp_path: Path) -> None:
+    """A hang's finding is dated with the newest merged step, which can lag behind the step the
+    ranks reached and saved at (a lost node's last summary never comes): the relaunch takes
+    that newest checkpoint rather than training its steps and saving it a second time; and a
+    just-in-time one the fault's ranks kept, whatever its step."""
+    recovery = Recovery(Catalog(tmp_path), probation_steps=5, keep=10)
+    for step in (10, 20, 30):
+        make_ckpt(tmp_path, step, size=100)
+    hang = Finding(Incident.HANG, "hang", Severity.CRITICAL, step=25, onset_step=25,
+                   message="rank 1 hung")
+    remedy = Remedy(Action.RELAUNCH, hang, "relaunch")
+    assert recovery.resume_for(remedy)[0].step == 20  # type: ignore[union-attr]
+    assert recovery.resume_for(remedy, newest=30)[0].step == 30  # type: ignore[union-attr]
+    make_ckpt(tmp_path, 33, size=100)
+    recovery.hear({"event": "just_in_time", "outcome": "saved", "step": 33})
+    assert recovery.resume_for(remedy, newest=32)[0].step == 33  # type: ignore[union-attr]
+    # A spike's rollback is bounded by its onset, whatever the ranks reached.
+    spike = Finding(Incident.LOSS_SPIKE, "loss_spike", Severity.CRITICAL, step=31,
+                    onset_step=25, message="spike")
+    assert recovery.resume_for(Remedy(Action.ROLLBACK, spike, "x"), newest=31)[0] is None
