@@ -23,10 +23,10 @@ The layout (little-endian)::
 ``seq`` and the mark reads as torn (its streams are then lost, and said so). The header is
 torch-free; only ``rng`` needs torch.
 
-Capturing the streams costs about 5 us a step: torch's state is copied every step (1 us), while
-Python's ``random`` and numpy's global generator are re-read only when a cheap look at their
-position says they moved (a full read costs 9 and 33 us, and most training loops never draw
-from them). The look reads the generators' own memory; it is checked against their public
+Capturing the streams costs about 15 us a step in a training loop (``benchmarks/mark_cost.py``):
+torch's CPU state (5 KB) is copied every step, while Python's ``random`` and numpy's global
+generator are re-read only when a cheap look at their position says they moved (a full read
+costs 9 and 33 us, and most training loops never draw from them). The look reads the generators' own memory; it is checked against their public
 state once per process and replaced by the full read wherever that check fails.
 """
 
@@ -128,6 +128,8 @@ class MarkWriter:
         finally:
             os.close(fd)
         self.path = path
+        self._view: Any = ctypes.c_char.from_buffer(self._map)  # released at close
+        self._torch_at = ctypes.addressof(self._view) + TORCH_AT
         self._seq = 0
         self._lengths = [0, 0, 0, 0]
         self._cuda_width = 0
@@ -142,9 +144,9 @@ class MarkWriter:
         torch, m = self._torch, self._map
         self._seq += 1  # odd: a reader that finds it so knows the write never finished
         m[16:24] = self._seq.to_bytes(8, "little")
-        state = torch.get_rng_state().numpy().data
-        m[TORCH_AT:TORCH_AT + len(state)] = state
-        self._lengths[0] = len(state)
+        state = torch.get_rng_state()
+        ctypes.memmove(self._torch_at, state.data_ptr(), state.numel())  # 5 KB, no wrapper
+        self._lengths[0] = state.numel()
         if torch.cuda.is_initialized():
             states = torch.cuda.get_rng_state_all()
             cuda = b"".join(bytes(t.numpy().data) for t in states)
@@ -159,6 +161,7 @@ class MarkWriter:
                          -1 if samples is None else samples, lr_scale, *self._lengths)
 
     def close(self) -> None:
+        self._view = None  # the map cannot close while a ctypes view of it exists
         self._map.close()
 
 
