@@ -26,8 +26,9 @@ torch-free; only ``rng`` needs torch.
 Capturing the streams costs about 15 us a step in a training loop (``benchmarks/mark_cost.py``):
 torch's CPU state (5 KB) is copied every step, while Python's ``random`` and numpy's global
 generator are re-read only when a cheap look at their position says they moved (a full read
-costs 9 and 33 us, and most training loops never draw from them). The look reads the generators' own memory; it is checked against their public
-state once per process and replaced by the full read wherever that check fails.
+costs 9 and 33 us, and most training loops never draw from them). The look reads the
+generators' own memory; it is checked against their public state once per process and
+replaced by the full read wherever that check fails.
 """
 
 from __future__ import annotations
