@@ -1,6 +1,7 @@
 """``babysit``: the command line.
 
-    babysit run CONFIG.yaml [--run-dir DIR] [torchrun options that override the file]
+    babysit run [options] CONFIG.yaml [options]    # options: --run-dir, torchrun's (they
+                                                   # override the file's launch section)
     babysit run [torchrun options] SCRIPT [script args...]      # drop-in for torchrun
     babysit validate CONFIG.yaml
     babysit doctor CONFIG.yaml [--send-alert] [--json]
@@ -78,28 +79,8 @@ def _spellings(name: str) -> list[str]:
     return [dashed] if dashed == underscored else [dashed, underscored]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="babysit",
-        description="Run distributed PyTorch training under a babysitter: a drop-in for torchrun "
-                    "that detects loss spikes, NaNs, hangs, stragglers and crashes, and recovers.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    run = sub.add_parser(
-        "run", help="run a job from a config file, or torchrun-style from a script",
-        description="Run CONFIG.yaml, or run SCRIPT like torchrun would (default policy, run "
-                    "directory under ./runs). torchrun options given with a config file override "
-                    "its launch section.",
-        epilog="Exit codes: 0 succeeded; 1 failed, do not simply run it again (the job's own "
-               "fault, or no progress since the last requeue); 75 failed for a cause outside "
-               "the job: requeue without the hosts in RUN_DIR/exclude_hosts; 2 a usage or "
-               "config mistake; 128+N stopped by signal N. See docs/multinode.md#exit-codes.",
-        allow_abbrev=False)
-    run.add_argument("target", metavar="CONFIG.yaml|SCRIPT",
-                     help="a run config (.yaml/.yml) or a training script")
-    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
-                     help="arguments for the script (torchrun style)")
+def _run_options(run: argparse.ArgumentParser) -> None:
+    """``babysit run``'s options: before the target, or after a config file."""
     run.add_argument("--run-dir", "--run_dir", dest="run_dir",
                      help="folder for the journal, logs, metrics and checkpoints")
     run.add_argument("--policy", help="built-in policy name or path to a policy YAML")
@@ -136,6 +117,32 @@ def build_parser() -> argparse.ArgumentParser:
         short = {"redirects": ["-r"], "tee": ["-t"]}.get(flag, [])
         torchrun.add_argument(*short, *_spellings(flag), dest=f"owned_{flag}", default=None,
                               help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="babysit",
+        description="Run distributed PyTorch training under a babysitter: a drop-in for torchrun "
+                    "that detects loss spikes, NaNs, hangs, stragglers and crashes, and recovers.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run", help="run a job from a config file, or torchrun-style from a script",
+        description="Run CONFIG.yaml, or run SCRIPT like torchrun would (default policy, run "
+                    "directory under ./runs). torchrun options given with a config file, before "
+                    "or after it, override its launch section.",
+        epilog="Exit codes: 0 succeeded; 1 failed, do not simply run it again (the job's own "
+               "fault, or no progress since the last requeue); 75 failed for a cause outside "
+               "the job: requeue without the hosts in RUN_DIR/exclude_hosts; 2 a usage or "
+               "config mistake; 128+N stopped by signal N. See docs/multinode.md#exit-codes.",
+        allow_abbrev=False)
+    run.add_argument("target", metavar="CONFIG.yaml|SCRIPT",
+                     help="a run config (.yaml/.yml) or a training script")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
+                     help="arguments for the script (torchrun style); after a config file, "
+                          "babysit's and torchrun's options, as before it")
+    _run_options(run)
 
     validate = sub.add_parser("validate", help="check a config file without running it")
     validate.add_argument("config", metavar="CONFIG.yaml")
@@ -214,9 +221,29 @@ def _launch_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def _options_after_config(args: argparse.Namespace) -> None:
+    """Options written after the config file (``babysit run train.yaml --nnodes 2``, as
+    torchrun users type them) read into ``args`` as if written before it; one given on both
+    sides takes the later value."""
+    if not args.args:
+        return
+    tail = argparse.ArgumentParser(prog=f"babysit run {args.target}", add_help=False,
+                                   allow_abbrev=False)
+    _run_options(tail)
+    rest = tail.parse_known_args(args.args, namespace=args)[1]
+    args.args = []
+    if rest:
+        raise UsageError(
+            f"arguments after the config file ({' '.join(rest)}) are not babysit's or "
+            f"torchrun's options: put script arguments under launch.args in {args.target}.")
+
+
 def _plan(args: argparse.Namespace) -> Any:
     from babysit.supervisor.config import plan
 
+    config_file = args.target.endswith((".yaml", ".yml")) and not args.module
+    if config_file:
+        _options_after_config(args)
     overrides = _launch_overrides(args)
     extra: dict[str, Any] = {}
     if args.policy:  # the file's overrides were written for the file's policy
@@ -232,12 +259,7 @@ def _plan(args: argparse.Namespace) -> Any:
             raise UsageError(f"--checkpoint-every {args.checkpoint_every}: give a number of "
                              "steps, or 0 to save no checkpoints.")
         extra["checkpoints"] = {"every_steps": args.checkpoint_every}
-    if args.target.endswith((".yaml", ".yml")) and not args.module:
-        if args.args:
-            raise UsageError(
-                f"arguments after the config file ({' '.join(args.args)}) have nowhere to go: put "
-                f"script arguments under launch.args in {args.target}, and babysit or torchrun "
-                f"options before the config file.")
+    if config_file:
         return plan.from_file(args.target, args.run_dir, overrides, extra)
     launch: dict[str, Any] = {"args": list(args.args), **overrides}
     launch["module" if args.module else "script"] = args.target
