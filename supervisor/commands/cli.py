@@ -3,6 +3,8 @@
     babysit run [options] CONFIG.yaml [options]    # options: --run-dir, torchrun's (they
                                                    # override the file's launch section)
     babysit run [torchrun options] SCRIPT [script args...]      # drop-in for torchrun
+    srun babysit run CONFIG.yaml                   # under Slurm: nodes, node rank, leader and
+                                                   # run directory from the step (config.slurm)
     babysit validate CONFIG.yaml
     babysit doctor CONFIG.yaml [--send-alert] [--json]
     babysit alert-test CONFIG.yaml
@@ -131,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="run a job from a config file, or torchrun-style from a script",
         description="Run CONFIG.yaml, or run SCRIPT like torchrun would (default policy, run "
                     "directory under ./runs). torchrun options given with a config file, before "
-                    "or after it, override its launch section.",
+                    "or after it, override its launch section. Under srun (one task per node), "
+                    "--nnodes, --node-rank, the leader's address and the run directory default "
+                    "to the Slurm step's (docs/multinode.md#slurm).",
         epilog="Exit codes: 0 succeeded; 1 failed, do not simply run it again (the job's own "
                "fault, or no progress since the last requeue); 75 failed for a cause outside "
                "the job: requeue without the hosts in RUN_DIR/exclude_hosts; 2 a usage or "
@@ -240,10 +244,16 @@ def _options_after_config(args: argparse.Namespace) -> None:
 
 def _plan(args: argparse.Namespace) -> Any:
     from babysit.supervisor.config import plan
+    from babysit.supervisor.config.slurm import SlurmStep
 
     config_file = args.target.endswith((".yaml", ".yml")) and not args.module
     if config_file:
         _options_after_config(args)
+    try:
+        slurm = SlurmStep.from_env()
+    except ValueError as exc:
+        raise UsageError(f"cannot read the Slurm step this runs in: {exc}; run babysit under "
+                         f"srun, one task per node, or unset SLURM_STEP_ID") from None
     overrides = _launch_overrides(args)
     extra: dict[str, Any] = {}
     if args.policy:  # the file's overrides were written for the file's policy
@@ -260,7 +270,7 @@ def _plan(args: argparse.Namespace) -> Any:
                              "steps, or 0 to save no checkpoints.")
         extra["checkpoints"] = {"every_steps": args.checkpoint_every}
     if config_file:
-        return plan.from_file(args.target, args.run_dir, overrides, extra)
+        return plan.from_file(args.target, args.run_dir, overrides, extra, slurm=slurm)
     launch: dict[str, Any] = {"args": list(args.args), **overrides}
     launch["module" if args.module else "script"] = args.target
     # No config to set a cadence: checkpoint by default (a script without attach(model=...)
@@ -268,7 +278,8 @@ def _plan(args: argparse.Namespace) -> Any:
     extra.setdefault("checkpoints", {"every_steps": DEFAULT_CHECKPOINT_EVERY,
                                      "cadence": {"auto": True}})
     return plan.from_mapping({"launch": launch, **extra}, source="command line",
-                             base=Path.cwd(), stem="command line", run_dir=args.run_dir)
+                             base=Path.cwd(), stem="command line", run_dir=args.run_dir,
+                             slurm=slurm)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -309,6 +320,8 @@ def _supervise(args: argparse.Namespace, early: Early | None) -> int:
 
     plan = _plan(args)
     console = Console()
+    if plan.slurm is not None:
+        console.log(plan.slurm.describe())
     from babysit.supervisor.commands.doctor import Status, fast_checks, render
 
     results = fast_checks(plan)
