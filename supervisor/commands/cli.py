@@ -321,7 +321,13 @@ def _supervise(args: argparse.Namespace, early: Early | None) -> int:
     plan = _plan(args)
     console = Console()
     if plan.slurm is not None:
+        from babysit.supervisor.node import shield
+
         console.log(plan.slurm.describe())
+        if not shield.torchrun_can():
+            console.log("babysit: warning: this torch's torchrun has no --signals-to-handle "
+                        "(torch 2.9 and later): Slurm's SIGTERM (the time limit's --signal, "
+                        "scancel) ends the ranks before babysit can ask for a final checkpoint")
     from babysit.supervisor.commands.doctor import Status, fast_checks, render
 
     results = fast_checks(plan)
