@@ -337,7 +337,11 @@ def _supervise(args: argparse.Namespace, early: Early | None) -> int:
         console.log("babysit: not starting: fix the failures above, or pass --skip-doctor.")
         return 1
     if not plan.config.launch.multinode:
-        return Supervisor(plan, console, early=early).run()
+        from babysit.supervisor.run import slurm_job
+
+        code = Supervisor(plan, console, early=early).run()
+        slurm_job.end(plan, console.log)
+        return code
     from babysit.supervisor.cluster.roles import run_node
 
     return run_node(plan, console, early)  # leader or follower, and a follower may take over
