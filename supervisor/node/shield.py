@@ -57,8 +57,10 @@ def stop_signal() -> signal.Signals:
 
 def ignore_sigterm() -> None:
     """``preexec_fn`` of a shielded torchrun: SIGTERM ignored, for it and every rank it
-    starts."""
+    starts; SIGHUP, the stop, at its default (babysit itself may have been started with SIGHUP
+    ignored, by ``nohup``: its tree would then ignore the stop too)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def preexec() -> Callable[[], None] | None:
