@@ -38,6 +38,8 @@ NO_SLURM = slurm.available()
 STEPS = 240
 """Long enough that the slow pace (0.3 s a step) is still training when what a job waits for
 comes (Slurm's warning: 30-60 s after the job starts), short at full speed."""
+DOOMED_STEPS = 60
+"""The job that loses a node: killed at step 15, the rest at full speed on the other node."""
 SLOW, FAST = "0.3", "0.01"
 KILL_WAIT_S = 30
 """Slurm's default ``KillWait``: after a SIGTERM that ends the job, its SIGKILL."""
@@ -67,13 +69,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm.Cluster]
         _CLUSTER.clear()
 
 
-def write_config(folder: Path, pace: str = FAST) -> Path:
+def write_config(folder: Path, pace: str = FAST, steps: int = STEPS) -> Path:
     """``folder/train.yaml``: tiny_train, one rank a node, no run directory (Slurm's job id
     names it), paced by ``folder/pace``."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "pace").write_text(pace)
     config = folder / "train.yaml"
-    args = ["--steps", str(STEPS), "--step-sleep", FAST, "--pace-file", str(folder / "pace"),
+    args = ["--steps", str(steps), "--step-sleep", FAST, "--pace-file", str(folder / "pace"),
             "--eval-every", "10"]
     config.write_text(
         f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 1\n"
@@ -161,20 +163,22 @@ def left_running(job: Job) -> list[psutil.Process]:
 
 class ByHand:
     """The same config under ``babysit run`` on two namespaced nodes by hand (the cluster's
-    nodes n0 and n1, outside Slurm): every option given, uninterrupted."""
+    last two nodes, outside Slurm: no job here kills them): every option given,
+    uninterrupted."""
 
     def __init__(self, cluster: slurm.Cluster, folder: Path) -> None:
         self.folder = folder
         config = write_config(folder)
         env = {**babysit_env(), "BABYSIT_SECRET": "a secret for the run by hand"}
+        nodes = range(len(cluster.names))[-2:]
         self.procs = []
-        for node in range(2):
-            with open(folder / f"node{node}.out", "w") as log:
+        for rank, node in enumerate(nodes):
+            with open(folder / f"node{rank}.out", "w") as log:
                 self.procs.append(subprocess.Popen(
                     [*cluster.net.prefix(node), sys.executable, "-m", "babysit", "run",
-                     "--nnodes", "2", "--node-rank", str(node), "--leader", "n0:29401",
-                     "--run-dir", str(folder / "run"), str(config)],
-                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+                     "--nnodes", "2", "--node-rank", str(rank), "--leader",
+                     f"{cluster.names[nodes[0]]}:29401", "--run-dir", str(folder / "run"),
+                     str(config)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
 
     def final_eval(self) -> float:
         codes = [proc.wait(timeout=600) for proc in self.procs]
@@ -186,12 +190,12 @@ class ByHand:
 class Started:
     """What the module starts at once."""
 
+    doomed: Job
     timed: Job
     cancelled: Job
-    doomed: Job
     by_hand: ByHand
     lost: list[int] = field(default_factory=list)
-    """The node index whose machine ``doomed`` lost."""
+    """The node whose machine ``doomed`` lost (until it is returned)."""
 
 
 @pytest.fixture(scope="module")
@@ -199,29 +203,26 @@ def started(cluster: slurm.Cluster, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[Started]:
     """The docs' job script three times, each on 2 of the 6 nodes, and the run by hand:
 
+    - ``doomed``: the docs' elastic step, on n0 and n1 (``--nodelist``: not the run by
+      hand's); at step 15 the node of its node rank 1 loses its slurmd and every process on it
+      to SIGKILL (a machine gone), then full speed;
     - ``timed``: a 2-minute limit and its warning 60 s ahead (``--time=2 --signal=TERM@60``,
-      on sbatch's command line). The warning comes at Slurm's first 30-second time-limit check
-      at least 30 s after the job started, while the run trains slowly; once its final
-      checkpoint is in, the run goes at full speed;
-    - ``cancelled``: ``scancel`` at step 10;
-    - ``doomed``: the docs' elastic step; at step 15 the node of its node rank 1 loses its
-      slurmd and every process on it to SIGKILL (a machine gone), then full speed."""
-    made = Started(Job(tmp_path_factory.mktemp("timed")), Job(tmp_path_factory.mktemp("cancel")),
-                   Job(tmp_path_factory.mktemp("doomed")),
+      on sbatch's command line): slurmctld looks at the time limits every 30 s from its start,
+      and its first look at least 30 s after the job started sends the warning (about a minute
+      after the cluster started). Once the final checkpoint is in, the run goes at full speed,
+      and once the job is requeued it is given 5 minutes (an administrator's ``scontrol update
+      TimeLimit=5``), so that the requeued job finishes before another warning;
+    - ``cancelled``: ``scancel`` at step 10."""
+    made = Started(Job(tmp_path_factory.mktemp("doomed")), Job(tmp_path_factory.mktemp("timed")),
+                   Job(tmp_path_factory.mktemp("cancel")),
                    ByHand(cluster, tmp_path_factory.mktemp("by_hand")))
-    timed, cancelled, doomed = made.timed, made.cancelled, made.doomed
-    for job in (timed, cancelled, doomed):
+    doomed, timed, cancelled = made.doomed, made.timed, made.cancelled
+    write_config(doomed.folder, pace=SLOW, steps=DOOMED_STEPS)
+    for job in (timed, cancelled):
         write_config(job.folder, pace=SLOW)
+    submit(cluster, doomed, f"--nodelist={','.join(cluster.names[:2])}", step=elastic_step())
     submit(cluster, timed, "--time=2", "--signal=TERM@60")
     submit(cluster, cancelled)
-    submit(cluster, doomed, step=elastic_step())
-
-    def full_speed() -> None:
-        timed.pace(FAST)
-
-    def cancel() -> None:
-        done = cluster.run("scancel", cancelled.id)
-        assert done.returncode == 0, done.stderr
 
     def kill_node_1() -> None:
         host = doomed.events("launch")[0]["hosts"]["1"]
@@ -229,9 +230,21 @@ def started(cluster: slurm.Cluster, tmp_path_factory: pytest.TempPathFactory
         assert cluster.kill_node(made.lost[0])
         doomed.pace(FAST)
 
-    timed.when(lambda: timed.events("final_checkpoint"), full_speed)
-    cancelled.when(lambda: cancelled.step() >= 10, cancel)
+    def full_speed() -> None:
+        timed.pace(FAST)
+
+    def give_time() -> None:
+        done = cluster.run("scontrol", "update", f"JobId={timed.id}", "TimeLimit=5")
+        assert done.returncode == 0, done.stderr
+
+    def cancel() -> None:
+        done = cluster.run("scancel", cancelled.id)
+        assert done.returncode == 0, done.stderr
+
     doomed.when(lambda: doomed.step() >= 15, kill_node_1)
+    timed.when(lambda: timed.events("final_checkpoint"), full_speed)
+    timed.when(lambda: timed.events("slurm_job"), give_time)
+    cancelled.when(lambda: cancelled.step() >= 10, cancel)
     yield made
     for node in made.lost:
         cluster.return_node(node)
@@ -277,7 +290,7 @@ def test_a_node_whose_slurmd_dies_is_left_behind_and_the_job_ends_with_the_run(
                   timeout=600)
     assert not job.errors, job.errors
     [finished] = job.events("run_finished")
-    assert finished["state"] == "succeeded" and finished["step"] == STEPS, finished
+    assert finished["state"] == "succeeded" and finished["step"] == DOOMED_STEPS, finished
     assert [e["nodes"] for e in job.events("launch")] == [[0, 1], [0]]
     hosts = job.events("launch")[0]["hosts"]
     [ending] = job.events("slurm_job")
@@ -289,12 +302,12 @@ def test_a_node_whose_slurmd_dies_is_left_behind_and_the_job_ends_with_the_run(
                   lambda: cluster.job(job.id).get("JobState") != "RUNNING", timeout=60)
     cluster.until(f"{hosts['0']} free", lambda: cluster.state(hosts["0"]) == "idle",
                   timeout=60)
-    # The run's processes are gone with it; srun in the job's batch script goes at Slurm's
-    # KillWait (it waits for the dead node's task until then, holding nothing).
+    # The run's processes are gone with it (srun in the job's batch script goes at Slurm's
+    # KillWait: it waits for the dead node's task until then, holding nothing; the module's
+    # last test sees it gone); nothing runs on the dead node.
     assert not [p for p in left_running(job) if p.name() != "srun"]
-    cluster.until("nothing of the job left", lambda: not left_running(job),
-                  timeout=KILL_WAIT_S + 30)
     assert not cluster.net.pids(started.lost[0])
+    cluster.return_node(started.lost.pop())  # its administrator brings it back
 
 
 @pytest.fixture(scope="module")
@@ -363,3 +376,17 @@ def test_at_the_time_limits_warning_the_final_checkpoint_is_saved_and_the_job_re
     assert int(cluster.job(job.id)["Restarts"]) == len(later)
     assert cluster.job(job.id)["JobState"] == "COMPLETED"
     assert final_eval(job.journal(), STEPS) == by_hand
+
+
+def test_nothing_of_any_job_is_left_on_any_node(cluster: slurm.Cluster, started: Started
+                                                ) -> None:
+    """Once every job ended: no process of any of them on any node (every node is this
+    machine), the srun that waited for the dead node's task included (Slurm kills it
+    ``KillWait`` s after the cancel), and the controller holds no job."""
+    jobs = (started.doomed, started.timed, started.cancelled)
+    cluster.until("every job's processes gone",
+                  lambda: not [p for job in jobs for p in left_running(job)],
+                  timeout=KILL_WAIT_S + 60)
+    cluster.until("no job held", lambda: not [
+        line for line in cluster.queued() if line.split()[0] in {j.id for j in jobs}],
+        timeout=60)
