@@ -29,7 +29,15 @@ import psutil
 import pytest
 
 from tests import slurm
-from tests.conftest import FAST_POLICY, ROOT, WORKERS, babysit_env, final_eval, read_jsonl
+from tests.conftest import (
+    FAST_POLICY,
+    ROOT,
+    WORKERS,
+    babysit_env,
+    final_eval,
+    read_jsonl,
+    run_babysit,
+)
 from tests.test_recipes import elastic_step, slurm_script
 
 pytestmark = pytest.mark.e2e
@@ -307,6 +315,8 @@ def test_a_node_whose_slurmd_dies_is_left_behind_and_the_job_ends_with_the_run(
     # last test sees it gone); nothing runs on the dead node.
     assert not [p for p in left_running(job) if p.name() != "srun"]
     assert not cluster.net.pids(started.lost[0])
+    shown = run_babysit("status", str(job.run_dir), cwd=job.folder).stdout
+    assert f"slurm       job {job.id}: cancelled (" in shown, shown
     cluster.return_node(started.lost.pop())  # its administrator brings it back
 
 
