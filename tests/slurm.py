@@ -186,6 +186,10 @@ class Cluster:
         done = self.run("scontrol", "show", "job", "--oneliner", job_id)
         return dict(re.findall(r"(\w+)=(\S*)", done.stdout)) if done.returncode == 0 else {}
 
+    def hostnames(self, hostlist: str) -> list[str]:
+        """A Slurm host list (``n[3,6-7]``) as its hosts (``scontrol show hostnames``)."""
+        return self.run("scontrol", "show", "hostnames", hostlist).stdout.split()
+
     def queued(self) -> list[str]:
         """``squeue``: every job the controller has, as ``id state``."""
         return self.run("squeue", "--noheader", "--format=%i %T").stdout.split("\n")[:-1]

@@ -403,8 +403,9 @@ class RunConfig(DashedSection):
     ``runs/<name>-<job id>``, the same on every node and when the job is requeued
     (docs/multinode.md#slurm). Reusing the folder of a run whose
     supervisor died (killed, OOM, reboot) takes it over: leftover workers are stopped and the
-    run resumes from its newest checkpoint with the skips and LR scale it had. Reusing a
-    finished run's folder appends a new run to its journal."""
+    run resumes from its newest checkpoint with the skips and LR scale it had; so does one that
+    stopped on a signal or ended with a requeue (exit 75). Reusing a finished run's folder
+    appends a new run to its journal."""
     checkpoints: CheckpointConfig = CheckpointConfig()
     """Checkpoint settings."""
     sdc: SdcCheckConfig = SdcCheckConfig()

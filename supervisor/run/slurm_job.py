@@ -10,10 +10,11 @@ At the end, by the run's exit code (its ``run_finished`` entry)::
                                (SlurmdTimeout, 300 s by default) and the job holds its whole
                                allocation meanwhile. Then the job is cancelled (``scancel``),
                                which releases every node at once
-    75 (requeue)               the job is requeued (``scontrol requeue``), the hosts in
+    75 (requeue)               the job is requeued (``scontrol requeue``), then the hosts in
                                RUN_DIR/exclude_hosts and the lost nodes added to its
-                               ExcNodeList first. A job that cannot be requeued (``Requeue=0``,
-                               an salloc session) ends as above
+                               ExcNodeList (Slurm takes that of a pending job only). A job that
+                               cannot be requeued (``Requeue=0``, an salloc session) ends as
+                               above
     128+15 (SIGTERM), the      Slurm's warning before the time limit (``--signal=TERM@...``),
     job still RUNNING          or ``scancel --signal=TERM``: requeued as above, to resume from
                                the final checkpoint; not when the session before ended so too,
@@ -161,16 +162,24 @@ def show(job_id: str) -> Job | None:
     return Job.parse(out) if ok else None
 
 
-def perform(job_id: str, ending: Ending, job: Job) -> str | None:
-    """Do ``ending`` to the job; the error, or None."""
+def perform(job_id: str, ending: Ending, job: Job, lost: bool) -> str | None:
+    """Do ``ending`` to the job; the error, or None. A requeue comes first, its hosts to
+    leave out after it: Slurm changes ``ExcNodeList`` only while a job is pending, which a
+    requeued job is until its credential expires (``AuthInfo=cred_expire``, 120 s). A requeue
+    Slurm refuses ends the job instead when ``lost`` nodes would hold it."""
     if ending.action == "requeue":
+        ok, out = _scontrol("scontrol", "requeue", job_id)
+        if not ok:
+            if lost:
+                _scontrol("scancel", job_id)
+                return f"{out}; cancelled instead"
+            return out
         if ending.exclude:
             merged = ",".join(filter(None, [job.excluded, *ending.exclude]))
             ok, out = _scontrol("scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}")
             if not ok:
                 return out
-        ok, out = _scontrol("scontrol", "requeue", job_id)
-        return None if ok else out
+        return None
     if ending.action == "cancel":
         ok, out = _scontrol("scancel", job_id)
         return None if ok else out
@@ -196,7 +205,7 @@ def end(plan: RunPlan, log: Callable[[str], None]) -> Ending | None:
     hosts = (plan.shared_dir / run_dir.EXCLUDE_HOSTS)
     exclude = hosts.read_text().split() if hosts.exists() else []
     ending = decide(mine, entries[:len(entries) - len(mine)], job, exclude)
-    error = perform(job_id, ending, job)
+    error = perform(job_id, ending, job, lost=bool(lost_nodes(mine)))
     fields: dict[str, Any] = {"job_id": job_id, "action": ending.action, "why": ending.why,
                               "exclude": list(ending.exclude), "error": error}
     last = mine[-1]

@@ -138,3 +138,32 @@ def test_under_slurm_a_job_being_cancelled_leaves_killwait_less_the_stop(
     assert grace(120.0) == 30 - 10 - 3 and grace(5.0) == 5.0
     said["show job"] = SHOWN
     assert grace(120.0) == 120.0
+
+
+def test_a_requeue_comes_before_its_hosts_to_leave_out_and_a_refused_one_cancels(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slurm changes ``ExcNodeList`` only while a job is pending ("Job is no longer pending
+    execution" for a running one, real slurmctld's answer): requeue first. A requeue refused
+    while a lost node holds the job ends the job instead."""
+    calls: list[str] = []
+    refused: set[str] = set()
+
+    def scontrol(*args: str) -> tuple[bool, str]:
+        calls.append(" ".join(args))
+        return args[1] not in refused, "refused"
+
+    monkeypatch.setattr(slurm_job, "_scontrol", scontrol)
+    requeue = Ending("requeue", "75", ("n3",))
+    assert slurm_job.perform("42", requeue, RUNNING, lost=True) is None
+    assert calls == ["scontrol requeue 42", "scontrol update JobId=42 ExcNodeList=n7,n3"]
+    calls.clear()
+    refused.add("update")
+    assert slurm_job.perform("42", requeue, RUNNING, lost=True) == "refused"
+    assert calls[0] == "scontrol requeue 42"  # requeued all the same
+    calls.clear()
+    refused.add("requeue")
+    assert slurm_job.perform("42", requeue, RUNNING, lost=True) == "refused; cancelled instead"
+    assert calls == ["scontrol requeue 42", "scancel 42"]
+    calls.clear()
+    assert slurm_job.perform("42", requeue, RUNNING, lost=False) == "refused"
+    assert calls == ["scontrol requeue 42"]
