@@ -79,6 +79,14 @@ def journal(run_dir: Path, event: str) -> list[dict[str, Any]]:
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == event]
 
 
+def final_eval(events: list[dict[str, Any]], step: int) -> float:
+    """A run's held-out loss at ``step`` (``tiny_train.py --eval-every``; every rank holds the
+    same model: one value), from its journal's entries."""
+    [value] = {e["data"]["values"]["eval_loss"] for e in events
+               if e["event"] == "worker_scalars" and e["data"]["step"] == step}
+    return float(value)
+
+
 T = TypeVar("T")
 
 

@@ -6,6 +6,11 @@ multi-homed hosts and containers): exactly the case where a node cannot tell the
 own address. A partition takes one node's link down on the bridge; a slow link is a ``tc``
 token bucket on it. Everything is created by the test and removed after it, and only the
 addresses inside these namespaces (10.77.0.0/24, unreachable from the host) are ever targets.
+
+A network may also give each node a host name (``names``: an ``/etc/hosts`` of its own, which
+``ip netns exec`` mounts over the machine's for what runs in it) and the bridge's namespace an
+address of its own (``HUB``, 10.77.0.254, for a service every node reaches: a scheduler's
+controller, as on a cluster's head node).
 """
 
 from __future__ import annotations
@@ -13,10 +18,16 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 SUBNET = "10.77.0"
+HUB = f"{SUBNET}.254"
+"""The bridge's own address, in its namespace (``Network(hub=True)``)."""
+NETNS_ETC = Path("/etc/netns")
+"""Where ``ip netns exec NAME`` finds files to mount over ``/etc`` (``NAME/hosts``)."""
 
 
 def available() -> str | None:
@@ -34,12 +45,20 @@ def available() -> str | None:
 
 
 class Network:
-    """``nodes`` namespaces on one bridge; node ``i`` has address ``10.77.0.<i+1>``."""
+    """``nodes`` namespaces on one bridge; node ``i`` has address ``10.77.0.<i+1>``.
 
-    def __init__(self, nodes: int) -> None:
+    ``hosts``: a host name for each node (``hosts[i]`` resolves to node ``i``'s address in
+    every namespace of the network, the hub's too); ``hub``: the bridge's namespace gets
+    ``HUB`` (resolving as ``hub_name``)."""
+
+    def __init__(self, nodes: int, hosts: list[str] | None = None, hub: bool = False,
+                 hub_name: str = "hub") -> None:
         tag = f"bs{os.getpid() % 100000}"
         self.hub = f"{tag}h"
         self.names = [f"{tag}n{i}" for i in range(nodes)]
+        self.hosts = hosts or []
+        self.hub_address = HUB if hub else None
+        self.hub_name = hub_name
 
     def address(self, node: int) -> str:
         return f"{SUBNET}.{node + 1}"
@@ -47,6 +66,25 @@ class Network:
     def prefix(self, node: int) -> list[str]:
         """The command prefix that runs a process inside ``node``'s namespace."""
         return ["ip", "netns", "exec", self.names[node]]
+
+    def hub_prefix(self) -> list[str]:
+        """The command prefix that runs a process in the bridge's namespace (``HUB``)."""
+        return ["ip", "netns", "exec", self.hub]
+
+    def pids(self, node: int) -> list[int]:
+        """Every process in ``node``'s namespace."""
+        done = subprocess.run(["ip", "netns", "pids", self.names[node]], capture_output=True,
+                              text=True)
+        return [int(p) for p in done.stdout.split()]
+
+    def kill(self, node: int) -> list[int]:
+        """SIGKILL every process in ``node``'s namespace, as a machine that died would lose
+        them; returns their pids."""
+        pids = self.pids(node)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return pids
 
     def cut(self, node: int) -> None:
         """A partition: ``node``'s link to the others goes down (the node itself lives)."""
@@ -77,6 +115,11 @@ class Network:
                 _ip("-n", name, "addr", "add", f"{self.address(node)}/24", "dev", "eth0")
                 _ip("-n", name, "link", "set", "eth0", "up")
                 _ip("-n", name, "link", "set", "lo", "up")
+            if self.hub_address is not None:
+                _ip("-n", self.hub, "addr", "add", f"{self.hub_address}/24", "dev", "br0")
+                _ip("-n", self.hub, "link", "set", "lo", "up")
+            if self.hosts or self.hub_address is not None:
+                self._write_hosts()
         except BaseException:
             self.remove()
             raise
@@ -85,9 +128,19 @@ class Network:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
+    def _write_hosts(self) -> None:
+        names = [f"{self.address(i)} {host}\n" for i, host in enumerate(self.hosts)]
+        if self.hub_address is not None:
+            names.append(f"{self.hub_address} {self.hub_name}\n")
+        machine = Path("/etc/hosts").read_text()
+        for name in [*self.names, self.hub]:
+            (NETNS_ETC / name).mkdir(parents=True, exist_ok=True)
+            (NETNS_ETC / name / "hosts").write_text(machine + "".join(names))
+
     def remove(self) -> None:
         for name in [*self.names, self.hub]:  # a namespace's veth ends go with it
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
 
 
 @contextlib.contextmanager

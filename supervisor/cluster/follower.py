@@ -67,6 +67,7 @@ from babysit.supervisor.cluster.node_view import NodeView
 from babysit.supervisor.cluster.wire import AuthError, Peer, connect
 from babysit.supervisor.config.address import format_address, parse_address
 from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.config.slurm import Taken
 from babysit.supervisor.node import ahead, incident, launcher
 from babysit.supervisor.node.gpu_watch import GpuWatch
 from babysit.supervisor.node.sketch import StepSummary
@@ -376,7 +377,8 @@ class Follower:
             attempt, directive, rdzv_endpoint=message.rdzv_endpoint, rdzv_id=message.rdzv_id,
             nnodes=str(message.nnodes), node_rank=message.node_rank, place=place))
         self._journal("launch", command=command, rdzv_endpoint=message.rdzv_endpoint,
-                      directive=directive.to_json(), torchrun_ahead=self.workers.launched_ahead)
+                      directive=directive.to_json(), torchrun_ahead=self.workers.launched_ahead,
+                      **Taken.fields(self.plan.slurm))
 
     def _stop_workers(self, reason: str, replacing: bool = False) -> None:
         if self.workers.group is not None and self.workers.group.processes():

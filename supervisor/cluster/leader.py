@@ -53,6 +53,7 @@ from babysit.supervisor.cluster.messages import (
 )
 from babysit.supervisor.cluster.node_view import NodeView, located
 from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.config.slurm import Taken
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent, mfu_inputs
 from babysit.supervisor.node import ahead, standby
@@ -237,7 +238,8 @@ class ClusterMembers(OnThisNode):
                 "standby": False, "standby_off": self._standby_off,
                 "torchrun_ahead": self.workers.launched_ahead, "nodes": nodes,
                 "hosts": {str(n): self.cluster.hosts.get(n, self.view.host) for n in nodes},
-                "spares": {str(n): self.cluster.hosts.get(n, "?") for n in spares}}
+                "spares": {str(n): self.cluster.hosts.get(n, "?") for n in spares},
+                **Taken.fields(self.plan.slurm)}
 
     def stop(self, reason: str, *, replacing: bool = False) -> int | None:
         moot = Gathered()

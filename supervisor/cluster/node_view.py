@@ -21,6 +21,7 @@ import dataclasses
 import socket
 
 from babysit.policies.types import Finding, RankStep, StepRecord
+from babysit.supervisor.config import slurm
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent
@@ -30,8 +31,10 @@ from babysit.supervisor.run.watch import Watch
 
 
 def node_name() -> str:
-    """This machine's host name, as findings and alerts show it."""
-    return socket.gethostname()
+    """This machine's name, as findings, alerts and ``exclude_hosts`` show it: in a Slurm
+    job the node's Slurm name (what ``ExcNodeList`` and ``sbatch --exclude`` take), else its
+    host name."""
+    return slurm.node_name() or socket.gethostname()
 
 
 def located(finding: Finding, node: int, host: str) -> Finding:

@@ -26,7 +26,7 @@ from babysit.supervisor.cluster.leadership import Lease, LeaseWatch, Term
 from babysit.supervisor.cluster.node_view import node_name
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.node import ahead
-from babysit.supervisor.run import journal
+from babysit.supervisor.run import journal, slurm_job
 from babysit.supervisor.run.console import Console
 from babysit.supervisor.run.loop import Supervisor
 
@@ -35,7 +35,8 @@ POLL_S = 0.2
 
 def run_node(plan: RunPlan, console: Console, early: ahead.Early | None = None) -> int:
     """Run this node's babysitter to the end of the run; returns its exit code. ``early``:
-    the first attempt's torchrun started ahead, for whichever role launches first."""
+    the first attempt's torchrun started ahead, for whichever role launches first. The
+    babysitter that leads the run to its end ends its Slurm job with it (``slurm_job``)."""
     secret = plan.secret()
     plan.shared_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     lease = Lease(plan.shared_dir, plan.node_rank, node_name(), plan.config.nodes.heartbeat_s)
@@ -49,11 +50,13 @@ def run_node(plan: RunPlan, console: Console, early: ahead.Early | None = None) 
                 return following
             term, expect = following, survivors(plan, following)
         leading = for_term(plan, term)
-        return Supervisor(leading, console,
+        code = Supervisor(leading, console,
                           members=ClusterMembers(leading, secret, term, lease, expect,
                                                  early)).run()
     finally:
         lease.leave()
+    slurm_job.end(leading, console.log)  # after the lease says this node left
+    return code
 
 
 def _first_term(plan: RunPlan) -> Term:

@@ -1,7 +1,10 @@
 """``babysit``: the command line.
 
-    babysit run CONFIG.yaml [--run-dir DIR] [torchrun options that override the file]
+    babysit run [options] CONFIG.yaml [options]    # options: --run-dir, torchrun's (they
+                                                   # override the file's launch section)
     babysit run [torchrun options] SCRIPT [script args...]      # drop-in for torchrun
+    srun babysit run CONFIG.yaml                   # under Slurm: nodes, node rank, leader and
+                                                   # run directory from the step (config.slurm)
     babysit validate CONFIG.yaml
     babysit doctor CONFIG.yaml [--send-alert] [--json]
     babysit alert-test CONFIG.yaml
@@ -78,28 +81,8 @@ def _spellings(name: str) -> list[str]:
     return [dashed] if dashed == underscored else [dashed, underscored]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="babysit",
-        description="Run distributed PyTorch training under a babysitter: a drop-in for torchrun "
-                    "that detects loss spikes, NaNs, hangs, stragglers and crashes, and recovers.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    run = sub.add_parser(
-        "run", help="run a job from a config file, or torchrun-style from a script",
-        description="Run CONFIG.yaml, or run SCRIPT like torchrun would (default policy, run "
-                    "directory under ./runs). torchrun options given with a config file override "
-                    "its launch section.",
-        epilog="Exit codes: 0 succeeded; 1 failed, do not simply run it again (the job's own "
-               "fault, or no progress since the last requeue); 75 failed for a cause outside "
-               "the job: requeue without the hosts in RUN_DIR/exclude_hosts; 2 a usage or "
-               "config mistake; 128+N stopped by signal N. See docs/multinode.md#exit-codes.",
-        allow_abbrev=False)
-    run.add_argument("target", metavar="CONFIG.yaml|SCRIPT",
-                     help="a run config (.yaml/.yml) or a training script")
-    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
-                     help="arguments for the script (torchrun style)")
+def _run_options(run: argparse.ArgumentParser) -> None:
+    """``babysit run``'s options: before the target, or after a config file."""
     run.add_argument("--run-dir", "--run_dir", dest="run_dir",
                      help="folder for the journal, logs, metrics and checkpoints")
     run.add_argument("--policy", help="built-in policy name or path to a policy YAML")
@@ -136,6 +119,34 @@ def build_parser() -> argparse.ArgumentParser:
         short = {"redirects": ["-r"], "tee": ["-t"]}.get(flag, [])
         torchrun.add_argument(*short, *_spellings(flag), dest=f"owned_{flag}", default=None,
                               help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="babysit",
+        description="Run distributed PyTorch training under a babysitter: a drop-in for torchrun "
+                    "that detects loss spikes, NaNs, hangs, stragglers and crashes, and recovers.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run", help="run a job from a config file, or torchrun-style from a script",
+        description="Run CONFIG.yaml, or run SCRIPT like torchrun would (default policy, run "
+                    "directory under ./runs). torchrun options given with a config file, before "
+                    "or after it, override its launch section. Under srun (one task per node), "
+                    "--nnodes, --node-rank, the leader's address and the run directory default "
+                    "to the Slurm step's (docs/multinode.md#slurm).",
+        epilog="Exit codes: 0 succeeded; 1 failed, do not simply run it again (the job's own "
+               "fault, or no progress since the last requeue); 75 failed for a cause outside "
+               "the job: requeue without the hosts in RUN_DIR/exclude_hosts; 2 a usage or "
+               "config mistake; 128+N stopped by signal N. See docs/multinode.md#exit-codes.",
+        allow_abbrev=False)
+    run.add_argument("target", metavar="CONFIG.yaml|SCRIPT",
+                     help="a run config (.yaml/.yml) or a training script")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
+                     help="arguments for the script (torchrun style); after a config file, "
+                          "babysit's and torchrun's options, as before it")
+    _run_options(run)
 
     validate = sub.add_parser("validate", help="check a config file without running it")
     validate.add_argument("config", metavar="CONFIG.yaml")
@@ -214,9 +225,35 @@ def _launch_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def _options_after_config(args: argparse.Namespace) -> None:
+    """Options written after the config file (``babysit run train.yaml --nnodes 2``, as
+    torchrun users type them) read into ``args`` as if written before it; one given on both
+    sides takes the later value."""
+    if not args.args:
+        return
+    tail = argparse.ArgumentParser(prog=f"babysit run {args.target}", add_help=False,
+                                   allow_abbrev=False)
+    _run_options(tail)
+    rest = tail.parse_known_args(args.args, namespace=args)[1]
+    args.args = []
+    if rest:
+        raise UsageError(
+            f"arguments after the config file ({' '.join(rest)}) are not babysit's or "
+            f"torchrun's options: put script arguments under launch.args in {args.target}.")
+
+
 def _plan(args: argparse.Namespace) -> Any:
     from babysit.supervisor.config import plan
+    from babysit.supervisor.config.slurm import SlurmStep
 
+    config_file = args.target.endswith((".yaml", ".yml")) and not args.module
+    if config_file:
+        _options_after_config(args)
+    try:
+        slurm = SlurmStep.from_env()
+    except ValueError as exc:
+        raise UsageError(f"cannot read the Slurm step this runs in: {exc}; run babysit under "
+                         f"srun, one task per node, or unset SLURM_STEP_ID") from None
     overrides = _launch_overrides(args)
     extra: dict[str, Any] = {}
     if args.policy:  # the file's overrides were written for the file's policy
@@ -232,13 +269,8 @@ def _plan(args: argparse.Namespace) -> Any:
             raise UsageError(f"--checkpoint-every {args.checkpoint_every}: give a number of "
                              "steps, or 0 to save no checkpoints.")
         extra["checkpoints"] = {"every_steps": args.checkpoint_every}
-    if args.target.endswith((".yaml", ".yml")) and not args.module:
-        if args.args:
-            raise UsageError(
-                f"arguments after the config file ({' '.join(args.args)}) have nowhere to go: put "
-                f"script arguments under launch.args in {args.target}, and babysit or torchrun "
-                f"options before the config file.")
-        return plan.from_file(args.target, args.run_dir, overrides, extra)
+    if config_file:
+        return plan.from_file(args.target, args.run_dir, overrides, extra, slurm=slurm)
     launch: dict[str, Any] = {"args": list(args.args), **overrides}
     launch["module" if args.module else "script"] = args.target
     # No config to set a cadence: checkpoint by default (a script without attach(model=...)
@@ -246,7 +278,8 @@ def _plan(args: argparse.Namespace) -> Any:
     extra.setdefault("checkpoints", {"every_steps": DEFAULT_CHECKPOINT_EVERY,
                                      "cadence": {"auto": True}})
     return plan.from_mapping({"launch": launch, **extra}, source="command line",
-                             base=Path.cwd(), stem="command line", run_dir=args.run_dir)
+                             base=Path.cwd(), stem="command line", run_dir=args.run_dir,
+                             slurm=slurm)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -287,6 +320,14 @@ def _supervise(args: argparse.Namespace, early: Early | None) -> int:
 
     plan = _plan(args)
     console = Console()
+    if plan.slurm is not None:
+        from babysit.supervisor.node import shield
+
+        console.log(plan.slurm.describe())
+        if not shield.torchrun_can():
+            console.log("babysit: warning: this torch's torchrun has no --signals-to-handle "
+                        "(torch 2.9 and later): Slurm's SIGTERM (the time limit's --signal, "
+                        "scancel) ends the ranks before babysit can ask for a final checkpoint")
     from babysit.supervisor.commands.doctor import Status, fast_checks, render
 
     results = fast_checks(plan)
@@ -296,7 +337,11 @@ def _supervise(args: argparse.Namespace, early: Early | None) -> int:
         console.log("babysit: not starting: fix the failures above, or pass --skip-doctor.")
         return 1
     if not plan.config.launch.multinode:
-        return Supervisor(plan, console, early=early).run()
+        from babysit.supervisor.run import slurm_job
+
+        code = Supervisor(plan, console, early=early).run()
+        slurm_job.end(plan, console.log)
+        return code
     from babysit.supervisor.cluster.roles import run_node
 
     return run_node(plan, console, early)  # leader or follower, and a follower may take over

@@ -38,6 +38,10 @@ as in the journal)::
     nodes                       multi-node runs (the leader's journal), else null: {attempt,
                                 nodes: {node rank: host} of the newest launch, lost: the newest
                                 5 {time, node, host, why}}
+    slurm                       a run under srun: {job_id, took: {key: "value (VARIABLE)"} of
+                                the newest launch, and once its session ended, action:
+                                "requeue" | "cancel" | null (left to end), why, error}
+                                (``run.slurm_job``); else null
     reruns                      whose fault each rerun spike or NaN was (``rerun`` entries):
                                 the newest 5 {time, step, verdict: "reproduced" (the data's,
                                 skipped), "transient" (the machine's, nothing skipped) or
@@ -387,6 +391,21 @@ def nodes(h: History) -> dict[str, Any] | None:
             "lost": lost[-5:], "evicted": evicted}
 
 
+def slurm(h: History) -> dict[str, Any] | None:
+    """The Slurm job a run under ``srun`` ran in, what it took from the step, and what the end
+    of its newest session did to the job."""
+    launch = next((e for e in reversed(h.events)
+                   if e.get("event") == "launch" and isinstance(e.get("slurm"), dict)), None)
+    if launch is None:
+        return None
+    took = launch["slurm"]
+    ending = next((e for e in reversed(h.events) if e.get("event") == "slurm_job"), None)
+    if ending is not None and ending.get("time", 0) < launch.get("time", 0):
+        ending = None  # an earlier session's
+    return {"job_id": took.get("job_id"), "took": took.get("took", {}),
+            **{k: ending.get(k) if ending else None for k in ("action", "why", "error")}}
+
+
 LEDGER_MAX_BYTES = 16 << 20
 """Above this size (about 27k steps of a 2-rank run; reading that much takes 0.6 s here),
 ``status`` does not read the whole metrics file for the ledger; it shows the one the supervisor
@@ -456,6 +475,7 @@ def snapshot(run_dir: str | Path, now: float | None = None) -> dict[str, Any]:
         "steps_per_s": steps_per_s, "tokens_per_s": tokens_per_s, "mfu": median_mfu(tail),
         "loss_spread": row_loss_spread(last),
         "sdc": sdc_checks(h), "cadence": cadence(h), "nodes": nodes(h), "reruns": reruns(h),
+        "slurm": slurm(h),
         "incident_count": len(h.incidents), "ignored_findings": len(h.ignored),
         "incidents": [i.to_json() for i in h.incidents[-RECENT_INCIDENTS:]],
         "attempt_history": [a.to_json() for a in h.attempts],

@@ -123,6 +123,12 @@ def render(s: dict[str, Any], now: float | None = None) -> str:
                 + " waiting")
         for e in n.get("evicted", []):
             row("evicted", f"node {e['node']} ({e['host']}) at {_clock(e['time'])}: {e['why']}")
+    if s.get("slurm") is not None:
+        j = s["slurm"]
+        done = {"requeue": "requeued", "cancel": "cancelled", None: "left to end by itself"}
+        ended = (f": {done[j['action']]} ({j['why']})" if j["why"] else "")
+        row("slurm", f"job {j['job_id']}{ended}" + (f"; failed: {j['error']}" if j["error"]
+                                                      else ""))
     if s["cadence"] is not None:
         adopted = s["cadence"]["adopted_every"]
         row("cadence", str(s["cadence"].get("summary", "-"))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from babysit.supervisor.config import schema as cfg
+from babysit.supervisor.config import slurm as slurm_env
 from babysit.supervisor.config.address import format_address, parse_address
 
 
@@ -32,6 +33,8 @@ class RunPlan:
     shared_dir: Path
     """The run directory every node shares (a multi-node run's record and its ``leader/`` and
     ``nodes/`` folders); ``run_dir`` is this node's own folder in it when it follows."""
+    slurm: slurm_env.Taken | None = None
+    """The Slurm step this babysitter runs in (under ``srun``), and what it took from it."""
 
     @property
     def node_rank(self) -> int:
@@ -84,12 +87,14 @@ _NO_SECRET = (
 
 def from_file(path: str | Path, run_dir: str | None = None,
               launch_overrides: dict[str, Any] | None = None,
-              overrides: dict[str, Any] | None = None) -> RunPlan:
+              overrides: dict[str, Any] | None = None,
+              slurm: slurm_env.SlurmStep | None = None) -> RunPlan:
     """Load, validate and resolve a config file. Raises ``ConfigError`` listing every problem.
 
     ``launch_overrides`` (torchrun options from the command line) replace keys of the file's
     ``launch`` section, ``overrides`` top-level keys, before validation (a mapping merges into
-    the file's section of that name).
+    the file's section of that name). ``slurm``: the step babysit runs in (``srun``), which
+    fills in what neither gave (``config.slurm.fill``).
     """
     data = cfg.read_yaml(path)
     if launch_overrides:
@@ -101,22 +106,31 @@ def from_file(path: str | Path, run_dir: str | None = None,
             value = {**section, **value}
         data[key] = value
     base = Path(path).resolve().parent
-    return resolve(cfg.parse(data, str(path)), base, str(path), Path(path).stem, run_dir)
+    return from_mapping(data, str(path), base, Path(path).stem, run_dir, slurm)
 
 
 def from_mapping(data: dict[str, Any], source: str, base: Path, stem: str,
-                 run_dir: str | None = None) -> RunPlan:
+                 run_dir: str | None = None,
+                 slurm: slurm_env.SlurmStep | None = None) -> RunPlan:
     """Same as ``from_file`` for a config built in memory (the torchrun-style command line)."""
-    return resolve(cfg.parse(data, source), base, source, stem, run_dir)
+    taken = None
+    if slurm is not None:
+        try:
+            taken = slurm_env.Taken(slurm, slurm_env.fill(data, slurm, source))
+        except ValueError as exc:
+            raise cfg.ConfigError(str(exc)) from None
+    return resolve(cfg.parse(data, source), base, source, stem, run_dir, slurm=taken)
 
 
 def resolve(config: cfg.RunConfig, base: Path, source: str, stem: str,
-            run_dir_override: str | None = None, check: bool = True) -> RunPlan:
+            run_dir_override: str | None = None, check: bool = True,
+            slurm: slurm_env.Taken | None = None) -> RunPlan:
     """Fill in every default (name, run directory, script path, interpreter, checkpoint folder).
 
     With ``check`` the file-system, policy and alert checks run too and every problem found is
     raised as one ``ConfigError``; ``babysit doctor`` resolves without them so that it can report
-    each problem as a check of its own, with its own fix.
+    each problem as a check of its own, with its own fix. ``slurm``: the step babysit runs in;
+    its job id names the default run directory.
     """
     script = cfg.resolve_script(config, base)
     if config.name:
@@ -129,6 +143,10 @@ def resolve(config: cfg.RunConfig, base: Path, source: str, stem: str,
         run_dir = Path(run_dir_override).resolve()
     elif config.run_dir is not None:
         run_dir = Path(config.run_dir).resolve()
+    elif slurm is not None:
+        run_dir = Path(slurm_env.run_dir(name, slurm.step)).resolve()
+        slurm.keys["run_dir"] = f"{run_dir} (SLURM_JOB_ID)"
+        run_dir_override = str(run_dir)  # the same on every node: a multi-node run may use it
     else:
         run_dir = cfg.default_run_dir(name).resolve()
     checkpoint_dir = cfg.checkpoint_dir(config, base, run_dir)
@@ -147,7 +165,7 @@ def resolve(config: cfg.RunConfig, base: Path, source: str, stem: str,
     return RunPlan(
         config=config, source=source, base=base, name=name, run_dir=run_dir, script=script,
         python=config.launch.python or sys.executable, checkpoint_dir=checkpoint_dir,
-        shared_dir=shared_dir,
+        shared_dir=shared_dir, slurm=slurm,
     )
 
 

@@ -248,7 +248,9 @@ class CheckpointConfig(DashedSection):
     final_grace_s: float = Field(120.0, ge=0)
     """On SIGTERM (what a scheduler sends before reclaiming the node), seconds babysit waits for
     the workers to save a final checkpoint before stopping them; 0 stops at once. The next
-    ``babysit run`` with the same run directory resumes from it. SIGINT never waits."""
+    ``babysit run`` with the same run directory resumes from it. SIGINT never waits. Under
+    Slurm, a job being cancelled leaves at most its ``KillWait`` less ``launch.stop_grace_s``
+    and 3 s (12 s by default): the wait is cut to that."""
     cadence: CadenceConfig = CadenceConfig()
     """Advice on ``every_steps`` from this run's measured costs, and its opt-in adoption."""
 
@@ -410,10 +412,13 @@ class RunConfig(DashedSection):
     name (or the script's name when launched without a config)."""
     run_dir: str | None = None
     """Folder for everything the run leaves behind (journal, logs, metrics, checkpoints). Default:
-    ``runs/<name>-<date>-<time>`` under the current directory. Reusing the folder of a run whose
+    ``runs/<name>-<date>-<time>`` under the current directory; under ``srun``,
+    ``runs/<name>-<job id>``, the same on every node and when the job is requeued
+    (docs/multinode.md#slurm). Reusing the folder of a run whose
     supervisor died (killed, OOM, reboot) takes it over: leftover workers are stopped and the
-    run resumes from its newest checkpoint with the skips and LR scale it had. Reusing a
-    finished run's folder appends a new run to its journal."""
+    run resumes from its newest checkpoint with the skips and LR scale it had; so does one that
+    stopped on a signal or ended with a requeue (exit 75). Reusing a finished run's folder
+    appends a new run to its journal."""
     checkpoints: CheckpointConfig = CheckpointConfig()
     """Checkpoint settings."""
     sdc: SdcCheckConfig = SdcCheckConfig()

@@ -39,6 +39,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from babysit.supervisor.node import shield
+
 MODULE = "babysit.supervisor.node.ahead"
 TORCHRUN = ["-m", "torch.distributed.run"]
 """What follows the interpreter in every torchrun command line babysit builds."""
@@ -112,7 +114,8 @@ class Early:
         self.env.setdefault("PYTHONUNBUFFERED", "1")  # as every attempt's (NodeWorkers._env)
         self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
             command(python), env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=shield.preexec())
 
     def unfit(self, python: str, launch_env: Mapping[str, str], on: bool,
               command_: list[str]) -> str | None:

@@ -32,6 +32,7 @@ import psutil
 from babysit.supervisor.config.address import parse_address
 from babysit.supervisor.config.schema import LaunchConfig
 from babysit.supervisor.contract.protocol import ENV_ATTEMPT, ENV_RUN_DIR
+from babysit.supervisor.node import shield
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -160,10 +161,11 @@ def torchrun_command(
     rdzv_endpoint: str,
     log_dir: Path,
     prewarm: bool = False,
+    shielded: bool = False,
 ) -> list[str]:
     """The torchrun command line for one attempt. Pure: builds a list, starts nothing.
     ``prewarm``: the ranks run ``rank.prewarm`` with the script and its arguments (an import
-    standby's)."""
+    standby's). ``shielded``: torchrun leaves SIGTERM alone (``node.shield``)."""
     cmd = [python, "-m", "torch.distributed.run",
            "--nproc-per-node", str(launch.nproc_per_node),
            "--nnodes", launch.nnodes,
@@ -187,6 +189,8 @@ def torchrun_command(
     if launch.no_python:
         cmd.append("--no-python")
     cmd += launch.torchrun_args
+    if shielded:
+        cmd += shield.torchrun_args(launch.torchrun_args)
     if prewarm:
         cmd += ["-m", PREWARM]
         cmd += ["-m", launch.module] if launch.module is not None else [str(script)]
@@ -248,6 +252,7 @@ class WorkerGroup:
             self.command, env=self._env, cwd=self._cwd,
             stdin=subprocess.PIPE if self._fed else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=shield.preexec(),
         )
         self._reader = threading.Thread(target=self._pump, name="babysit-output", daemon=True)
         self._reader.start()
@@ -341,7 +346,8 @@ class WorkerGroup:
         return all(env.get(key) == self._env.get(key) for key in (ENV_RUN_DIR, ENV_ATTEMPT))
 
     def stop(self, grace_s: float, launcher_grace_s: float | None = None) -> int | None:
-        """SIGTERM every process group of the tree, wait up to ``grace_s``, then SIGKILL.
+        """SIGTERM every process group of the tree, wait up to ``grace_s``, then SIGKILL
+        (SIGHUP for SIGTERM where the tree ignores it: ``node.shield``).
 
         ``launcher_grace_s``: once everything but torchrun is gone, how long torchrun may take
         to exit on its own before it is killed (None: the rest of ``grace_s``). Its own
@@ -352,7 +358,7 @@ class WorkerGroup:
         Blocks until everything is gone. Returns torchrun's exit code.
         """
         self.release()
-        self._signal_all(signal.SIGTERM)
+        self._signal_all(shield.stop_signal())
         # A stopped rank (SIGSTOP, a hang babysit found) handles SIGTERM only once continued.
         self._signal_all(signal.SIGCONT)
         deadline = time.monotonic() + grace_s
@@ -433,7 +439,7 @@ def stop_leftovers(pids: tuple[int, ...], run_dir: Path, grace_s: float) -> list
     procs = [p for p in ours.values() if _alive(p)]
     if not procs:
         return []
-    signal_groups(procs, signal.SIGTERM)
+    signal_groups(procs, shield.stop_signal())
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
     if alive:
         signal_groups(alive, signal.SIGKILL)

@@ -30,6 +30,7 @@ from babysit.supervisor.node import (
     flight_recorder,
     just_in_time,
     launcher,
+    shield,
     standby,
     teardown,
 )
@@ -164,7 +165,8 @@ class NodeWorkers:
             launch, extra_env = place.apply(launch, {**os.environ, **launch.env})
         command = launcher.torchrun_command(
             launch, self.plan.script, python=self.plan.python, rdzv_id=rdzv_id,
-            rdzv_endpoint=rdzv_endpoint, log_dir=attempt_dir / "torchrun")
+            rdzv_endpoint=rdzv_endpoint, log_dir=attempt_dir / "torchrun",
+            shielded=shield.shielded())
         self._new_attempt()
         env = {**self._env(attempt_dir, attempt), **extra_env}
         self.group = self._from_early(command, env, attempt_dir) or \
@@ -339,7 +341,7 @@ class NodeWorkers:
         command = launcher.torchrun_command(
             self.plan.config.launch, self.plan.script, python=self.plan.python,
             rdzv_id=rdzv_id, rdzv_endpoint=rdzv_endpoint, log_dir=attempt_dir / "torchrun",
-            prewarm=kind == "imports")
+            prewarm=kind == "imports", shielded=shield.shielded())
         group = self._group(command, attempt_dir, attempt, queue.Queue(maxsize=10_000),
                             {**self._env(attempt_dir, attempt), **standby.environment(folder)})
         self.standby = standby.Standby(attempt, group, folder, rdzv_endpoint, kind,

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from babysit.supervisor.run.exit_codes import REQUEUE
+
 Listener = Callable[[dict[str, Any]], None]
 """Hears one journal entry, as written."""
 
@@ -123,8 +125,9 @@ def json_safe(value: Any) -> Any:
 class PriorRun:
     """What an earlier supervisor of this run directory left behind, read from its journal.
 
-    ``unfinished``: it started and never journaled ``run_finished`` (killed, OOM, reboot), or
-    it was stopped by a signal (preempted, interrupted): this supervisor takes over.
+    ``unfinished``: it started and never journaled ``run_finished`` (killed, OOM, reboot), it
+    was stopped by a signal (preempted, interrupted), or it ended with a requeue verdict (exit
+    75: the run goes on elsewhere, a scheduler's requeue): this supervisor takes over.
     ``directive``: the last directive it launched workers with
     (skips and LR scale decided so far). ``pids``: the processes it launched in its last
     attempt (torchrun and the ranks), which may still run as orphans.
@@ -156,7 +159,8 @@ def prior_run(entries: list[dict[str, Any]]) -> PriorRun | None:
     tail = entries[last_start:]
     last_attempt = max((int(e.get("attempt", 0)) for e in entries), default=0)
     finished = [e for e in tail if e.get("event") == "run_finished"]
-    unfinished = not finished or finished[-1].get("state") == "stopped"
+    unfinished = not finished or finished[-1].get("state") == "stopped" or \
+        finished[-1].get("exit_code") == REQUEUE
     last_launch = max((i for i, e in enumerate(entries) if e.get("event") == "launch"),
                       default=-1)
     launch = entries[last_launch] if last_launch >= 0 else None

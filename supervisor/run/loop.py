@@ -33,7 +33,7 @@ from babysit.policies import decide as sm
 from babysit.policies.types import Finding, Remedy, Severity
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.node import ahead, launcher
-from babysit.supervisor.run import exit_codes, preemption, run_dir, takeover
+from babysit.supervisor.run import exit_codes, preemption, run_dir, slurm_job, takeover
 from babysit.supervisor.run import journal as journal_mod
 from babysit.supervisor.run.background import Services
 from babysit.supervisor.run.cadence_live import LiveCadence
@@ -98,7 +98,8 @@ class Supervisor:
         self.preemption = preemption.Preemption(
             c, self.recovery.catalog, journal=self._journal, log=console.log,
             warn=lambda title: self._alert(Severity.WARNING, title),
-            request=self.members.request, newest_step=self._newest)
+            request=self.members.request, newest_step=self._newest,
+            grace=slurm_job.sigterm_grace(plan))
         self._launched = False
         self._exit_code: int | None = None
         self._wake_at: float | None = None

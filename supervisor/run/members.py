@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from babysit.policies.rollback import Shelf
 from babysit.policies.types import Finding, JobStep, RankStep, Remedy, Severity, StepRecord
 from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.config.slurm import Taken
 from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.contract.protocol import WorkerEvent, mfu_inputs
 from babysit.supervisor.node import ahead, launcher, standby
@@ -292,7 +293,8 @@ class LocalMembers(OnThisNode):
         # A rerun that reproduces ends in the skip's relaunch within seconds: warm it too.
         self.standby.new_attempt(attempt, soon=self.watch.rerun is not None)
         assert self.workers.group is not None
-        return {"pid": self.workers.group.pid, "command": command, **fields}
+        return {"pid": self.workers.group.pid, "command": command, **fields,
+                **Taken.fields(self.plan.slurm)}
 
     def _endpoint(self) -> str:
         return self.plan.config.launch.rdzv_endpoint or f"127.0.0.1:{launcher.free_port()}"

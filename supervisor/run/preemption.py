@@ -82,11 +82,16 @@ class Preemption:
     def __init__(self, config: CheckpointConfig, catalog: Catalog, *,
                  journal: Callable[..., None], log: Callable[[str], None],
                  warn: Callable[[str], None], request: Callable[..., None],
-                 newest_step: Callable[[], int]) -> None:
+                 newest_step: Callable[[], int],
+                 grace: Callable[[float], float] = lambda grace_s: grace_s) -> None:
+        """``grace``: the wait a SIGTERM leaves, given ``final_grace_s`` (under Slurm, what
+        the job's end leaves: ``slurm_job.sigterm_grace``)."""
         self.config, self.catalog = config, catalog
+        self._grace = grace
         self._journal, self._log, self._warn, self._request = journal, log, warn, request
         self._newest_step = newest_step
         self._deadline = 0.0
+        self._grace_s = config.final_grace_s
         self._signum: int | None = None
         """The signal that stops the run once the wait is over (None: not waiting)."""
         self.saved: int | None = None
@@ -105,16 +110,22 @@ class Preemption:
         if signum != SIGTERM or not running:
             return signum
         c = self.config
+        grace_s = self._grace(c.final_grace_s) if c.final_grace_s > 0 else 0.0
         why = unavailable(c.every_steps, c.final_grace_s)
+        if why is None and grace_s <= 0:
+            why = "the scheduler kills the job before a checkpoint could be waited for"
         if why is not None:
             self._missing(why)
             return signum
-        self._signum, self._deadline, self.saved = signum, now + c.final_grace_s, None
+        self._signum, self._deadline, self.saved = signum, now + grace_s, None
+        self._grace_s = grace_s
         self._request(final_checkpoint=request_id())
-        self._journal("final_checkpoint_requested", grace_s=c.final_grace_s,
+        self._journal("final_checkpoint_requested", grace_s=grace_s,
                       newest_step=self._newest_step())
+        cut = f", all the scheduler leaves of final_grace_s {c.final_grace_s:g} s" \
+            if grace_s < c.final_grace_s else ""
         self._log(f"babysit: SIGTERM: asking for a final checkpoint at the next step every "
-                  f"rank reaches (waiting up to {c.final_grace_s:g} s)")
+                  f"rank reaches (waiting up to {grace_s:g} s{cut})")
         return None
 
     def hear(self, entry: dict[str, Any]) -> None:
@@ -134,8 +145,8 @@ class Preemption:
         if self.saved is not None:
             self._log(f"babysit: final checkpoint saved at step {self.saved}")
         elif running:
-            self._missing(f"none arrived within checkpoints.final_grace_s = "
-                          f"{self.config.final_grace_s:g} s")
+            self._missing(f"none arrived within {self._grace_s:g} s "
+                          f"(checkpoints.final_grace_s = {self.config.final_grace_s:g} s)")
         else:
             self._missing("the workers exited first")
         return signum

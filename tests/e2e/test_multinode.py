@@ -30,6 +30,7 @@ from tests.conftest import (
     WORKERS,
     babysat,
     babysit_env,
+    final_eval,
     kept_indices,
     noise,
     read_jsonl,
@@ -246,13 +247,6 @@ def net4() -> Iterator[Network]:
     yield from _bridge(4)
 
 
-def _final_eval(events: list[dict[str, Any]], step: int) -> float:
-    """The held-out loss at ``step`` (every rank holds the same model: one value)."""
-    [value] = {e["data"]["values"]["eval_loss"] for e in events
-               if e["event"] == "worker_scalars" and e["data"]["step"] == step}
-    return float(value)
-
-
 STEPS = 100
 """The FSDP2 runs' length: long enough for a loss, a takeover or a return to happen mid-run."""
 
@@ -265,7 +259,7 @@ def clean_fsdp(tmp_path_factory: pytest.TempPathFactory) -> float:
                             "0.05", "--eval-every", "10", "--global-batch", "12", nproc=3,
                             launch_extra="  warm_standby: false\n")  # it never relaunches
     assert noise(done.stdout + done.stderr) == []  # a clean run, clean on the console
-    return _final_eval(read_jsonl(run_dir / "events.jsonl"), STEPS)
+    return final_eval(read_jsonl(run_dir / "events.jsonl"), STEPS)
 
 
 def test_an_fsdp2_job_that_loses_a_node_goes_on_resharded_and_grows_back_when_it_returns(
@@ -327,7 +321,7 @@ def test_an_fsdp2_job_that_loses_a_node_goes_on_resharded_and_grows_back_when_it
     node = json.loads(run_babysit("status", "--json", str(run.run_dir / "nodes" / "1"),
                                   cwd=tmp_path).stdout)
     assert node["record"] == str(run.run_dir) and node["exit_code"] == 0
-    resharded = _final_eval(run.journal(), STEPS)
+    resharded = final_eval(run.journal(), STEPS)
     # 0.1993 against 0.2033 here (not bit-exact: a rank's dropout covers other rows at
     # another size); 4 samples a rank at every size gave 0.1945.
     assert resharded == pytest.approx(clean_fsdp, rel=0.06), (resharded, clean_fsdp)
@@ -606,7 +600,7 @@ def test_losing_the_leader_hands_the_run_to_a_follower_and_a_hot_spare_keeps_its
     status = run_babysit("status", str(run.run_dir), cwd=tmp_path).stdout
     assert "3 in attempt" in status and "lost node 0" in status, status
     # Same world size, same data by global rank: the uninterrupted run's result.
-    assert _final_eval(run.journal(), STEPS) == pytest.approx(clean_fsdp, rel=0.01)
+    assert final_eval(run.journal(), STEPS) == pytest.approx(clean_fsdp, rel=0.01)
     # Nothing of any node's is left running.
     assert not [p for p in psutil.process_iter(["environ"])
                 if (p.info["environ"] or {}).get("BABYSIT_RUN_DIR") == str(run.run_dir)]

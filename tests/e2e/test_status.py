@@ -32,7 +32,7 @@ STATUS_KEYS = {
     "supervisor_pid", "started", "finished", "elapsed_s", "last_update", "attempt", "attempts",
     "step", "loss", "steps_per_s", "tokens_per_s", "incident_count", "ignored_findings",
     "incidents", "attempt_history", "checkpoint_dir", "checkpoints", "mfu", "loss_spread", "sdc",
-    "cadence", "nodes", "goodput", "reruns",
+    "cadence", "nodes", "goodput", "reruns", "slurm",
 }
 
 

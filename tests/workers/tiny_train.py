@@ -71,6 +71,10 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
                            same job under ft_launcher: benchmarks/recovery.py)
     --step-log PATH        rank 0 appends "wall-time attempt step" per step (for benchmarks
                            that run without babysit's journal)
+    --pace-file PATH       each step sleeps the seconds PATH holds, read at every step
+                           (--step-sleep while it is absent): a test holds a run at a slow pace
+                           until what it waits for (a scheduler's signal) has come, then lets it
+                           go at full speed. Only the pace: the numbers are the same
     --after-close KIND     rank 0 then aborts (``abort``, as gloo's teardown sometimes does),
                            raises (``raise``) or blocks forever (``hang``, as gloo's teardown
                            sometimes does after a peer aborted) after the run closed cleanly
@@ -226,6 +230,16 @@ def elastic_batches(run, rank: int, world_size: int, args: argparse.Namespace, a
         yield xb, yb
 
 
+def pace(args: argparse.Namespace) -> float:
+    """This step's sleep: ``--pace-file``'s number while it holds one, else ``--step-sleep``."""
+    if args.pace_file:
+        try:
+            return float(Path(args.pace_file).read_text())
+        except (OSError, ValueError):
+            pass
+    return float(args.step_sleep)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
@@ -264,6 +278,7 @@ def main() -> None:
     p.add_argument("--at", action="append", default=[], type=lambda t: t.split(":", 3))
     p.add_argument("--nvrx", action="store_true")
     p.add_argument("--step-log")
+    p.add_argument("--pace-file")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard)")
     p.add_argument("--forward-work", type=int, default=0,
                    help="matrix products in each forward (Work): compute a CPU limit slows")
@@ -358,7 +373,7 @@ def main() -> None:
         for at_attempt, at_rank, at_step, what in args.at:
             if (int(at_attempt), int(at_rank), int(at_step)) == (attempt, rank, upcoming):
                 strike(what, rank, upcoming)
-        time.sleep(args.step_sleep)
+        time.sleep(pace(args))
         if args.flood and rank == 0:
             sys.stdout.write(f"flood step {upcoming} " + "x" * 100 + "\n" * 1)
             sys.stdout.write(("y" * 120 + "\n") * (args.flood - 1))

@@ -5,8 +5,10 @@ which runs get their first torchrun started ahead (``node.ahead.Early``)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.distributed.run import get_args_parser
@@ -86,3 +88,42 @@ def test_a_config_that_turns_torchrun_ahead_off_gets_no_first_torchrun_started_a
     (tmp_path / "run.yaml").unlink()
     assert wanted(None)
     assert cli._early_wanted(cli.build_parser().parse_args(["run", "train.py"]))
+
+
+def test_options_after_the_config_file_are_read_as_before_it(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """As torchrun users type them (and the Kubernetes recipe does): ``babysit run train.yaml
+    --nnodes 2 ...``. One given on both sides takes the later value."""
+    for key in [k for k in os.environ if k.startswith("SLURM")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("BABYSIT_SECRET", "a secret of at least sixteen characters")
+    (tmp_path / "train.py").write_text("")
+    config = tmp_path / "train.yaml"
+    config.write_text(f"launch: {{script: {tmp_path / 'train.py'}, nnodes: 4}}\n")
+
+    def plan(*argv: str) -> Any:
+        return cli._plan(build_parser().parse_args(["run", *argv]))
+
+    after = plan(str(config), "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h0:29400",
+                 "--run-dir", str(tmp_path / "r"), "--spares", "1", "--max-restarts", "3")
+    before = plan("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h0:29400",
+                  "--run-dir", str(tmp_path / "r"), "--spares", "1", "--max-restarts", "3",
+                  str(config))
+    assert after.config == before.config and after.run_dir == before.run_dir
+    assert after.config.launch.nnodes == "2" and after.node_rank == 1
+    assert after.config.nodes.spares == 1 and after.run_dir == tmp_path / "r" / "nodes" / "1"
+    both = plan("--node-rank", "0", str(config), "--node-rank", "1", "--rdzv-endpoint", "h:1",
+                "--run-dir", str(tmp_path / "r"))
+    assert both.node_rank == 1
+
+
+def test_what_follows_a_config_file_and_is_no_option_says_where_it_goes(
+        tmp_path: Path) -> None:
+    config = tmp_path / "train.yaml"
+    config.write_text("launch: {script: train.py}\n")
+    args = build_parser().parse_args(["run", str(config), "--nnodes", "2", "--lr", "3e-4"])
+    with pytest.raises(cli.UsageError) as raised:
+        cli._plan(args)
+    assert "--lr 3e-4" in str(raised.value) and "launch.args" in str(raised.value)
+    assert "--nnodes" not in str(raised.value)  # that one was read

@@ -272,6 +272,9 @@ def test_prior_run_reads_what_a_killed_supervisor_left() -> None:
     assert finished is not None and not finished.unfinished
     preempted = prior_run([*entries, {"event": "run_finished", "attempt": 1, "state": "stopped"}])
     assert preempted is not None and preempted.unfinished  # SIGTERM'd runs are resumed
+    requeued = prior_run([*entries, {"event": "run_finished", "attempt": 1, "state": "failed",
+                                     "exit_code": 75}])
+    assert requeued is not None and requeued.unfinished  # so are requeued ones, elsewhere
 
 
 def test_prior_run_finds_a_remedy_decided_but_never_launched() -> None:

@@ -4,6 +4,7 @@ the wait, and what is said when none comes. The loop's side is in test_loop.py."
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,13 @@ class Said:
         self.warnings: list[str] = []
         self.requests: list[dict[str, Any]] = []
 
-    def preemption(self, tmp_path: Path, **config: Any) -> Preemption:
+    def preemption(self, tmp_path: Path, grace: Callable[[float], float] | None = None,
+                   **config: Any) -> Preemption:
         return Preemption(CheckpointConfig(**config), Catalog(tmp_path / "ckpt"),
                           journal=lambda event, **f: self.entries.append((event, f)),
                           log=lambda line: None, warn=self.warnings.append,
                           request=lambda **f: self.requests.append(f),
-                          newest_step=lambda: 42)
+                          newest_step=lambda: 42, **({"grace": grace} if grace else {}))
 
 
 def saved(step: int, final: bool = True) -> dict[str, Any]:
@@ -90,3 +92,24 @@ def test_no_wait_when_there_can_be_no_checkpoint_or_nothing_runs(tmp_path: Path)
     assert p.signal(signal.SIGINT, now=0.0, running=True) == signal.SIGINT  # a person's stop
     assert p.signal(signal.SIGTERM, now=0.0, running=False) == signal.SIGTERM  # not training
     assert said.entries == [] and said.warnings == []
+
+
+def test_the_wait_is_what_the_scheduler_leaves_of_final_grace_s(tmp_path: Path) -> None:
+    """Under Slurm a ``scancel`` SIGKILLs the job ``KillWait`` s after its SIGTERM: the wait
+    is cut to fit (``slurm_job.sigterm_grace``), and said so; one that leaves nothing stops at
+    once, saying why."""
+    said = Said()
+    p = said.preemption(tmp_path, grace=lambda grace_s: min(grace_s, 12.0), every_steps=100,
+                        final_grace_s=120)
+    assert p.signal(signal.SIGTERM, now=0.0, running=True) is None
+    assert said.entries == [("final_checkpoint_requested", {"grace_s": 12.0, "newest_step": 42})]
+    assert p.tick(11.9, running=True) is None
+    assert p.tick(12.0, running=True) == signal.SIGTERM
+    assert "none arrived within 12 s (checkpoints.final_grace_s = 120 s)" in \
+        said.entries[-1][1]["reason"]
+
+    said = Said()
+    none = said.preemption(tmp_path, grace=lambda grace_s: 0.0, every_steps=100,
+                           final_grace_s=120)
+    assert none.signal(signal.SIGTERM, now=0.0, running=True) == signal.SIGTERM
+    assert said.requests == [] and "the scheduler kills the job" in said.warnings[0]
