@@ -16,9 +16,8 @@ recipes in docs/multinode.md use these::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from babysit.policies.types import Incident, Remedy
@@ -79,15 +78,15 @@ def requeued_steps(entries: Sequence[Mapping[str, Any]]) -> list[int]:
 
 
 def on_finish(code: int, failed: bool, remedy: Remedy | None, step: int,
-              requeued_at: Sequence[int], run_dir: Path) -> tuple[int, dict[str, Any]]:
+              requeued_at: Sequence[int], exclude: Callable[[Sequence[str]], object]
+              ) -> tuple[int, dict[str, Any]]:
     """The code a run ending with ``code`` exits with, and its ``run_finished`` verdict fields:
     a failed run (``failed``, ``code`` the state machine's ``STOP``) gets the requeue-or-stop
-    verdict of ``for_failure``, and the hosts it names go into ``RUN_DIR/exclude_hosts``."""
+    verdict of ``for_failure``, and the hosts it names go to ``exclude`` (into
+    ``RUN_DIR/exclude_hosts``)."""
     if code != STOP or not failed:
         return code, {}
     judged = for_failure(remedy, step, requeued_at)
     if judged.exclude:
-        from babysit.supervisor.run.run_dir import exclude_hosts
-
-        exclude_hosts(run_dir, judged.exclude)
+        exclude(judged.exclude)
     return judged.code, judged.to_json()

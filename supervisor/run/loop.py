@@ -21,6 +21,7 @@ over a dead supervisor's run is ``takeover.take_over``.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -324,7 +325,7 @@ class Supervisor:
         # Requeue or stop: what the scheduler that started this run acts on.
         code, verdict = exit_codes.on_finish(
             code, self.machine.state is sm.State.FAILED, self.machine.pending, self._newest(),
-            self._requeued, self.plan.run_dir)
+            self._requeued, functools.partial(run_dir.exclude_hosts, self.plan.run_dir))
         self._journal_all(self.cadence.closing())  # the whole run's figures: status, report
         # Nothing of the run outlives it: a warm standby waiting for an attempt that will never
         # come is stopped now, and said so before run_finished.
