@@ -93,6 +93,10 @@ def test_a_printing_script_shows_progress_and_a_frozen_rank_is_relaunched(
     hellos = journal(run_dir, "worker_hello")
     assert hellos[0]["data"]["source"] == "output" and hellos[0]["data"]["format"] == "nanogpt"
     assert len(journal(run_dir, "launch")) == 2
+    # No view of the optimizer: no just-in-time state, said once, the hang resumed as before.
+    [off] = journal(run_dir, "just_in_time_off")
+    assert "stdout mode" in off["why"], off
+    assert not journal(run_dir, "just_in_time")
     # The relaunched attempt ran to the end; every step is in metrics.jsonl, with its loss.
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["attempt"] == 1]
     assert [r["step"] for r in rows] == list(range(80))
