@@ -59,6 +59,7 @@ from babysit.supervisor.contract.protocol import WorkerEvent, mfu_inputs
 from babysit.supervisor.node import ahead, standby
 from babysit.supervisor.node.aggregate import with_rates
 from babysit.supervisor.node.gpu_watch import GpuWatch
+from babysit.supervisor.node.just_in_time import Outcome
 from babysit.supervisor.node.launcher import Placement
 from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
 from babysit.supervisor.node.tick import OwnNode
@@ -292,13 +293,23 @@ class ClusterMembers(OnThisNode):
     def _ending_here(self, fault: str) -> None:
         self._ending = self._ending or fault
 
-    def _keep_last_step(self, fault: str, out: Gathered, watching: bool) -> list[Entry]:
+    def keep_last_step(self, fault: str) -> Outcome | None:
+        moot = Gathered()  # the run is stopping: what the nodes say meanwhile is recorded only
+        outcome = self._keep(fault, moot, watching=False)
+        for event, fields in moot.entries:
+            self.voice.journal(event, **fields)
+        return outcome
+
+    def _keep(self, fault: str, out: Gathered, watching: bool) -> Outcome | None:
         """The just-in-time save of the last completed step from every node's ranks, once per
         attempt (``cluster.keeping``): what the nodes say meanwhile is handled as ever."""
-        outcome = self.workers.keep_last_step(
+        return self.workers.keep_last_step(
             fault, keeping.OtherNodes(
                 self.cluster, self.cluster.rank_node,
                 lambda node, message: self._node_message(node, message, out, watching)))
+
+    def _keep_last_step(self, fault: str, out: Gathered, watching: bool) -> list[Entry]:
+        outcome = self._keep(fault, out, watching)
         if outcome is None:
             return []
         return [("just_in_time", {**outcome.fields, "summary": outcome.summary() or ""})]

@@ -248,9 +248,12 @@ class CheckpointConfig(DashedSection):
     final_grace_s: float = Field(120.0, ge=0)
     """On SIGTERM (what a scheduler sends before reclaiming the node), seconds babysit waits for
     the workers to save a final checkpoint before stopping them; 0 stops at once. The next
-    ``babysit run`` with the same run directory resumes from it. SIGINT never waits. Under
-    Slurm, a job being cancelled leaves at most its ``KillWait`` less ``launch.stop_grace_s``
-    and 3 s (12 s by default): the wait is cut to that."""
+    ``babysit run`` with the same run directory resumes from it. When none comes in time while
+    the workers still run (a rank stuck where no step boundary comes), the live ranks'
+    just-in-time state of the last completed step stands in for it (``just_in_time``). SIGINT
+    never waits. Under Slurm, a job being cancelled leaves at most its ``KillWait`` less
+    ``launch.stop_grace_s`` and 3 s (12 s by default): the wait is cut to that, and leaves no
+    time for a just-in-time save."""
     cadence: CadenceConfig = CadenceConfig()
     """Advice on ``every_steps`` from this run's measured costs, and its opt-in adoption."""
 

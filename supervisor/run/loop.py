@@ -100,7 +100,7 @@ class Supervisor:
             c, self.recovery.catalog, journal=self._journal, log=console.log,
             warn=lambda title: self._alert(Severity.WARNING, title),
             request=self.members.request, newest_step=self._newest,
-            grace=slurm_job.sigterm_grace(plan))
+            grace=slurm_job.sigterm_grace(plan), keep=self.members.keep_last_step)
         self._launched = False
         self._exit_code: int | None = None
         self._wake_at: float | None = None

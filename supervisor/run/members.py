@@ -24,6 +24,7 @@ from babysit.supervisor.contract.protocol import WorkerEvent, mfu_inputs
 from babysit.supervisor.node import ahead, launcher, standby
 from babysit.supervisor.node.aggregate import StepAggregator, metrics_row
 from babysit.supervisor.node.gpu_watch import GpuWatch
+from babysit.supervisor.node.just_in_time import Outcome
 from babysit.supervisor.node.printed import SOURCE
 from babysit.supervisor.node.stacks import Diagnosis
 from babysit.supervisor.node.tick import NodeTick, OwnNode
@@ -134,6 +135,11 @@ class Members(Protocol):
         """Stop every worker of the attempt; this node's torchrun exit code, or None.
         ``replacing``: a new attempt follows (a remedy), so torchrun's own shutdown is not
         waited for once its ranks are gone (``WorkerGroup.stop``)."""
+
+    def keep_last_step(self, fault: str) -> Outcome | None:
+        """The live ranks write the last completed step now, every node's (``fault``: what
+        left the run without a checkpoint of it, a preemption whose final checkpoint never
+        came); what came of it, or None when the run keeps none."""
 
     def request(self, **fields: Any) -> None:
         """Ask the running ranks for something through the attempt's control file(s)."""
@@ -331,6 +337,9 @@ class LocalMembers(OnThisNode):
         if replacing and self.node.hang is not None:  # a relaunch after a hang: keep its step
             self._keep_last_step("hang")
         return self.node.stop(replacing)
+
+    def keep_last_step(self, fault: str) -> Outcome | None:
+        return self.workers.keep_last_step(fault)
 
     def _keep_last_step(self, fault: str) -> None:
         """Ranks are ending (``fault``: a crash, a SIGTERM) or about to be stopped after a hang:

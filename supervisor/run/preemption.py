@@ -4,9 +4,12 @@ On SIGTERM the loop asks the ranks for a final checkpoint through the control fi
 (``{"final_checkpoint": id}``: "at the next step boundary you can all reach"; the ranks agree
 on the step among themselves, ``babysit.supervisor.rank.saving``) and keeps ticking, reading
 telemetry but judging nothing, until ``Preemption.tick`` says the wait is over: the checkpoint came,
-``checkpoints.final_grace_s`` passed, or the workers exited. When it does not come, the user
-must hear it, with the checkpoint the next run will resume from: a silent loss of the last
-minutes of training is the failure this module exists to prevent.
+``checkpoints.final_grace_s`` passed, or the workers exited. A step boundary every rank reaches
+may never come (a rank stuck in a collective, in its data loader, stopped): then the live ranks'
+just-in-time state of the last completed step stands in for the final checkpoint, where the
+scheduler leaves time for it. When neither comes, the user must hear it, with the checkpoint the
+next run will resume from: a silent loss of the last minutes of training is the failure this
+module exists to prevent.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from babysit.checkpoints import Catalog, Verdict
 from babysit.supervisor.config.schema import CheckpointConfig
+from babysit.supervisor.node.just_in_time import Outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +87,13 @@ class Preemption:
                  journal: Callable[..., None], log: Callable[[str], None],
                  warn: Callable[[str], None], request: Callable[..., None],
                  newest_step: Callable[[], int],
-                 grace: Callable[[float], float] = lambda grace_s: grace_s) -> None:
+                 grace: Callable[[float], float] = lambda grace_s: grace_s,
+                 keep: Callable[[str], Outcome | None] = lambda fault: None) -> None:
         """``grace``: the wait a SIGTERM leaves, given ``final_grace_s`` (under Slurm, what
-        the job's end leaves: ``slurm_job.sigterm_grace``)."""
+        the job's end leaves: ``slurm_job.sigterm_grace``). ``keep``: the live ranks' last
+        completed step written (``Members.keep_last_step``)."""
         self.config, self.catalog = config, catalog
-        self._grace = grace
+        self._grace, self._keep = grace, keep
         self._journal, self._log, self._warn, self._request = journal, log, warn, request
         self._newest_step = newest_step
         self._deadline = 0.0
@@ -140,16 +146,36 @@ class Preemption:
         if signum is None or (self.saved is None and now < self._deadline and running):
             return None
         self._signum = None
+        late = f"none arrived within {self._grace_s:g} s (checkpoints.final_grace_s = " \
+            f"{self.config.final_grace_s:g} s)"
+        kept = self._keep_instead() if self.saved is None and running else None
         self._journal("final_checkpoint", saved=self.saved is not None,
-                      checkpoint_step=self.saved)
-        if self.saved is not None:
+                      checkpoint_step=self.saved, just_in_time=kept is not None)
+        if kept is not None:
+            self._log(f"babysit: no final checkpoint ({late}): the just-in-time state of step "
+                      f"{kept} stands in for it")
+        elif self.saved is not None:
             self._log(f"babysit: final checkpoint saved at step {self.saved}")
         elif running:
-            self._missing(f"none arrived within {self._grace_s:g} s "
-                          f"(checkpoints.final_grace_s = {self.config.final_grace_s:g} s)")
+            self._missing(late)
         else:
             self._missing("the workers exited first")
         return signum
+
+    def _keep_instead(self) -> int | None:
+        """The step of the live ranks' just-in-time state, written now in place of the final
+        checkpoint that never came; None when there is none, or when the scheduler cut the
+        wait (its SIGKILL leaves no time for the save)."""
+        if self._grace_s < self.config.final_grace_s:
+            return None
+        outcome = self._keep("preemption")
+        if outcome is None:
+            return None
+        self._journal("just_in_time", **outcome.fields, summary=outcome.summary() or "")
+        if not outcome.saved:
+            return None
+        self.saved = int(outcome.fields["step"])
+        return self.saved
 
     def _missing(self, why: str) -> None:
         resume = fallback(self.catalog)

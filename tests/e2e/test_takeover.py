@@ -8,7 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -115,45 +117,74 @@ def test_a_job_that_finished_while_no_supervisor_watched_is_not_retrained(
         journal[-1]["reason"]
 
 
+def _sigterm_once(config: Path, cwd: Path, when: Callable[[list[dict[str, Any]]], bool]
+                  ) -> tuple[int, str]:
+    """``babysit run config``, SIGTERMed once ``when(metrics rows)``: its exit code and output."""
+    run = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)], cwd=cwd,
+                           env=babysit_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    metrics = cwd / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            rows = read_jsonl(metrics) if metrics.exists() else []
+            if rows and when(rows):
+                break
+        run.send_signal(signal.SIGTERM)  # what a scheduler sends before reclaiming the node
+        out, _ = run.communicate(timeout=90)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    return run.returncode, out
+
+
 def test_sigterm_saves_a_final_checkpoint_and_the_next_run_resumes_from_it(
         tmp_path: Path) -> None:
+    """Three sessions of one run directory: SIGTERMed while training, the first saves a final
+    checkpoint at a step the ranks agree on; the second, SIGTERMed while its rank 1 is stopped
+    (no step boundary will come), gets none within ``final_grace_s``, and rank 0's
+    just-in-time state of its last completed step stands in for it; the third resumes from
+    that and finishes."""
     run_dir = tmp_path / "run"
     config = tmp_path / "run.yaml"
     config.write_text(
         f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
         # 20 ms steps: the ranks run well ahead of what the supervisor last heard, so only a
-        # step the ranks agree on themselves can be saved by all of them.
-        f"  args: {json.dumps(['--steps', '80', '--step-sleep', '0.02'])}\n"
+        # step the ranks agree on themselves can be saved by all of them. The second session
+        # (attempt 1) has rank 1 stop itself before step 40.
+        "  args: " + json.dumps(["--steps", "80", "--step-sleep", "0.02",
+                                 "--at", "1:1:40:SIGSTOP"]) + "\n"
         f"run_dir: {run_dir}\n"
         # No checkpoint on the cadence before the end: only the final one can be resumed from.
-        "checkpoints: {every_steps: 1000, final_grace_s: 60}\n")
-    first = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
-                             cwd=tmp_path, env=babysit_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            time.sleep(0.2)
-            rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() \
-                else []
-            if rows and rows[-1]["step"] >= 10:
-                break
-        first.send_signal(signal.SIGTERM)  # what a scheduler sends before reclaiming the node
-        out, _ = first.communicate(timeout=90)
-    finally:
-        if first.poll() is None:
-            first.kill()
-    assert first.returncode == 128 + signal.SIGTERM, out[-3000:]
+        "checkpoints: {every_steps: 1000, final_grace_s: 5}\n")
+    code, out = _sigterm_once(config, tmp_path, lambda rows: rows[-1]["step"] >= 10)
+    assert code == 128 + signal.SIGTERM, out[-3000:]
     journal = read_jsonl(run_dir / "events.jsonl")
     (asked,) = [e for e in journal if e["event"] == "final_checkpoint_requested"]
     (final,) = [e for e in journal if e["event"] == "final_checkpoint"]
     assert final["saved"] and final["checkpoint_step"] >= asked["newest_step"]
-    assert "final checkpoint saved at step" in out
+    assert not final["just_in_time"] and "final checkpoint saved at step" in out
     assert journal[-1]["state"] == "stopped"
 
-    second = run_babysit("run", str(config), cwd=tmp_path, timeout=180)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    # Rank 1 stopped before step 40, rank 0 waits for it in step 40's all-reduce.
+    code, out = _sigterm_once(config, tmp_path, lambda rows: rows[-1]["attempt"] == 1 and
+                              rows[-1]["step"] >= 39)
+    assert code == 128 + signal.SIGTERM, out[-3000:]
     journal = read_jsonl(run_dir / "events.jsonl")
-    resume = next(e for e in journal if e["event"] == "resume" and e.get("from"))
-    assert resume["checkpoint_step"] == final["checkpoint_step"]
+    resume = [e for e in journal if e["event"] == "resume" and e.get("from")]
+    assert resume[-1]["checkpoint_step"] == final["checkpoint_step"]
+    *_, kept = [e for e in journal if e["event"] == "just_in_time"]
+    assert (kept["fault"], kept["outcome"], kept["step"], kept["writers"]) == (
+        "preemption", "saved", 39, [0]), kept
+    *_, final = [e for e in journal if e["event"] == "final_checkpoint"]
+    assert final["saved"] and final["just_in_time"] and final["checkpoint_step"] == 39
+    assert "the just-in-time state of step 39 stands in for it" in out
+    assert not [e for e in journal if e["event"] == "final_checkpoint_missing"]
+
+    third = run_babysit("run", str(config), cwd=tmp_path, timeout=180)
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    journal = read_jsonl(run_dir / "events.jsonl")
+    *_, resume = [e for e in journal if e["event"] == "resume" and e.get("from")]
+    assert resume["checkpoint_step"] == 39 and resume["just_in_time"], resume
     assert journal[-1]["state"] == "succeeded"

@@ -74,6 +74,9 @@ class ScriptedMembers:
     def request(self, **fields: Any) -> None:
         pass
 
+    def keep_last_step(self, fault: str) -> None:
+        return None  # the run keeps no last step of its own
+
     def gather(self, now: float, watching: bool) -> Gathered:
         self.at.append(("gather" if watching else "drain", self.tick()))
         return self.script.pop(0) if self.script and watching else Gathered()
