@@ -35,7 +35,7 @@ from babysit.supervisor.node import (
     teardown,
 )
 from babysit.supervisor.node.intake import Intake
-from babysit.supervisor.node.printed import Entry, PrintedProgress, rank_pids
+from babysit.supervisor.node.printed import SOURCE, Entry, PrintedProgress, rank_pids
 
 
 class NodeWorkers:
@@ -458,8 +458,10 @@ class NodeWorkers:
 
     def _keeps(self, hello: protocol.WorkerEvent) -> None:
         """Whether the rank keeps its last step; the first time one says why it does not (or
-        the script never attached: stdout mode), journaled once for the run."""
-        if self.keepers is None:
+        the script never attached: stdout mode, where babysit saves no checkpoint of its own and
+        so keeps none either), journaled once for the run."""
+        printed = hello.data.get("source") == SOURCE
+        if self.keepers is None and not (printed and self.plan.config.checkpoints.just_in_time):
             return
         keeps = hello.data.get("keeps")
         self.keeping[hello.rank] = keeps is True

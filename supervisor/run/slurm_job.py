@@ -52,6 +52,8 @@ RECORD_S = 3.0
 """Seconds kept, of what Slurm leaves after a SIGTERM, for the run's last entries."""
 SCONTROL_S = 20.0
 """How long one ``scontrol`` or ``scancel`` may take before it counts as failed."""
+UPDATE_TRIES, UPDATE_PAUSE_S = 5, 0.5
+"""A requeued job's ``ExcNodeList`` update: tries, and the pause between them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +155,8 @@ def _scontrol(*args: str) -> tuple[bool, str]:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"{' '.join(args)}: {exc}"
     out = (done.stdout + done.stderr).strip()
+    if done.returncode < 0 and not out:
+        out = f"killed by {signal.Signals(-done.returncode).name}"
     return done.returncode == 0, out if done.returncode == 0 else f"{' '.join(args)}: {out}"
 
 
@@ -176,7 +180,14 @@ def perform(job_id: str, ending: Ending, job: Job, lost: bool) -> str | None:
             return out
         if ending.exclude:
             merged = ",".join(filter(None, [job.excluded, *ending.exclude]))
-            ok, out = _scontrol("scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}")
+            # The requeue signals every process of the job: an scontrol started at that moment
+            # may die with it. Tried again, a few times.
+            for _ in range(UPDATE_TRIES):
+                ok, out = _scontrol("scontrol", "update", f"JobId={job_id}",
+                                    f"ExcNodeList={merged}")
+                if ok:
+                    break
+                time.sleep(UPDATE_PAUSE_S)
             if not ok:
                 return out
         return None

@@ -143,8 +143,9 @@ def test_under_slurm_a_job_being_cancelled_leaves_killwait_less_the_stop(
 def test_a_requeue_comes_before_its_hosts_to_leave_out_and_a_refused_one_cancels(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Slurm changes ``ExcNodeList`` only while a job is pending ("Job is no longer pending
-    execution" for a running one, real slurmctld's answer): requeue first. A requeue refused
-    while a lost node holds the job ends the job instead."""
+    execution" for a running one, real slurmctld's answer): requeue first, and the update tried
+    again when it fails. A requeue refused while a lost node holds the job ends the job
+    instead."""
     calls: list[str] = []
     refused: set[str] = set()
 
@@ -153,6 +154,7 @@ def test_a_requeue_comes_before_its_hosts_to_leave_out_and_a_refused_one_cancels
         return args[1] not in refused, "refused"
 
     monkeypatch.setattr(slurm_job, "_scontrol", scontrol)
+    monkeypatch.setattr(slurm_job, "UPDATE_PAUSE_S", 0.0)
     requeue = Ending("requeue", "75", ("n3",))
     assert slurm_job.perform("42", requeue, RUNNING, lost=True) is None
     assert calls == ["scontrol requeue 42", "scontrol update JobId=42 ExcNodeList=n7,n3"]
@@ -160,6 +162,8 @@ def test_a_requeue_comes_before_its_hosts_to_leave_out_and_a_refused_one_cancels
     refused.add("update")
     assert slurm_job.perform("42", requeue, RUNNING, lost=True) == "refused"
     assert calls[0] == "scontrol requeue 42"  # requeued all the same
+    # The requeue signals the job's processes, an scontrol among them: the update is retried.
+    assert calls[1:] == ["scontrol update JobId=42 ExcNodeList=n7,n3"] * slurm_job.UPDATE_TRIES
     calls.clear()
     refused.add("requeue")
     assert slurm_job.perform("42", requeue, RUNNING, lost=True) == "refused; cancelled instead"
