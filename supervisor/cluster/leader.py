@@ -312,7 +312,7 @@ class ClusterMembers(OnThisNode):
         outcome = self._keep(fault, out, watching)
         if outcome is None:
             return []
-        return [("just_in_time", {**outcome.fields, "summary": outcome.summary() or ""})]
+        return [outcome.entry()]
 
     def tails(self, attempt: int) -> dict[int, str]:
         tails = {**self.workers.tails(attempt, 8192), **self._crash_tails}

@@ -235,6 +235,10 @@ class Outcome:
     def saved(self) -> bool:
         return self.fields.get("outcome") == "saved"
 
+    def entry(self) -> tuple[str, dict[str, Any]]:
+        """The journal's ``just_in_time`` entry: its fields and the console's summary."""
+        return "just_in_time", {**self.fields, "summary": self.summary() or ""}
+
     def summary(self) -> str | None:
         """One line for the console; None when there was nothing to keep (nothing lost)."""
         f = self.fields

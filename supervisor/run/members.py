@@ -344,10 +344,9 @@ class LocalMembers(OnThisNode):
     def _keep_last_step(self, fault: str) -> None:
         """Ranks are ending (``fault``: a crash, a SIGTERM) or about to be stopped after a hang:
         the live ones write the last completed step now (``NodeWorkers.keep_last_step``)."""
-        outcome = self.workers.keep_last_step(fault)
+        outcome = self.keep_last_step(fault)
         if outcome is not None:
-            self._entries.append(("just_in_time", {**outcome.fields,
-                                                   "summary": outcome.summary() or ""}))
+            self._entries.append(outcome.entry())
 
     # -- stdout mode (``node.printed``): the script's own checkpoints ---------------------------
 

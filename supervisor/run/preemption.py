@@ -171,7 +171,8 @@ class Preemption:
         outcome = self._keep("preemption")
         if outcome is None:
             return None
-        self._journal("just_in_time", **outcome.fields, summary=outcome.summary() or "")
+        event, fields = outcome.entry()
+        self._journal(event, **fields)
         if not outcome.saved:
             return None
         self.saved = int(outcome.fields["step"])
