@@ -65,6 +65,8 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
     TINY_TRAIN_SEGV_AT=A:S,B:T (environment) this node's local rank 0 segfaults just before
                            step S of attempt A, T of B, ...: a machine that keeps failing, set
                            per node
+    TINY_TRAIN_AT=A:S:WHAT,... (environment) as --at, on this node's local rank 0: set per node
+                           (which global ranks a node gets is torchrun's rendezvous's say)
     TINY_TRAIN_CORRUPT_AT=STEP (environment) as --corrupt, on this node's local rank 0: set per
                            node (which global ranks a node gets is torchrun's rendezvous's say)
     --nvrx                 also beat NVIDIA's fault-tolerance heartbeat every step (to run the
@@ -329,6 +331,10 @@ def main() -> None:
     segv_at = {(int(a), int(s)) for a, _, s in (pair.partition(":") for pair in
                os.environ.get("TINY_TRAIN_SEGV_AT", "").split(",") if pair)}
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local == 0:  # this node's fault, wherever torchrun placed its ranks
+        args.at += [(a, str(rank), s, what) for a, s, what in
+                    (item.split(":") for item in
+                     os.environ.get("TINY_TRAIN_AT", "").split(",") if item)]
     if os.environ.get("TINY_TRAIN_CORRUPT_AT") and local == 0:
         args.corrupt = (rank, int(os.environ["TINY_TRAIN_CORRUPT_AT"]))
     heartbeat = None
