@@ -29,8 +29,8 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +137,8 @@ def plan(world_size: int, views: Mapping[int, RankView], marks: Mapping[int, int
 
     ``views``: the live ranks' answers; ``marks``: the step each readable mark file starts from
     (every rank's, live or dead, that its node could read); ``absent``: why each rank without a
-    view gave none ("dead", "stopped (SIGSTOP)", "no answer", "its node was lost"). A shard
+    view gave none, as what the rank is ("dead", "stopped (SIGSTOP) ...", "not answering ...",
+    "on a lost node": the reason follows "rank 3 is"). A shard
     needs a consistent live holder; a live rank that is not consistent (inside
     ``optimizer.step()``) only keeps its streams, from its mark."""
     consistent = {r: v for r, v in views.items() if v.consistent}
@@ -166,6 +167,14 @@ def plan(world_size: int, views: Mapping[int, RankView], marks: Mapping[int, int
     from_marks = tuple(r for r in others if marks.get(r) == step)
     lost = tuple(r for r in others if marks.get(r) != step)
     return Plan(step, first.cursor, first.samples, first.lr_scale, writers, from_marks, lost)
+
+
+def with_marks(the_plan: Plan, names: Collection[str]) -> Plan:
+    """``the_plan`` as its nodes carried it out: a rank whose mark is not among the staged files
+    ``names`` (its node lost, or silent, before it copied it) resumes with fresh streams."""
+    copied = tuple(r for r in the_plan.marks if mark_name(r) in names)
+    lost = tuple(sorted({*the_plan.streams_lost, *(set(the_plan.marks) - set(copied))}))
+    return replace(the_plan, marks=copied, streams_lost=lost)
 
 
 def _missing_why(missing: list[int], views: Mapping[int, RankView],
@@ -270,12 +279,13 @@ def reader(path: Path) -> Any:
 
 def commit(root: str | Path, the_plan: Plan, files: list[FileEntry], world_size: int,
            fault: str) -> Path:
-    """Commit the staged just-in-time checkpoint of ``the_plan`` under ``root``: the marks'
-    hashes added, the manifest written (the checkpoint now exists, atomically), and the folder
-    renamed to its step directory, replacing an uncommitted one of the same step (an
+    """Commit the staged just-in-time checkpoint of ``the_plan`` under ``root``: ``files`` are
+    every staged file's entry (the writers' parts and the marks copied, each hashed by the node
+    that put it there), the manifest is written (the checkpoint now exists, atomically), and
+    the folder renamed to its step directory, replacing an uncommitted one of the same step (an
     asynchronous save of that step the fault interrupted). Returns the step directory."""
     staging = staging_dir(root, the_plan.step)
-    entries = list(files) + [hash_file(staging, mark_name(r)) for r in the_plan.marks]
+    entries = list(files)
     names = {e.name for e in entries}
     leftovers = [n for n in list_content_files(staging) if n not in names]
     for name in leftovers:  # a writer's files that no answer listed (it timed out): not ours

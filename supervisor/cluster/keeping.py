@@ -1,11 +1,14 @@
 """The leader's reach into the other nodes for a just-in-time save of the last completed step.
 
-A multi-node run's just-in-time save is the single node's (``node.just_in_time.save``) with the
-other nodes as its ``Remote``: the leader asks every node of the attempt that still answers
-what its ranks hold (``KeepAsk``), chooses the writers from all the views, has each node's
-writers write into the shared checkpoint folder (``KeepWrite``), commits, and releases every
-node's ranks (``KeepRelease``). A node that is lost, or does not answer in time, gives no
-views: its ranks count as absent, and a shard only they held means no just-in-time state.
+A multi-node run's just-in-time save is the single node's (``node.just_in_time.save``) with one
+more ``Part``, the other nodes: the leader asks every node of the attempt that still answers
+what its ranks hold (``KeepAsk``), chooses the writers from all the views, has every node write
+its writers' parts and copy its ranks' marks into the shared checkpoint folder (``KeepWrite``),
+waits for every node's answer (its files, the marks included, hashed there), commits, and
+releases every node's ranks (``KeepRelease``). A node that is lost, or does not answer in time,
+gives no views: its ranks count as absent, and a shard only they held means no just-in-time
+state; one lost between the views and the writes fails its writers, and its ranks' marks are
+not there (their streams are lost, said so).
 
 While the leader waits for the answers, everything else the nodes say is handed on
 (``hand_on``) to be judged as usual: a crash's exits, a lost node.
@@ -28,14 +31,14 @@ from babysit.supervisor.cluster.messages import (
     KeepWrite,
     KeepWritten,
 )
-from babysit.supervisor.node.just_in_time import Gathered, Keepers
+from babysit.supervisor.node.just_in_time import Gathered, Keepers, Written
 
 TICK_S = 0.02
 """How often the leader looks for the nodes' answers while it waits for them."""
 
 
 class OtherNodes:
-    """``node.just_in_time.Remote`` over the cluster's wire: the attempt's other nodes."""
+    """A ``node.just_in_time.Part`` over the cluster's wire: the attempt's other nodes."""
 
     def __init__(self, cluster: Cluster, rank_node: Mapping[int, int],
                  hand_on: Callable[[int, Heard], None]) -> None:
@@ -46,6 +49,9 @@ class OtherNodes:
         self.hand_on = hand_on
         self.nodes = [n for n in cluster.attempt.nodes if n != cluster.me]
         self._attempt = -1
+        self._writers: dict[int, list[int]] = {}
+        self._asked: list[int] = []
+        """The nodes told to write (those reachable then): each one's answer is waited for."""
 
     def _reachable(self) -> list[int]:
         peers = self.cluster.attempt.peers
@@ -62,8 +68,9 @@ class OtherNodes:
             out.add(Gathered({int(v["rank"]): just_in_time.RankView.from_json(v)
                               for v in message.views}, dict(message.absent),
                              dict(message.marks)))
-        silent = {n: ("its node was lost" if n not in self._reachable() else
-                      "its node did not answer in time") for n in self.nodes if n not in got}
+        silent = {n: (f"on node {n}, which was lost" if n not in self._reachable() else
+                      f"on node {n}, which did not answer in time")
+                  for n in self.nodes if n not in got}
         out.missing({r: silent[n] for r, n in self.rank_node.items() if n in silent})
         return out
 
@@ -71,24 +78,25 @@ class OtherNodes:
               deadline: float) -> None:
         self._writers = {n: [r for r in the_plan.writers if self.rank_node.get(r) == n]
                          for n in self.nodes}
+        self._asked = self._reachable()
         self.cluster.tell(KeepWrite(attempt, the_plan.to_json(), str(dest),
                                     round(max(0.0, deadline - time.monotonic()), 3)))
 
-    def written(self, deadline: float) -> tuple[list[FileEntry], dict[int, str]]:
-        writing = [n for n in self.nodes if self._writers.get(n)]
-        got: dict[int, KeepWritten] = self._collect(KeepWritten, deadline, writing)
-        files: list[FileEntry] = []
-        failed: dict[int, str] = {}
-        for node in writing:
+    def written(self, deadline: float) -> Written:
+        """Every node told to write answers, writers or not: a node copies its ranks' marks
+        too, and the commit must not come before its copies are there."""
+        got: dict[int, KeepWritten] = self._collect(KeepWritten, deadline, self._asked)
+        out = Written()
+        for node in self._asked:
             message = got.get(node)
             if message is None:
-                failed.update({r: f"node {node} did not answer in time"
-                               for r in self._writers[node]})
+                out.failed.update({r: f"node {node} did not answer in time"
+                                   for r in self._writers[node]})
                 continue
-            files += [FileEntry(str(f["name"]), int(f["size"]), int(f["crc32"]))
-                      for f in message.files]
-            failed.update(message.failed)
-        return files, failed
+            out.files += [FileEntry(str(f["name"]), int(f["size"]), int(f["crc32"]))
+                          for f in message.files]
+            out.failed.update(message.failed)
+        return out
 
     def release(self, attempt: int) -> None:
         if self._attempt == attempt:
@@ -117,7 +125,7 @@ def node_answer(keepers: Keepers | None, attempt: int, ranks: Mapping[int, int],
                 seconds: float) -> KeepViews:
     """A follower's answer to ``KeepAsk``: what its ranks hold."""
     if keepers is None:
-        return KeepViews(attempt, [], {r: "babysit keeps no just-in-time state here"
+        return KeepViews(attempt, [], {r: "on a node that keeps no just-in-time state"
                                        for r in ranks})
     got = keepers.gather(attempt, ranks, time.monotonic() + seconds)
     return KeepViews(attempt, [asdict(v) for v in got.views.values()], got.absent, got.marks)
@@ -125,11 +133,12 @@ def node_answer(keepers: Keepers | None, attempt: int, ranks: Mapping[int, int],
 
 def node_write(keepers: Keepers | None, message: KeepWrite,
                ranks: Mapping[int, int]) -> KeepWritten:
-    """A follower's answer to ``KeepWrite``: its writers' files, or why they failed."""
+    """A follower's answer to ``KeepWrite``: its writers' files and the marks it copied, or why
+    its writers failed."""
     the_plan = just_in_time.Plan.from_json(message.plan)
     if keepers is None:
         return KeepWritten(message.attempt, [], {r: "no keeper on this node"
                                                  for r in the_plan.writers if r in ranks})
-    files, failed = keepers.write(message.attempt, the_plan, Path(message.dest),
-                                  time.monotonic() + message.seconds, ranks.keys())
-    return KeepWritten(message.attempt, [asdict(f) for f in files], failed)
+    written = keepers.write(message.attempt, the_plan, Path(message.dest),
+                            time.monotonic() + message.seconds, ranks.keys())
+    return KeepWritten(message.attempt, [asdict(f) for f in written.files], written.failed)

@@ -1,21 +1,26 @@
-"""This node's ranks' keepers: asking them for the last completed step after a fault.
+"""A just-in-time save of the last completed step, over every node's ranks: one path for a job
+of one node or many.
 
 Each attached rank's keeper (``rank/just_in_time.py``) answers on a socket of its own. After a
-hang, a crash or a lost node, and before anything is stopped, the node asks every rank that is
-alive and not stopped what it holds, has the chosen writers write it, copies the marks of the
-others (their random streams at the step's start: ``checkpoints.mark``), and releases them all.
-Who writes is decided where the whole job is seen: here for a single node (``save``), by the
-leader for several (``cluster.leader``), from the views each node gathered
-(``checkpoints.just_in_time.plan``). A process that is dead or stopped (SIGSTOP) is never asked
-and never waited for; every request has a deadline, and the whole save one bound
-(``Budget``), past which the relaunch goes on from the newest checkpoint.
+hang, a crash or a lost node, and before anything is stopped, ``save`` asks every rank of the
+job that is alive and not stopped what it holds, chooses the writers from all the views
+(``checkpoints.just_in_time.plan``), has them write, has every node copy the marks of its other
+ranks (their random streams at the step's start: ``checkpoints.mark``), commits, and releases
+them all. The job's ranks are reached in ``Part``s: this node's directly (``OwnRanks``), and on
+a multi-node leader the other nodes' over the cluster's wire (``cluster.keeping.OtherNodes``).
+A single node is a job of one part; nothing else differs. A process that is dead or stopped
+(SIGSTOP) is never asked and never waited for; every request has a deadline, and the whole save
+one bound (``Budget``), past which the relaunch goes on from the newest checkpoint. A mark that
+no node copied is a rank whose random streams are lost (said so), never a missing file at the
+commit.
 """
 
 from __future__ import annotations
 
 import shutil
+import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +30,7 @@ import psutil
 
 from babysit.checkpoints import just_in_time
 from babysit.checkpoints.layout import step_dir
-from babysit.checkpoints.manifest import FileEntry
+from babysit.checkpoints.manifest import FileEntry, hash_file
 from babysit.checkpoints.mark import MarkError
 from babysit.checkpoints.mark import read as read_mark
 from babysit.supervisor.contract import just_in_time as contract
@@ -38,6 +43,8 @@ is free; a rank that does not answer in this (its main thread holds the GIL in n
 counts as absent."""
 FLOOR_S = 10.0
 """The least time a just-in-time save is given (``Budget``)."""
+STOPPED_RELEASE_S = 60.0
+"""How long a release waits in a stopped rank's socket for it to be continued (by the stop)."""
 CRASH_CAP_S = 25.0
 """After a crash, torchrun kills the survivors 30 s after its SIGTERM: a save must end first."""
 
@@ -81,35 +88,47 @@ class Gathered:
         self.marks.update(other.marks)
 
     def missing(self, ranks: Mapping[int, str]) -> None:
-        """Ranks nobody answered for (``ranks``: each with why, e.g. its node was lost)."""
+        """Ranks nobody answered for (``ranks``: each with why, e.g. "on a lost node")."""
         for rank, why in ranks.items():
             if rank not in self.views and rank not in self.absent:
                 self.absent[rank] = why
 
 
-class Remote(Protocol):
-    """The other nodes of a multi-node run, as the leader reaches them (``cluster.keeping``);
-    a single node has none. Each request goes out first (``ask``, ``write``) and its answers
-    are collected after this node did its own part (``answers``, ``written``): the nodes work
-    at the same time."""
+@dataclass
+class Written:
+    """What the writers and mark copies of a part came to: the files in the staging folder (as
+    manifest entries, hashed where they were written) and why each writer that failed did."""
+
+    files: list[FileEntry] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+
+    def add(self, other: Written) -> None:
+        self.files += other.files
+        self.failed.update(other.failed)
+
+
+class Part(Protocol):
+    """Some of the job's ranks, as a just-in-time save reaches them: this node's (``OwnRanks``)
+    or the other nodes' of a multi-node run (``cluster.keeping.OtherNodes``). Each request goes
+    out to every part first (``ask``, ``write``) and the answers are collected after
+    (``answers``, ``written``), so that the nodes work at the same time."""
 
     def ask(self, attempt: int, deadline: float) -> None:
-        """Ask every other node what its ranks hold."""
+        """Ask the part's ranks what they hold."""
 
     def answers(self, deadline: float) -> Gathered:
-        """Every other node's answer, merged, by ``deadline``; the ranks of a node that gave
-        none are absent, saying why."""
+        """The part's answers by ``deadline``; a rank that gave none is absent, saying why."""
 
     def write(self, attempt: int, the_plan: just_in_time.Plan, dest: Path,
               deadline: float) -> None:
-        """Have every other node write its part of ``the_plan``."""
+        """Have the part's writers of ``the_plan`` write and its nodes copy the marks it names."""
 
-    def written(self, deadline: float) -> tuple[list[FileEntry], dict[int, str]]:
-        """Every other node's writers' files and failures; a node that did not answer in time
-        fails its writers."""
+    def written(self, deadline: float) -> Written:
+        """What was written and copied; a node that did not answer in time fails its writers
+        (and its marks are not there: those ranks' streams are lost)."""
 
     def release(self, attempt: int) -> None:
-        """Every other node releases its ranks."""
+        """Release the part's ranks (one holding on at its end ends now, as it would have)."""
 
 
 class Keepers:
@@ -155,36 +174,47 @@ class Keepers:
         return out
 
     def write(self, attempt: int, the_plan: just_in_time.Plan, dest: Path, deadline: float,
-              here: Collection[int]) -> tuple[list[FileEntry], dict[int, str]]:
+              here: Collection[int]) -> Written:
         """Have this node's writers of ``the_plan`` (those of ``here``, this node's ranks)
         write into ``dest`` (at once, each from its keeper's thread) and copy the marks it
-        names that are here. The files, and why each rank that failed did."""
+        names that are here. The files (the marks' too, hashed here), and why each rank that
+        failed did."""
         dest.mkdir(parents=True, exist_ok=True)
-        files: list[FileEntry] = []
-        failed: dict[int, str] = {}
+        out = Written()
         for rank in the_plan.marks:
             source = self.marks(attempt) / str(rank)
-            if source.exists():
-                shutil.copyfile(source, dest / just_in_time.mark_name(rank))
+            name = just_in_time.mark_name(rank)
+            try:
+                shutil.copyfile(source, dest / name)
+            except FileNotFoundError:
+                continue  # another node's rank, or its mark is gone: not this node's to copy
+            out.files.append(hash_file(dest, name))
         writers = {r: 0 for r in the_plan.writers if r in here}
         answers = self._each(attempt, writers, contract.WRITE,
                              lambda rank: {"dir": str(dest), "step": the_plan.step, "model": True},
                              max(0.1, deadline - time.monotonic()))
         for rank, answer in answers.items():
             if isinstance(answer, dict) and answer.get("ok"):
-                files += [FileEntry(str(f["name"]), int(f["size"]), int(f["crc32"]))
-                          for f in answer["files"]]
+                out.files += [FileEntry(str(f["name"]), int(f["size"]), int(f["crc32"]))
+                              for f in answer["files"]]
             else:
-                failed[rank] = answer if isinstance(answer, str) else str(answer.get("why"))
-        return files, failed
+                out.failed[rank] = answer if isinstance(answer, str) else str(answer.get("why"))
+        return out
 
     def release(self, attempt: int, ranks: Mapping[int, int]) -> None:
         """Tell every live rank of ``ranks`` the node is done with it (one holding on at its end
-        ends now, as it would have)."""
-        live = {r: pid for r, pid in ranks.items()
-                if (attempt, r) not in self._released and _not_running(pid) is None}
-        self._released |= {(attempt, r) for r in live}
-        self._each(attempt, live, contract.RELEASE, lambda rank: {}, 1.0)
+        ends now, as it would have). A stopped rank (SIGSTOP) is told too, by a request that
+        waits in its socket: continued to be stopped (the stop that follows sends SIGCONT and
+        SIGTERM), it reads it first and ends at once instead of holding on for ``hold_s``."""
+        waiting = {r: pid for r, pid in ranks.items() if (attempt, r) not in self._released}
+        self._released |= {(attempt, r) for r in waiting}
+        why = {r: _not_running(pid) for r, pid in waiting.items()}
+        self._each(attempt, {r: pid for r, pid in waiting.items() if why[r] is None},
+                   contract.RELEASE, lambda rank: {}, 1.0)
+        for rank in (r for r, w in why.items() if w is not None and w.startswith("stopped")):
+            threading.Thread(target=self._ask_one, daemon=True, name="babysit-release",
+                             args=(attempt, rank, contract.RELEASE, {}, STOPPED_RELEASE_S)
+                             ).start()
 
     def forget(self, attempt: int) -> None:
         """``attempt``'s mark files are of no more use."""
@@ -197,16 +227,50 @@ class Keepers:
             return {}
 
         def one(rank: int) -> dict[str, Any] | str:
-            try:
-                return contract.ask(contract.address(self.token, attempt, rank), self.token,
-                                    request, body(rank), timeout=timeout)
-            except contract.Unanswered as exc:
-                return f"no answer ({exc})"
+            return self._ask_one(attempt, rank, request, body(rank), timeout)
 
         with ThreadPoolExecutor(max_workers=min(32, len(ranks)),
                                 thread_name_prefix="babysit-keepers") as pool:
             futures = {rank: pool.submit(one, rank) for rank in ranks}
             return {rank: f.result() for rank, f in futures.items()}
+
+    def _ask_one(self, attempt: int, rank: int, request: str, body: dict[str, Any],
+                 timeout: float) -> dict[str, Any] | str:
+        try:
+            return contract.ask(contract.address(self.token, attempt, rank), self.token,
+                                request, body, timeout=timeout)
+        except contract.Unanswered as exc:
+            return f"not answering ({exc})"
+
+
+class OwnRanks:
+    """This node's ranks of the attempt, reached directly: the ``Part`` every save has. Its
+    work is done when its answers are collected, after every other part was asked."""
+
+    def __init__(self, keepers: Keepers, ranks: Mapping[int, int]) -> None:
+        """``ranks``: this node's global rank -> pid."""
+        self.keepers = keepers
+        self.ranks = dict(ranks)
+        self._attempt = -1
+        self._write: tuple[just_in_time.Plan, Path] | None = None
+
+    def ask(self, attempt: int, deadline: float) -> None:
+        self._attempt = attempt
+
+    def answers(self, deadline: float) -> Gathered:
+        return self.keepers.gather(self._attempt, self.ranks, deadline)
+
+    def write(self, attempt: int, the_plan: just_in_time.Plan, dest: Path,
+              deadline: float) -> None:
+        self._write = (the_plan, dest)
+
+    def written(self, deadline: float) -> Written:
+        assert self._write is not None, "write() first"
+        the_plan, dest = self._write
+        return self.keepers.write(self._attempt, the_plan, dest, deadline, self.ranks.keys())
+
+    def release(self, attempt: int) -> None:
+        self.keepers.release(attempt, self.ranks)
 
 
 def _not_running(pid: int) -> str | None:
@@ -278,21 +342,20 @@ def decide(root: Path, world_size: int, gathered: Gathered, since_step: int
     return got
 
 
-def save(keepers: Keepers, attempt: int, ranks: Mapping[int, int], *, root: Path,
-         world_size: int, since_step: int, fault: str, budget_s: float,
-         remote: Remote | None = None) -> Outcome:
-    """The whole just-in-time save, bounded by ``budget_s``: gather every rank's view (here:
-    ``ranks``, global rank -> pid; elsewhere: ``remote``, the leader's other nodes), decide,
-    write, commit; every rank is released whatever happens."""
+def save(parts: Sequence[Part], attempt: int, *, root: Path, world_size: int,
+         since_step: int, fault: str, budget_s: float) -> Outcome:
+    """The whole just-in-time save of the job's ranks in ``parts``, bounded by ``budget_s``:
+    gather every rank's view, decide, write, commit; every rank is released whatever happens.
+    A rank whose mark no node copied keeps no random streams (``streams_lost``)."""
     started = time.monotonic()
     deadline = started + budget_s
     fields: dict[str, Any] = {"fault": fault}
     try:
-        if remote is not None:
-            remote.ask(attempt, deadline)
-        gathered = keepers.gather(attempt, ranks, deadline)
-        if remote is not None:
-            gathered.add(remote.answers(deadline))
+        for part in parts:
+            part.ask(attempt, deadline)
+        gathered = Gathered()
+        for part in parts:
+            gathered.add(part.answers(deadline))
         got = decide(root, world_size, gathered, since_step)
         if isinstance(got, just_in_time.NoPlan):
             fields.update(outcome="nothing" if got.nothing else "none", why=got.why,
@@ -300,19 +363,19 @@ def save(keepers: Keepers, attempt: int, ranks: Mapping[int, int], *, root: Path
             return Outcome(fields)
         dest = just_in_time.staging_dir(root, got.step)
         shutil.rmtree(dest, ignore_errors=True)
-        if remote is not None:
-            remote.write(attempt, got, dest, deadline)
-        files, failed = keepers.write(attempt, got, dest, deadline, ranks.keys())
-        if remote is not None:
-            more, failed_there = remote.written(deadline)
-            files, failed = files + more, {**failed, **failed_there}
-        if failed:
+        for part in parts:
+            part.write(attempt, got, dest, deadline)
+        written = Written()
+        for part in parts:
+            written.add(part.written(deadline))
+        if written.failed:
             shutil.rmtree(dest, ignore_errors=True)
-            rank, why = min(failed.items())
+            rank, why = min(written.failed.items())
             fields.update(outcome="none", step=got.step,
                           why=f"rank {rank} could not write its part: {why}")
             return Outcome(fields)
-        path = just_in_time.commit(root, got, files, world_size, fault)
+        got = just_in_time.with_marks(got, {e.name for e in written.files})
+        path = just_in_time.commit(root, got, written.files, world_size, fault)
         fields.update(outcome="saved", path=str(path), **got.to_json())
         return Outcome(fields)
     except OSError as exc:
@@ -320,6 +383,5 @@ def save(keepers: Keepers, attempt: int, ranks: Mapping[int, int], *, root: Path
         return Outcome(fields)
     finally:
         fields["seconds"] = round(time.monotonic() - started, 3)
-        keepers.release(attempt, ranks)
-        if remote is not None:
-            remote.release(attempt)
+        for part in parts:
+            part.release(attempt)

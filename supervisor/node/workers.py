@@ -288,22 +288,24 @@ class NodeWorkers:
             return directive
         return replace(directive, just_in_time=self.keepers.settings(attempt, self.budget))
 
-    def keep_last_step(self, fault: str, remote: just_in_time.Remote | None = None,
+    def keep_last_step(self, fault: str, others: just_in_time.Part | None = None,
                        world_size: int | None = None) -> just_in_time.Outcome | None:
         """After ``fault``, before anything is stopped: the just-in-time save of the last
         completed step (``node.just_in_time.save``) from this node's ranks and, on a
-        multi-node leader, the ``remote`` nodes' (``world_size``: the whole job's ranks).
-        None when the run keeps none, no rank attached, or this attempt's was made."""
+        multi-node leader, the ``others`` nodes' (``world_size``: the whole job's ranks).
+        None when the run keeps none, no rank here attached, or this attempt's was made."""
         if self.keepers is None or self._kept == self.attempt or \
                 not any(self.keeping.get(r) for r in self.rank_pids):
             return None
         self._kept = self.attempt
+        parts: list[just_in_time.Part] = [just_in_time.OwnRanks(self.keepers, self.rank_pids)]
+        if others is not None:
+            parts.append(others)
         return just_in_time.save(
-            self.keepers, self.attempt, dict(self.rank_pids),
-            root=Path(self.plan.checkpoint_dir),
+            parts, self.attempt, root=Path(self.plan.checkpoint_dir),
             world_size=world_size or self.world_size or len(self.rank_pids),
             since_step=self.resumed_step, fault=fault,
-            budget_s=self.budget.seconds(crash=fault != "hang"), remote=remote)
+            budget_s=self.budget.seconds(crash=fault != "hang"))
 
     def _new_attempt(self) -> None:
         # Anything still queued belongs to the attempt being replaced.

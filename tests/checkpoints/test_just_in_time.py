@@ -130,7 +130,8 @@ def test_the_commit_makes_the_staged_folder_a_checkpoint_of_its_step(tmp_path: P
     (staged / "rank_00000.pt").write_bytes(b"rank 0")
     (staged / just_in_time.mark_name(1)).write_bytes(b"rank 1's mark")
     (staged / "__3_0.distcp").write_bytes(b"a writer that timed out")
-    files = [hash_file(staged, n) for n in ("__0_0.distcp", "__0.metadata", "rank_00000.pt")]
+    files = [hash_file(staged, n) for n in ("__0_0.distcp", "__0.metadata", "rank_00000.pt",
+                                            just_in_time.mark_name(1))]
     # An asynchronous save of the same step, interrupted: replaced.
     (root / "step_00000239").mkdir()
     (root / "step_00000239" / "__0_0.distcp").write_bytes(b"half")
@@ -149,3 +150,15 @@ def test_the_commit_makes_the_staged_folder_a_checkpoint_of_its_step(tmp_path: P
     assert catalog.choose_for_rollback(240, allow_pending=True).checkpoint is not None
     assert catalog.choose_for_rollback(240, allow_pending=False,
                                        just_in_time=False).checkpoint is None
+
+
+def test_a_mark_no_node_copied_is_a_rank_whose_streams_are_lost() -> None:
+    """The plan named rank 1's and rank 2's marks, but only rank 1's node copied its own (rank
+    2's node was lost between the views and the writes): rank 2 resumes with fresh streams, and
+    the commit never looks for a file that is not there."""
+    plan = Plan(239, 239, None, 1.0, writers=(0,), marks=(1, 2), streams_lost=(3,))
+    done = just_in_time.with_marks(plan, {"__0_0.distcp", "rank_00000.pt",
+                                          just_in_time.mark_name(1)})
+    assert done.marks == (1,) and done.streams_lost == (2, 3)
+    assert just_in_time.with_marks(plan, {just_in_time.mark_name(1), just_in_time.mark_name(2)}
+                                   ) == plan

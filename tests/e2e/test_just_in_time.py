@@ -1,144 +1,249 @@
-"""A fault costs one step: just-in-time state from the ranks that still hold it, for real.
+"""A fault costs one step, on every path a user meets: the matrix.
 
-Real torchrun jobs of ``tests/workers/tiny_train.py`` (dropout, Adam, StepLR: a resume is exact
-only if the weights, the optimizer, the scheduler, every rank's random streams and the data
-cursor all come back), checkpoints every 50 steps, faults between them:
+{one node, two nodes in network namespaces} x {hang, segfault, SIGSTOP, a lost node} x {DDP,
+FSDP2}, each cell a real fault in a real run of ``tests/workers/tiny_train.py`` (dropout, Adam,
+StepLR: a resume is exact only if the weights, the optimizer, the scheduler, every rank's random
+streams and the data cursor all come back). The cells of one row share one run: its faults
+strike one per attempt, so one run of a few dozen seconds proves four cells, and one clean run
+per parallelism serves every row of it.
 
-- DDP, 2 ranks: rank 1 dies of SIGSEGV before step 70 (rank 0's gloo all-reduce fails at once;
-  it holds on at its uncaught exception while torchrun would SIGTERM it), then in the next
-  attempt rank 1 is SIGSTOPped before step 120 (a hang; the stopped rank is never asked).
-  Each relaunch resumes at the step the fault interrupted, not at 50 or 100, and the run ends
-  bit-exact with a run without faults: rank 1's random streams came from its mark each time.
-- FSDP2, 2 ranks (each holds half of every layer): a hang where both processes live resumes at
-  the hung step; a SIGSTOPped rank's shard cannot be written, and a rank hung inside
-  ``optimizer.step()`` holds a half-updated shard: both fall back to the newest checkpoint and
-  say why. Every resume is bit-exact, so the run ends where an uninterrupted one does.
+- **One node**, 2 ranks: rank 1 hangs before step 30, rank 0 dies of SIGSEGV before step 60,
+  rank 1 is SIGSTOPped before step 90, rank 1 is SIGKILLed before step 120 (the OOM killer's
+  way); FSDP2's last fault is a hang inside ``optimizer.step()`` instead (a half-updated shard).
+- **Two nodes** in their own network namespaces, one rank each and a hot spare: the follower's
+  rank hangs before step 30, the leader's own rank dies of SIGSEGV before step 60, the
+  follower's rank is SIGSTOPped before step 90, then the follower's whole node is SIGKILLed
+  past step 115 (its babysitter, its rank and its shared memory) and the spare takes its place.
 
-A loader deadlocked on one batch is ``test_cause.py``'s (skipped from the step it struck in:
-nothing else replayed); a lost node's ``test_multinode.py``'s.
+A loader stuck on one batch is ``test_cause.py``'s (skipped from the step it struck in: nothing
+else replayed); a node lost from a job that goes on on fewer nodes, resharded,
+``test_multinode.py``'s.
+
+Each cell asserts the step the relaunch resumed at: the interrupted one wherever a live rank
+holds every shard of it (DDP always; FSDP2 when both ranks live), else the newest periodic
+checkpoint, with the journal's reason naming the shard and why. Every step of every attempt
+has the loss of the clean run, bit for bit, and so has the final evaluation, except where the
+world's random streams could not all come back (a lost node's ranks, under DDP: said so in
+``streams_lost``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests import netns
 from tests.conftest import FAST_POLICY, babysat, journal, read_jsonl, run_babysit
+from tests.e2e.test_multinode import Nodes
+from tests.netns import Network
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 160
-ARGS = ("--steps", str(STEPS), "--eval-every", "80", "--step-sleep", "0.01")
-SAVES = "{every_steps: 50, probation_steps: 5, async_save: true}"
-NO_STANDBY = "  warm_standby: false\n"
-"""For the reference runs, which never relaunch."""
+STEPS = 150
+EVERY = 25
+ARGS = ("--steps", str(STEPS), "--eval-every", "50", "--step-sleep", "0.02")
+SAVES = f"{{every_steps: {EVERY}, probation_steps: 5, async_save: true}}"
+OVERRIDES = "{incidents: {hang: {ladder: [relaunch, relaunch, relaunch, stop]}}}"
+POLICY = f"{{name: {FAST_POLICY}, overrides: {OVERRIDES}}}"
+"""Three hangs in a row relaunch: the rows' faults are the point, not the ladder's end."""
+LOST_AFTER = 115
+"""The step past which the follower's node is lost (after the third fault's resume at 89)."""
+NO_NETNS = netns.available()
+Losses = dict[int, tuple[float, float]]
+Clean = tuple[Losses, dict[int, float]]
 
 
-def losses(run_dir: Path) -> dict[tuple[int, int], list[float]]:
-    """(attempt, step) -> every rank's loss."""
-    return {(m["attempt"], m["step"]): m["loss_per_rank"]
+def losses(run_dir: Path) -> dict[tuple[int, int], tuple[float, float]]:
+    """(attempt, step) -> the lowest and highest rank's loss (with 2 ranks: both ranks'; the
+    one form a single node's rows and the leader's merged ones share)."""
+    return {(m["attempt"], m["step"]): (m["loss_min"], m["loss_max"])
             for m in read_jsonl(run_dir / "metrics.jsonl")}
 
 
-def evals(run_dir: Path) -> dict[int, float]:
+def evals(events: list[dict[str, Any]]) -> dict[int, float]:
     """Rank 0's held-out loss by step (the last attempt's, where several reported one)."""
     return {e["data"]["step"]: e["data"]["values"]["eval_loss"]
-            for e in journal(run_dir, "worker_scalars") if e["rank"] == 0}
+            for e in events if e["event"] == "worker_scalars" and e["rank"] == 0}
 
 
-def reference(tmp: Path, *extra: str, nproc: int = 2) -> tuple[dict[int, float], dict[int, Any]]:
-    result, run_dir = babysat(tmp, "clean", *ARGS, *extra, nproc=nproc, checkpoints=SAVES,
-                              launch_extra=NO_STANDBY)
+def _clean(tmp: Path, *extra: str) -> Clean:
+    result, run_dir = babysat(tmp, "clean", *ARGS, *extra, checkpoints=SAVES,
+                              launch_extra="  warm_standby: false\n")  # it never relaunches
     assert result.returncode == 0, result.stdout + result.stderr
-    return evals(run_dir), {s: loss for (_, s), loss in losses(run_dir).items()}
+    return ({s: loss for (_, s), loss in losses(run_dir).items()},
+            evals(read_jsonl(run_dir / "events.jsonl")))
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], dict[int, Any]]:
-    """A DDP run without faults: its evaluations and every step's losses."""
-    return reference(tmp_path_factory.mktemp("clean"))
+def clean_ddp(tmp_path_factory: pytest.TempPathFactory) -> Clean:
+    return _clean(tmp_path_factory.mktemp("clean_ddp"))
 
 
-def assert_replayed_exactly(run_dir: Path, clean: tuple[dict[int, float], dict[int, Any]]
-                            ) -> None:
-    """Every step of every attempt, and the final evaluation, equal the clean run's, bit for
-    bit."""
-    clean_evals, clean_losses = clean
-    for (attempt, step), loss in losses(run_dir).items():
-        assert loss == clean_losses[step], (attempt, step)
-    assert evals(run_dir)[STEPS] == clean_evals[STEPS]
+@pytest.fixture(scope="module")
+def clean_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Clean:
+    return _clean(tmp_path_factory.mktemp("clean_fsdp"), "--fsdp")
 
 
-def test_a_crash_and_a_stopped_rank_each_cost_one_step_and_the_run_ends_bit_exact(
-        tmp_path: Path, clean: tuple[dict[int, float], dict[int, Any]]) -> None:
-    result, run_dir = babysat(tmp_path, "faults", *ARGS, "--at", "0:1:70:SIGSEGV",
-                              "--at", "1:1:120:SIGSTOP", checkpoints=SAVES)
+def _resumes(events: list[dict[str, Any]]) -> dict[int, int]:
+    """Attempt -> the step it resumed from (each relaunch's)."""
+    return {e["attempt"]: e["directive"]["resume"]["step"] for e in events
+            if e["event"] == "launch" and e["directive"]["resume"] is not None}
+
+
+def _exact(run_dir: Path, events: list[dict[str, Any]], clean: Clean,
+           until: tuple[int, int] | None = None) -> None:
+    """Every step of every attempt (up to ``until``, (attempt, step), where given) has the
+    clean run's losses, bit for bit; without ``until`` the final evaluation too."""
+    clean_losses, clean_evals = clean
+    for (attempt, step), loss in sorted(losses(run_dir).items()):
+        if until is None or (attempt, step) < until:
+            assert loss == clean_losses[step], (attempt, step, loss, clean_losses[step])
+    if until is None:
+        assert evals(events)[STEPS] == clean_evals[STEPS]
+
+
+# -- one node -------------------------------------------------------------------------------------
+
+ONE_NODE = ("--at", "0:1:30:hang", "--at", "1:0:60:SIGSEGV", "--at", "2:1:90:SIGSTOP")
+
+
+def test_one_node_ddp_a_hang_a_segfault_a_stopped_and_a_killed_rank_each_cost_one_step(
+        tmp_path: Path, clean_ddp: Clean) -> None:
+    result, run_dir = babysat(tmp_path, "ddp", *ARGS, *ONE_NODE, "--at", "3:1:120:SIGKILL",
+                              checkpoints=SAVES, policy=POLICY)
     assert result.returncode == 0, result.stdout + result.stderr
-    findings = [(e["finding"]["incident"], e["finding"]["ranks"], e["remedy"]["action"])
-                for e in journal(run_dir, "finding")]
-    assert findings == [("crash", [1], "relaunch"), ("hang", [1], "relaunch")], findings
-
-    # Each fault: rank 0, alive, wrote the state of the last step it completed; rank 1 (dead,
-    # then stopped) was never asked, and its random streams came from its mark.
-    saved = journal(run_dir, "just_in_time")
-    assert [(e["fault"], e["outcome"], e["step"], e["writers"], e["marks"], e["streams_lost"])
-            for e in saved] == [("crash", "saved", 69, [0], [1], []),
-                                ("hang", "saved", 119, [0], [1], [])]
-    # The relaunches resumed there: one step lost each, not everything since step 50 or 100.
+    events = read_jsonl(run_dir / "events.jsonl")
+    saved = [(e["fault"], e["outcome"], e["step"], e["writers"], e["marks"])
+             for e in journal(run_dir, "just_in_time")]
+    assert saved == [("hang", "saved", 29, [0], [1]), ("crash", "saved", 59, [1], [0]),
+                     ("hang", "saved", 89, [0], [1]), ("crash", "saved", 119, [0], [1])]
+    assert _resumes(events) == {1: 29, 2: 59, 3: 89, 4: 119}
+    _exact(run_dir, events, clean_ddp)
+    # Each relaunch says what it spared, on the console, in the journal and in `status`.
     resumes = [e for e in journal(run_dir, "resume") if e.get("from")]
-    assert [(e["checkpoint_step"], e["verdict"]) for e in resumes] == [(69, "pending"),
-                                                                       (119, "pending")]
-    assert [e["just_in_time"]["lost_steps"] for e in resumes] == [1, 1]
-    assert [e["just_in_time"]["periodic_step"] for e in resumes] == [50, 100]
-    assert resumes[1]["summary"] == (
-        "resumed from the just-in-time state of step 119, written by rank 0 after the hang "
-        "(1 step lost; the newest checkpoint was of step 100)")
-    starts = {a: min(s for (b, s) in losses(run_dir) if b == a) for a in (1, 2)}
-    assert starts == {1: 70, 2: 120}
-    assert "babysit: just-in-time state of step 69 written by rank 0 after the crash" \
+    assert [e["just_in_time"]["lost_steps"] for e in resumes] == [1, 1, 1, 1]
+    assert [e["just_in_time"]["periodic_step"] for e in resumes] == [25, 50, 75, 100]
+    assert resumes[2]["summary"] == (
+        "resumed from the just-in-time state of step 89, written by rank 0 after the hang "
+        "(1 step lost; the newest checkpoint was of step 75)")
+    assert "babysit: just-in-time state of step 59 written by rank 1 after the crash" \
         in result.stdout
     assert "babysit: resumed from the just-in-time state of step 119" in result.stdout
-    # Trusted like any checkpoint, no more: each resume was checked and took, and the ranks
-    # that held on at their end (rank 0 at its gloo error, then at torchrun's SIGTERM) said so.
-    checks = journal(run_dir, "resume_check")
-    assert checks and all(e["data"]["took"] for e in checks)
-    assert journal(run_dir, "worker_holding")
-    assert_replayed_exactly(run_dir, clean)
     status = run_babysit("status", str(run_dir), cwd=tmp_path, timeout=60)
     assert "resume step 119 (just-in-time state)" in status.stdout, status.stdout
+    # Trusted like any checkpoint, no more: each resume was checked and took, and the ranks
+    # that held on at their end (at gloo's error, at torchrun's SIGTERM) said so.
+    checks = journal(run_dir, "resume_check")
+    assert len(checks) >= 8 and all(e["data"]["took"] for e in checks)
+    assert journal(run_dir, "worker_holding")
 
 
-@pytest.fixture(scope="module")
-def clean_fsdp(tmp_path_factory: pytest.TempPathFactory
-               ) -> tuple[dict[int, float], dict[int, Any]]:
-    """An FSDP2 run without faults."""
-    return reference(tmp_path_factory.mktemp("clean_fsdp"), "--fsdp")
-
-
-def test_fsdp2_keeps_the_step_when_every_shard_lives_and_says_why_when_one_does_not(
-        tmp_path: Path, clean_fsdp: tuple[dict[int, float], dict[int, Any]]) -> None:
-    # Three hangs on rank 1: the default hang ladder stops at the third; relaunch all three.
-    policy = (f"{{name: {FAST_POLICY}, overrides: "
-              "{incidents: {hang: {ladder: [relaunch, relaunch, relaunch, stop]}}}}")
-    result, run_dir = babysat(tmp_path, "fsdp", *ARGS, "--fsdp", "--at", "0:1:30:hang",
-                              "--at", "1:1:60:SIGSTOP", "--at", "2:1:80:optimizer-hang",
-                              checkpoints=SAVES, policy=policy)
+def test_one_node_fsdp2_keeps_the_step_while_every_shard_lives_and_says_why_when_not(
+        tmp_path: Path, clean_fsdp: Clean) -> None:
+    result, run_dir = babysat(tmp_path, "fsdp", *ARGS, "--fsdp", *ONE_NODE,
+                              "--at", "3:1:120:optimizer-hang", checkpoints=SAVES,
+                              policy=POLICY)
     assert result.returncode == 0, result.stdout + result.stderr
-    hangs = [e["finding"]["ranks"] for e in journal(run_dir, "finding")
-             if e["finding"]["incident"] == "hang"]
-    assert hangs == [[1], [1], [1]]
-    first, stopped, half = journal(run_dir, "just_in_time")
-    # Both shards live: each rank wrote its half, and the relaunch resumed at the hung step.
-    assert (first["outcome"], first["step"], first["writers"]) == ("saved", 29, [0, 1])
-    # Rank 1 SIGSTOPped holds its shard where nobody can read it.
-    assert stopped["outcome"] == "none" and stopped["step"] == 59
-    assert "shard 1 of the sharded state has no live holder" in stopped["why"]
-    assert "rank 1 is stopped (SIGSTOP)" in stopped["why"]
-    # Rank 1 hung half-way through optimizer.step(): its shard is neither step's.
-    assert half["outcome"] == "none" and "inside optimizer.step()" in half["why"]
-    resumes = [e["checkpoint_step"] for e in journal(run_dir, "resume") if e.get("from")]
-    assert resumes == [29, 50, 50]
+    events = read_jsonl(run_dir / "events.jsonl")
+    hang, crash, stopped, half = journal(run_dir, "just_in_time")
+    assert (hang["outcome"], hang["step"], hang["writers"]) == ("saved", 29, [0, 1])
+    assert (crash["outcome"], stopped["outcome"], half["outcome"]) == ("none",) * 3
+    assert "shard 0 of the sharded state has no live holder (rank 0 is dead)" in crash["why"]
+    assert "shard 1 of the sharded state has no live holder (rank 1 is stopped (SIGSTOP)" \
+        in stopped["why"]
+    assert "inside optimizer.step()" in half["why"]
+    assert _resumes(events) == {1: 29, 2: 50, 3: 75, 4: 100}
     assert "no just-in-time state after the hang: shard 1" in result.stdout
-    assert_replayed_exactly(run_dir, clean_fsdp)
+    _exact(run_dir, events, clean_fsdp)
+
+
+# -- two nodes ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def net3() -> Iterator[Network]:
+    """Two nodes and a spare, each in its own network namespace."""
+    if NO_NETNS is not None:
+        pytest.skip(NO_NETNS)
+    with netns.network(3) as made:
+        yield made
+
+
+def _two_nodes(tmp_path: Path, net: Network, *args: str) -> tuple[Nodes, int]:
+    """The two-node row: faults on the follower's rank and the leader's own, then the
+    follower's node lost past ``LOST_AFTER`` and the spare in its place. Returns the run and
+    the step the follower's node was lost at."""
+    run = Nodes(tmp_path, *ARGS[2:], *args, nnodes="2", steps=STEPS, net=net, nproc=1,
+                nodes=", spares: 1", checkpoints=SAVES, overrides=OVERRIDES)
+    run.start(0, TINY_TRAIN_AT="1:60:SIGSEGV")
+    run.start(1, TINY_TRAIN_AT="0:30:hang,2:90:SIGSTOP")
+    run.until("the first step", lambda: _step(run) >= 1)
+    run.start(2)  # the spare joins the running attempt and waits
+    run.until(f"attempt 3 past step {LOST_AFTER}",
+              lambda: _attempt(run) == 3 and _step(run) > LOST_AFTER, timeout=180)
+    lost_at = _step(run)
+    net.kill(1)  # the follower's host dies: babysitter, rank and its memory
+    codes = run.wait(240)
+    assert codes[0] == 0 and codes[2] == 0, run.logs()
+    return run, lost_at
+
+
+def _step(run: Nodes) -> int:
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        rows = read_jsonl(run.run_dir / "metrics.jsonl")
+        return rows[-1]["step"] if rows else 0
+    return 0
+
+
+def _attempt(run: Nodes) -> int:
+    launches = run.events("launch")
+    return launches[-1]["attempt"] if launches else -1
+
+
+def _ranks(run: Nodes) -> dict[int, int]:
+    """Node -> its rank in the first attempt (one rank a node)."""
+    return {e["data"]["node"]: e["rank"] for e in run.events("worker_hello")
+            if e["attempt"] == 0}
+
+
+def test_two_nodes_ddp_every_fault_of_either_node_costs_one_step(
+        tmp_path: Path, net3: Network, clean_ddp: Clean) -> None:
+    run, lost_at = _two_nodes(tmp_path, net3)
+    leader, follower = _ranks(run)[0], _ranks(run)[1]
+    saved = [(e["fault"], e["outcome"], e["step"], e["writers"]) for e in run.events(
+        "just_in_time")]
+    assert saved[:3] == [("hang", "saved", 29, [leader]), ("crash", "saved", 59, [follower]),
+                         ("hang", "saved", 89, [leader])], saved
+    # The leader hears of the loss first from its own rank (gloo's connection reset: a
+    # crash), or from the node's babysitter's connection: either way before anything stops.
+    fault, outcome, step, writers = saved[3]
+    assert fault in ("crash", "loss of a node") and (outcome, writers) == ("saved", [leader])
+    assert step >= lost_at
+    # The lost node's rank's streams died with its memory: said, and resumed without them.
+    assert run.events("just_in_time")[3]["streams_lost"] == [follower]
+    assert _resumes(run.journal()) == {1: 29, 2: 59, 3: 89, 4: step}
+    last = run.events("launch")[-1]
+    assert last["attempt"] == 4 and last["nodes"] == [0, 2]  # the spare in the lost node's place
+    _exact(run.run_dir, run.journal(), clean_ddp, until=(4, 0))
+    assert run.events("run_finished")[-1]["state"] == "succeeded"
+
+
+def test_two_nodes_fsdp2_keeps_the_step_while_every_shard_lives_and_says_why_when_not(
+        tmp_path: Path, net3: Network, clean_fsdp: Clean) -> None:
+    run, lost_at = _two_nodes(tmp_path, net3, "--fsdp")
+    leader, follower = _ranks(run)[0], _ranks(run)[1]
+    hang, crash, stopped, lost = run.events("just_in_time")
+    assert (hang["outcome"], hang["step"], hang["writers"]) == ("saved", 29, [0, 1])
+    assert (crash["outcome"], stopped["outcome"], lost["outcome"]) == ("none",) * 3
+    assert f"rank {leader} is dead" in crash["why"]
+    assert f"rank {follower} is stopped (SIGSTOP)" in stopped["why"]
+    assert f"rank {follower} is on node 1, which was lost" in lost["why"]
+    newest = lost_at // EVERY * EVERY
+    resumed = _resumes(run.journal())
+    assert {a: resumed[a] for a in (1, 2, 3)} == {1: 29, 2: 50, 3: 75}
+    assert resumed[4] in (newest, newest - EVERY)  # the newest one committed by then
+    # Every rank's streams were in the periodic checkpoints: the run ends bit-exact.
+    _exact(run.run_dir, run.journal(), clean_fsdp)
