@@ -42,6 +42,7 @@ from babysit.checkpoints.layout import (
     parse_step_dir,
 )
 from babysit.checkpoints.manifest import Manifest, read_manifest, verify_manifest
+from babysit.checkpoints.memory import Place, unavailable, verify_local
 
 _VERDICTS_FORMAT = 1
 
@@ -91,10 +92,20 @@ class Catalog:
 
     Calling rules: one supervisor owns a root's verdicts (it is the only writer of
     ``verdicts.json``). Steps are optimizer steps, the same numbers the workers report.
+
+    Memory copies (``checkpoints/memory.py``) are checkpoints of the same root whose files are in
+    the nodes' shared memory: ``memory`` says where this supervisor stands among the nodes, so
+    that one no live node fully holds is passed over (not marked: it is not damaged, only out
+    of reach) and the files this node holds are verified; retention keeps the newest
+    ``MEMORY_KEEP`` of them apart from the others (they never push a checkpoint on disk out).
     """
 
-    def __init__(self, root: str | Path) -> None:
+    MEMORY_KEEP = 2
+    """Memory copies kept committed: the newest, and the one before while a newer is written."""
+
+    def __init__(self, root: str | Path, memory: Place | None = None) -> None:
         self.root = Path(root)
+        self.memory = memory
 
     # ---- reading ------------------------------------------------------------------------------
 
@@ -225,10 +236,19 @@ class Catalog:
         return choice
 
     def _choose(self, candidates: list[Checkpoint], verify: bool) -> RollbackChoice:
-        """The newest of ``candidates`` (in step order) that verifies, pinned."""
+        """The newest of ``candidates`` (in step order) that verifies, pinned; a memory copy
+        out of reach is passed over, unmarked."""
         refused = []
         for ckpt in reversed(candidates):
-            problems = verify_manifest(ckpt.manifest, ckpt.path, full=True) if verify else []
+            if ckpt.manifest.is_memory:
+                why = unavailable(ckpt.manifest, self.memory)
+                if why is not None:
+                    refused.append(Refusal(ckpt.step, ckpt.path, (why,)))
+                    continue
+                assert self.memory is not None
+                problems = verify_local(ckpt.manifest, self.memory) if verify else []
+            else:
+                problems = verify_manifest(ckpt.manifest, ckpt.path, full=True) if verify else []
             if problems:
                 self._set([ckpt], Verdict.CORRUPT, "; ".join(problems))
                 refused.append(Refusal(ckpt.step, ckpt.path, tuple(problems)))
@@ -248,18 +268,22 @@ class Catalog:
     def retain(self, keep_last: int) -> list[Path]:
         """Delete old checkpoints; return the step directories deleted.
 
-        Kept: the newest ``keep_last`` checkpoints that are not corrupt, the newest GOOD one
-        (whatever its age: it is the only safe rollback target), and the pinned one (chosen for a
-        rollback that may still be loading). Everything else goes, corrupt ones included (they
-        can never be loaded; their reasons were returned when they were found). External data
-        outside the step directory is deleted only if it was registered with ``owned=True``.
+        Kept: the newest ``keep_last`` checkpoints on disk that are not corrupt, the newest GOOD
+        one on disk (whatever its age: it is the only safe rollback target that lasts), the
+        newest ``MEMORY_KEEP`` memory copies, and the pinned one (chosen for a rollback that may
+        still be loading). Everything else goes, corrupt ones included (they can never be
+        loaded; their reasons were returned when they were found). External data outside the
+        step directory is deleted only if it was registered with ``owned=True``.
         """
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0, got {keep_last}")
         all_ckpts = self.checkpoints()
         usable = [c for c in all_ckpts if c.verdict is not Verdict.CORRUPT]
-        keep = {c.step for c in usable[max(0, len(usable) - keep_last) :]} if keep_last else set()
-        good = [c for c in all_ckpts if c.verdict is Verdict.GOOD]
+        disk = [c for c in usable if not c.manifest.is_memory]
+        memory = [c for c in usable if c.manifest.is_memory]
+        keep = {c.step for c in disk[max(0, len(disk) - keep_last) :]} if keep_last else set()
+        keep |= {c.step for c in memory[-self.MEMORY_KEEP:]}
+        good = [c for c in disk if c.verdict is Verdict.GOOD]
         if good:
             keep.add(good[-1].step)
         pinned = self.pinned_step

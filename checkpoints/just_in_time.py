@@ -190,6 +190,37 @@ def _missing_why(missing: list[int], views: Mapping[int, RankView],
 
 # -- the rank's write (torch) --------------------------------------------------------------------
 
+def shard_of(model: Any, rank: int) -> tuple[int, int]:
+    """(which shard, how many): replicated parameters (DDP, or none distributed) are one shard;
+    FSDP2's DTensors a shard per coordinate on their mesh's sharded dimensions. Parameters on
+    several meshes, or sharded along different dimensions, count every rank as its own shard:
+    each then writes what it holds."""
+    from math import prod
+
+    params = getattr(model, "parameters", None)
+    layouts = set()
+    mesh = None
+    for p in params() if params is not None else ():
+        placements = getattr(p, "placements", None)
+        if placements is None:
+            continue
+        mesh = p.device_mesh
+        layouts.add((id(mesh), tuple(i for i, pl in enumerate(placements) if pl.is_shard())))
+    if not layouts:
+        return 0, 1
+    if len(layouts) > 1 or mesh is None:
+        import torch.distributed as dist
+
+        return rank, dist.get_world_size()
+    (_, dims), = layouts
+    coordinate = mesh.get_coordinate() or []
+    sizes = [mesh.size(d) for d in dims]
+    shard = 0
+    for d, size in zip(dims, sizes, strict=True):
+        shard = shard * size + coordinate[d]
+    return shard, prod(sizes)
+
+
 def write_part(dest: Path, rank: int, *, model: Any, optimizer: Any, scheduler: Any,
                rng: dict[str, Any], step: int, cursor: int, lr_scale: float,
                with_model: bool) -> list[dict[str, Any]]:

@@ -33,7 +33,7 @@ class Restored:
 
 
 def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = None, *,
-         reshard: bool = False) -> Restored:
+         reshard: bool = False, memory: str | Path | None = None) -> Restored:
     """Restore a checkpoint saved by ``save``; collective.
 
     Calling rules: every rank calls it with the same ``path`` (a step directory), after building
@@ -49,6 +49,11 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
     its fresh RNG streams (sharing rank 0's would make two ranks draw the same dropout masks).
     The data each rank sees changes with the world size anyway, so such a resume continues the
     run without being bit-exact.
+
+    A memory copy (``checkpoints/memory.py``): ``path`` is its step directory in the checkpoint
+    root (its manifest), ``memory`` its folder in this node's shared memory; what the node
+    lacks of what this rank reads is fetched from the other nodes first, and each file read is
+    checked against its CRC-32 (``memory_copy.fetch``).
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
@@ -75,7 +80,12 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
             f"across world sizes: relaunch with {manifest.world_size} ranks, or start from a "
             "checkpoint saved at this world size."
         )
-    problems = verify_manifest(manifest, path, full=False)
+    data = Path(memory) if memory is not None else manifest.data_dir(path)
+    if manifest.is_memory and memory is None:
+        raise CheckpointError(
+            f"{path} (step {manifest.step}) is a memory copy: its files are in the nodes' shared "
+            "memory, and load needs this node's folder of it (memory=...).")
+    problems = [] if manifest.is_memory else verify_manifest(manifest, path, full=False)
     if problems:
         raise CheckpointError(
             f"{path} (step {manifest.step}) is damaged: {'; '.join(problems)}. Rank {rank} "
@@ -87,9 +97,11 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+    if manifest.is_memory:
+        _fetch_memory(data, manifest, state, rank)
     try:
-        if manifest.is_just_in_time:  # its writers' metadata, merged (``just_in_time.reader``)
-            dcp_load(state, storage_reader=just_in_time.reader(path))
+        if manifest.is_just_in_time or manifest.is_memory:  # the writers' metadata, merged
+            dcp_load(state, storage_reader=just_in_time.reader(data))
         else:
             dcp_load(state, checkpoint_id=str(path))
     # DCP gathers per-rank failures into a CheckpointException (a BaseException), raised on
@@ -108,7 +120,7 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
 
-    rank_state, own = _rank_state(path, manifest, rank)
+    rank_state, own = _rank_state(data, manifest, rank)
     if scheduler is not None:
         if rank_state["scheduler"] is None:
             raise CheckpointError(
@@ -126,6 +138,20 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
         extra=rank_state.get("extra") or {},
         samples=manifest.samples,
     )
+
+
+def _fetch_memory(data: Path, manifest: Any, state: dict[str, Any], rank: int) -> None:
+    """Bring what this rank reads of a memory copy into its node's folder ``data``: the
+    writers' metadata and its state file first, then the data files its part of ``state``
+    lives in (``memory_copy``); collective."""
+    from babysit.checkpoints import memory_copy
+    from babysit.checkpoints.save import _writer_group
+
+    group = _writer_group()
+    names = {e.name for e in manifest.files}
+    own = rank_state_name(rank if rank < manifest.world_size else 0)
+    memory_copy.fetch(data, manifest, [*memory_copy.metadata_files(names), own], group)
+    memory_copy.fetch(data, manifest, memory_copy.needs(data, manifest, state, rank), group)
 
 
 def _rank_state(path: Path, manifest: Any, rank: int) -> tuple[dict[str, Any], Any]:

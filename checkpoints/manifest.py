@@ -33,7 +33,10 @@ FORMAT_VERSION = 1
 FORMAT_JUST_IN_TIME = 2
 """Just-in-time checkpoints' version (``checkpoints/just_in_time.py``): their DCP data is in the
 writers' uncoordinated layout, which an older babysit would fail to load, so it refuses them."""
-READABLE = (FORMAT_VERSION, FORMAT_JUST_IN_TIME)
+FORMAT_MEMORY = 3
+"""Memory copies' version (``checkpoints/memory.py``): their files are in the nodes' shared
+memory, which an older babysit would look for on disk."""
+READABLE = (FORMAT_VERSION, FORMAT_JUST_IN_TIME, FORMAT_MEMORY)
 
 KIND_DCP = "dcp"
 """Saved by ``checkpoints.save`` (torch.distributed.checkpoint + per-rank state files)."""
@@ -43,6 +46,8 @@ ORIGIN_PERIODIC = "periodic"
 """Saved by every rank together at a step boundary (the cadence, a final checkpoint)."""
 ORIGIN_JUST_IN_TIME = "just_in_time"
 """Written after a fault by the ranks still alive (``checkpoints/just_in_time.py``)."""
+ORIGIN_MEMORY = "memory"
+"""Copied every few steps into the nodes' shared memory (``checkpoints/memory.py``)."""
 
 _CHUNK = 8 << 20  # 8 MiB reads: large enough that per-call overhead vanishes, small for memory
 
@@ -86,14 +91,23 @@ class Manifest:
     """Samples of the data stream consumed at ``cursor``, when the job's loader counts them
     (``ElasticSampler``): where a resume on another world size goes on."""
     origin: str = ORIGIN_PERIODIC
-    """How it was saved: ``periodic`` or ``just_in_time``."""
+    """How it was saved: ``periodic``, ``just_in_time`` or ``memory``."""
     just_in_time: dict[str, Any] | None = None
     """A just-in-time checkpoint's story: the fault, its writers, the ranks whose streams came
     from their marks and those whose streams were lost (``just_in_time.Plan``)."""
 
+    memory: dict[str, Any] | None = None
+    """A memory copy's: the nodes holding each file (``holders``), the nodes of its ranks, and
+    what it cost (``stall_s``, ``write_s``)."""
+
     @property
     def is_just_in_time(self) -> bool:
         return self.origin == ORIGIN_JUST_IN_TIME
+
+    @property
+    def is_memory(self) -> bool:
+        """Its files are in the nodes' shared memory (``checkpoints/memory.py``), not on disk."""
+        return self.origin == ORIGIN_MEMORY
 
     def data_dir(self, ckpt_dir: Path) -> Path:
         """The directory the ``files`` are relative to."""
@@ -132,6 +146,7 @@ class Manifest:
             samples=None if d.get("samples") is None else int(d["samples"]),
             origin=str(d.get("origin", ORIGIN_PERIODIC)),
             just_in_time=d.get("just_in_time"),
+            memory=d.get("memory"),
         )
 
 

@@ -32,6 +32,31 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
+_SHM = Path("/dev/shm")
+_SHM_BEFORE: set[str] = set()
+"""babysit's folders in this machine's shared memory before the session (another run's)."""
+
+
+def _shm_folders() -> set[str]:
+    try:
+        return {p.name for p in _SHM.iterdir() if p.name.startswith("babysit-")}
+    except OSError:
+        return set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _SHM_BEFORE.update(_shm_folders())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Host memory is a training node's scarcest: no run of the session may leave a folder in
+    /dev/shm behind (``supervisor/node/shm.py``). A leftover fails the session."""
+    left = sorted(_shm_folders() - _SHM_BEFORE)
+    if left:
+        print(f"\nbabysit left {len(left)} folder(s) in {_SHM}: {', '.join(left[:8])}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def babysit_env() -> dict[str, str]:
     env = dict(os.environ)
     # The workers import the worker API from this checkout even when it is not installed.

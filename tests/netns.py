@@ -6,6 +6,7 @@ multi-homed hosts and containers): exactly the case where a node cannot tell the
 own address. A partition takes one node's link down on the bridge; a slow link is a ``tc``
 token bucket on it. Everything is created by the test and removed after it, and only the
 addresses inside these namespaces (10.77.0.0/24, unreachable from the host) are ever targets.
+Each node's processes also get a ``/dev/shm`` of their own (``prefix``).
 
 A network may also give each node a host name (``names``: an ``/etc/hosts`` of its own, which
 ``ip netns exec`` mounts over the machine's for what runs in it) and the bridge's namespace an
@@ -64,8 +65,13 @@ class Network:
         return f"{SUBNET}.{node + 1}"
 
     def prefix(self, node: int) -> list[str]:
-        """The command prefix that runs a process inside ``node``'s namespace."""
-        return ["ip", "netns", "exec", self.names[node]]
+        """The command prefix that runs a process inside ``node``'s namespace, with a shared
+        memory (``/dev/shm``) of its own, as a machine has: ``ip netns exec`` gives what it runs
+        a mount namespace of its own (mounts made there never reach the host's), and a tmpfs
+        mounted there is gone with the last process of it, as a dead machine's memory is. What
+        babysit keeps in shared memory (marks, memory copies) is then really node-local."""
+        return ["ip", "netns", "exec", self.names[node], "sh", "-c",
+                'mount -t tmpfs -o size=25% tmpfs /dev/shm && exec "$@"', "node-shm"]
 
     def hub_prefix(self) -> list[str]:
         """The command prefix that runs a process in the bridge's namespace (``HUB``)."""

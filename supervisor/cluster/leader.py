@@ -314,6 +314,9 @@ class ClusterMembers(OnThisNode):
             return []
         return [outcome.entry()]
 
+    def live_nodes(self) -> list[int]:
+        return sorted({self.cluster.me, *self.cluster.present()})
+
     def tails(self, attempt: int) -> dict[int, str]:
         tails = {**self.workers.tails(attempt, 8192), **self._crash_tails}
         self._crash_tails = {}

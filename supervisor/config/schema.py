@@ -240,6 +240,16 @@ class CheckpointConfig(DashedSection):
     and the relaunch resumes from it: one step lost instead of everything since the last
     checkpoint. Needs ``every_steps`` > 0 and ``attach(model=..., optimizer=...)``; costs about
     5 us a step (docs/recovery.md, "Just-in-time state")."""
+    memory_every_steps: int | Literal["auto"] = "auto"
+    """Every N steps each rank also copies its state (its shard, its optimizer's, its random
+    streams, the cursor) into its node's shared memory, and a rank of the next node keeps a
+    replica in its own: a rank or a node lost with the only holder of a shard (FSDP2) then
+    costs the steps since that copy, not since the last checkpoint on disk. Training stalls
+    only for the copy into host memory. ``auto``: on where a shard has a single holder, every N
+    steps as the cadence's cost model chooses from the copy's measured stall and the run's
+    interruptions (said at the start, with its figures); off under DDP, whose live replicas
+    the just-in-time state already covers. 0: off. Needs ``every_steps`` > 0
+    (docs/recovery.md, "Memory copies")."""
     just_in_time_timeout_s: float | None = Field(None, gt=0)
     """The most a just-in-time save may take before babysit gives up on it and resumes from the
     newest checkpoint. Default: four times the slowest save this run measured, plus 5 s, at

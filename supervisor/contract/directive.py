@@ -98,6 +98,10 @@ class Resume:
     external: bool = False
     samples: int | None = None
     """Samples of the data stream consumed at ``cursor`` (``ElasticSampler``), if counted."""
+    memory: str | None = None
+    """A memory copy (``checkpoints/memory.py``): ``path`` is its manifest's folder in the
+    checkpoint root, and this its folder in the node's shared memory (each node's own,
+    written into the directive by the node)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +163,9 @@ class Directive:
     """Keep the last completed step for a just-in-time checkpoint (``rank/just_in_time.py``):
     ``marks``, the folder of the ranks' mark files, and ``hold_s``, how long a rank that is
     ending waits for its node; empty: off."""
+    memory: dict[str, Any] = field(default_factory=dict)
+    """Copy the state every few steps into the node's shared memory (``checkpoints/memory.py``):
+    ``root``, the node's folder, and ``every``, the steps between copies; empty: off."""
 
     def scale_at(self, cursor: int) -> float:
         """The LR scale of the optimizer step that trains on the batch before data cursor
@@ -201,6 +208,7 @@ class Directive:
             reshard=bool(obj.get("reshard", False)),
             save_at=None if obj.get("save_at") is None else int(obj["save_at"]),
             just_in_time=dict(obj.get("just_in_time", {})),
+            memory=dict(obj.get("memory", {})),
         )
 
     def write(self, path: Path) -> None:

@@ -14,12 +14,12 @@ import os
 import queue
 import secrets
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from babysit.checkpoints.memory import copy_dir
 from babysit.policies.types import RankStep, Remedy
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract import protocol
@@ -31,6 +31,7 @@ from babysit.supervisor.node import (
     just_in_time,
     launcher,
     shield,
+    shm,
     standby,
     teardown,
 )
@@ -82,7 +83,10 @@ class NodeWorkers:
             standby.off_reason(launch, standby.gpus_visible(launch)) is not None
         """torchrun is started ahead where no warm standby can serve a relaunch."""
         saving = plan.config.checkpoints
-        self.keepers = just_in_time.Keepers(self.token.hex(), _marks_root(self.token.hex())) \
+        self.memory = shm.NodeMemory.of(plan.shared_dir, plan.node_rank)
+        """This node's folder in shared memory: the ranks' marks and memory copies
+        (``node.shm``), removed when the run ends here."""
+        self.keepers = just_in_time.Keepers(self.token.hex(), self.memory.marks) \
             if saving.just_in_time and saving.every_steps > 0 else None
         """The ranks' keepers of their last completed step (``node.just_in_time``), when the
         run keeps one: babysit saves its checkpoints and ``checkpoints.just_in_time`` is on."""
@@ -101,6 +105,12 @@ class NodeWorkers:
     def open(self) -> None:
         self.intake.open()
         self.printed.start()
+        swept = self.memory.open()
+        if swept:  # another run's, whose babysitter died without removing it
+            self.standby_entries.append(("shared_memory_swept", {
+                "paths": [str(p) for p in swept],
+                "summary": f"removed {len(swept)} folder(s) of shared memory that babysitters "
+                           f"gone from this node left behind"}))
 
     def telemetry(self) -> list[RankStep | protocol.WorkerEvent]:
         """Every report queued on the socket, then what the ranks' printed progress said since
@@ -133,6 +143,7 @@ class NodeWorkers:
         if self._early is not None:
             self._early.stop()
         self.intake.close()
+        self.memory.close()
         if self.keepers is not None:
             shutil.rmtree(self.keepers.marks_root, ignore_errors=True)
 
@@ -279,11 +290,21 @@ class NodeWorkers:
 
     def _keeping(self, attempt: int, directive: Directive) -> Directive:
         """``directive`` for this node's ranks of ``attempt``: where they mark each step and how
-        long an ending one holds on (``just_in_time``), when the run keeps the last step."""
+        long an ending one holds on (``just_in_time``), when the run keeps the last step; where
+        and how often they copy their state into this node's shared memory (``memory``), and,
+        resuming from a memory copy, this node's folder of it."""
         if self.keepers is not None and self.attempt >= 0:
             self.keepers.forget(self.attempt)
         self.attempt = attempt
         self.resumed_step = directive.resume.step if directive.resume is not None else 0
+        resume = directive.resume
+        if resume is not None and resume.memory is not None:
+            directive = replace(directive, resume=replace(
+                resume, memory=str(copy_dir(self.memory.root, resume.step))))
+        every = self.plan.config.checkpoints.memory_every_steps
+        if self.plan.config.checkpoints.every_steps > 0 and every != 0:
+            directive = replace(directive, memory={"root": str(self.memory.root),
+                                                   "every": every})
         if self.keepers is None:
             return directive
         return replace(directive, just_in_time=self.keepers.settings(attempt, self.budget))
@@ -567,11 +588,3 @@ class NodeWorkers:
                     yield "[torchrun] " + line.text
             elif shown is None or line.rank in shown:
                 yield f"[r{line.rank}] " + launcher.newest_state(line.text)
-
-
-def _marks_root(token_hex: str) -> Path:
-    """Where this node's ranks keep their marks: node-local shared memory, which outlives a
-    rank that dies (the system's temporary folder where there is none)."""
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return base / f"babysit-{token_hex[:16]}"

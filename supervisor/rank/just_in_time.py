@@ -40,6 +40,7 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
+from babysit.checkpoints.just_in_time import shard_of
 from babysit.supervisor.contract import just_in_time as contract
 
 Emit = Callable[..., None]
@@ -76,7 +77,7 @@ class Keeper:
         self._in_optimizer = False
         self._hooks: list[Any] = []
         self._event, self._device = _cuda_event(model)
-        self._shard, self._shards = _shard_of(model, rank)
+        self._shard, self._shards = shard_of(model, rank)
         self._unsupported = _unsupported(model)
         self._forward_moved = False
         """A forward ran since the mark in a model whose forward changes its buffers."""
@@ -384,37 +385,6 @@ def _cuda_event(model: Any) -> tuple[Any, Any]:
     import torch
 
     return torch.cuda.Event(), first.device  # type: ignore[no-untyped-call]
-
-
-def _shard_of(model: Any, rank: int) -> tuple[int, int]:
-    """(which shard, how many): replicated parameters (DDP, or none distributed) are one shard;
-    FSDP2's DTensors a shard per coordinate on their mesh's sharded dimensions. Parameters on
-    several meshes, or sharded along different dimensions, count every rank as its own shard:
-    each then writes what it holds."""
-    from math import prod
-
-    params = getattr(model, "parameters", None)
-    layouts = set()
-    mesh = None
-    for p in params() if params is not None else ():
-        placements = getattr(p, "placements", None)
-        if placements is None:
-            continue
-        mesh = p.device_mesh
-        layouts.add((id(mesh), tuple(i for i, pl in enumerate(placements) if pl.is_shard())))
-    if not layouts:
-        return 0, 1
-    if len(layouts) > 1 or mesh is None:
-        import torch.distributed as dist
-
-        return rank, dist.get_world_size()
-    (_, dims), = layouts
-    coordinate = mesh.get_coordinate() or []
-    sizes = [mesh.size(d) for d in dims]
-    shard = 0
-    for d, size in zip(dims, sizes, strict=True):
-        shard = shard * size + coordinate[d]
-    return shard, prod(sizes)
 
 
 def _moves_buffers(model: Any) -> bool:

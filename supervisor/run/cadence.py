@@ -111,6 +111,41 @@ def optimal_interval(blocking_s: float, tau_s: float) -> float:
     return math.sqrt(2.0 * blocking_s * tau_s)
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryAdvice:
+    """How often to copy the state into the nodes' shared memory (``checkpoints.memory``), by
+    the same arithmetic as the checkpoints on disk: a copy stalls ``stall_s``, and every
+    interruption loses the steps since the last one. Times in seconds."""
+
+    every_steps: int
+    stall_s: float
+    tau_s: float
+    step_s: float
+    disk_every: int
+    """The checkpoints on disk's interval: copies less often than that would add nothing."""
+
+    def summary(self) -> str:
+        interval = optimal_interval(self.stall_s, self.tau_s)
+        waste = waste_fraction(self.every_steps * self.step_s, self.stall_s, self.tau_s)
+        return (f"memory copies every {self.every_steps} steps: a copy stalls "
+                f"{duration(self.stall_s)}, an interruption every {duration(self.tau_s)} -> "
+                f"T*={duration(interval)} at {duration(self.step_s)}/step"
+                + (f", at most the disk's {self.disk_every}"
+                   if self.every_steps == self.disk_every and self.disk_every else "")
+                + f"; waste {waste:.2%}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def memory_advice(stall_s: float, tau_s: float, step_s: float, disk_every: int) -> MemoryAdvice:
+    """Young's interval for memory copies, in whole steps, from 1 to the disk's interval."""
+    steps = max(1, round(optimal_interval(stall_s, tau_s) / step_s)) if step_s > 0 else 1
+    if disk_every > 0:
+        steps = min(steps, disk_every)
+    return MemoryAdvice(steps, stall_s, tau_s, step_s, disk_every)
+
+
 def waste_fraction(interval_s: float, blocking_s: float, tau_s: float) -> float:
     """Expected fraction of time lost to saves and re-done work: C/T + T/(2 tau).
 
@@ -216,13 +251,17 @@ class CadenceAdvisor:
 
     # -- output ---------------------------------------------------------------------------------
 
+    def step_s(self) -> float | None:
+        """The median of the recent step times (None: none seen yet)."""
+        return statistics.median(self._step_times) if self._step_times else None
+
     def advice(self) -> Advice | None:
         """The advice, or None until a checkpoint cost and a step time are known (or when
         babysit saves no checkpoints)."""
         if self.every_steps < 1 or not self._blocking or not self._step_times:
             return None
         blocking = statistics.median(self._blocking)
-        step_s = statistics.median(self._step_times)
+        step_s = statistics.median(self._step_times)  # (step_s() above: not None here)
         tau, source = estimate_tau(self.observed_s, self.interruption_count, self.mtbf_prior_s)
         interval = optimal_interval(blocking, tau)
         steps = max(1, round(interval / step_s))
@@ -371,9 +410,11 @@ def replay_journal(advisor: CadenceAdvisor, entries: Iterable[dict[str, Any]]) -
 class Covering:
     """Interruptions and the just-in-time saves that cover them, matched by attempt: a crash's
     save comes before its finding (its ranks hold on while it is written), a hang's after (it is
-    written just before the workers are stopped). Feeds ``advisor``, live and replayed alike."""
+    written just before the workers are stopped). A relaunch that resumed from a memory copy
+    (``resume`` of origin ``memory``) covers its attempt's interruption too: only a loss of the
+    whole job's memory needs the disk. Feeds ``advisor``, live and replayed alike."""
 
-    EVENTS = ("finding", "just_in_time")
+    EVENTS = ("finding", "just_in_time", "resume")
 
     def __init__(self, advisor: CadenceAdvisor) -> None:
         self.advisor = advisor
@@ -382,6 +423,10 @@ class Covering:
 
     def hear(self, entry: dict[str, Any], t: float) -> None:
         attempt = entry.get("attempt")
+        if entry.get("event") == "resume":  # the attempt before it was the interrupted one
+            if entry.get("origin") != "memory" or not isinstance(attempt, int):
+                return
+            entry, attempt = {"event": "just_in_time", "outcome": "saved"}, attempt - 1
         if entry.get("event") == "just_in_time":
             if entry.get("outcome") == "saved" and attempt not in self._saved:
                 self._saved.add(attempt)

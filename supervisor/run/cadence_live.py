@@ -26,6 +26,8 @@ from babysit.supervisor.run.cadence import (
     CadenceAdvisor,
     CadenceKeeper,
     Covering,
+    estimate_tau,
+    memory_advice,
     replay_journal,
 )
 
@@ -37,7 +39,8 @@ class LiveCadence:
     thread, ``hear()`` each journal entry of ``EVENTS`` (``Journal.listen``), ``observe_step()``
     each merged step, and ``closing()`` once as the run finishes."""
 
-    EVENTS = ("state", "finding", "supervisor_takeover", "checkpoint_saved", "just_in_time")
+    EVENTS = ("state", "finding", "supervisor_takeover", "checkpoint_saved", "just_in_time",
+              "resume", "memory_copy")
     PRINT_CHANGE = 2.0
     """The console shows the advice again only once the advised interval moved by this factor
     from the one it last showed (the journal keeps every move of 10 %: early estimates wander
@@ -60,6 +63,8 @@ class LiveCadence:
         self._running_since: float | None = None
         self._printed: int | None = None
         """The advised interval the console last showed (``PRINT_CHANGE``)."""
+        self._memory_chosen = config.memory_every_steps != "auto"
+        """The memory copies' interval is set (the config's), or was chosen (``auto``)."""
 
     @property
     def every_steps(self) -> int:
@@ -101,8 +106,10 @@ class LiveCadence:
                 self._running_since = None
             if entry.get("new") == "running":
                 self._running_since = t
-        elif event in Covering.EVENTS:  # an interruption, or the just-in-time save covering it
+        elif event in Covering.EVENTS:  # an interruption, or the state saved that covers it
             self._covering.hear(entry, t)
+        elif event == "memory_copy":
+            self._choose_memory(entry)
         elif event == "supervisor_takeover":
             if not entry.get("inherited_remedy"):  # one it inherited counted the loss already
                 self.advisor.on_interruption("supervisor_lost", t)
@@ -112,6 +119,24 @@ class LiveCadence:
             if blocking is not None:  # a save that reported no cost costs nothing known
                 self.advisor.on_checkpoint(blocking)
             self._advise(max(int(entry.get("step") or 0), self._newest_step()))
+
+    def _choose_memory(self, entry: dict[str, Any]) -> None:
+        """``memory_every_steps: auto``: at the first memory copy whose stall is measured, once
+        a step time is known, the interval the cost model gives is asked of the ranks and
+        said, with its figures."""
+        stall = finite(entry.get("stall_s"))
+        step_s = self.advisor.step_s()
+        if self._memory_chosen or stall is None or step_s is None:
+            return
+        self._memory_chosen = True
+        tau, _ = estimate_tau(self.advisor.observed_s, self.advisor.interruption_count,
+                              self.advisor.mtbf_prior_s)
+        advice = memory_advice(stall, tau, step_s, self.advisor.every_steps)
+        start = self._newest_step() + 1
+        self._request(memory_every=advice.every_steps, memory_from_step=start)
+        self._journal("memory_cadence", from_step=start, summary=advice.summary(),
+                      **advice.to_json())
+        self._log(f"babysit: {advice.summary()}")
 
     def closing(self) -> list[Entry]:
         """The whole run's advice, for status and report (none when there is nothing to

@@ -30,10 +30,12 @@ from collections.abc import Callable
 from types import FrameType
 
 from babysit.checkpoints import Catalog
+from babysit.checkpoints.memory import Place
 from babysit.policies import decide as sm
 from babysit.policies.types import Finding, Remedy, Severity
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.node import ahead, launcher
+from babysit.supervisor.node.shm import NodeMemory
 from babysit.supervisor.run import exit_codes, preemption, run_dir, slurm_job, takeover
 from babysit.supervisor.run import journal as journal_mod
 from babysit.supervisor.run.background import Services
@@ -80,8 +82,11 @@ class Supervisor:
         self.members = members if members is not None else LocalMembers(plan, self.watch,
                                                                                   early)
         c = plan.config.checkpoints
-        self.recovery = Recovery(Catalog(plan.checkpoint_dir), c.probation_steps, c.keep,
-                                 sdc_checks=plan.config.sdc.every_steps > 0)
+        here = NodeMemory.of(plan.shared_dir, plan.node_rank)
+        self.recovery = Recovery(
+            Catalog(plan.checkpoint_dir, memory=Place(plan.node_rank, here.root,
+                                                      self.members.live_nodes)),
+            c.probation_steps, c.keep, sdc_checks=plan.config.sdc.every_steps > 0)
         self.record = Record(plan.run_dir, self.watch, self.recovery, plan.world_size or 1,
                              where=lambda: self.machine,
                              warn=lambda title: self._alert(Severity.WARNING, title))

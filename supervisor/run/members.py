@@ -179,6 +179,10 @@ class Members(Protocol):
     def rank_pids(self) -> tuple[int, ...]:
         """This node's ranks' pids (for health sampling)."""
 
+    def live_nodes(self) -> list[int]:
+        """The nodes alive now (``cluster`` numbering; a single node is node 0): whose shared
+        memory still holds its memory copies (``checkpoints.memory``)."""
+
     def running(self) -> bool:
         """This node's workers of the current attempt are still up."""
 
@@ -231,6 +235,9 @@ class OnThisNode:
 
     def rank_pids(self) -> tuple[int, ...]:
         return tuple(self.workers.rank_pids.values())
+
+    def live_nodes(self) -> list[int]:
+        return [self.workers.plan.node_rank]
 
     def running(self) -> bool:
         return self.workers.running

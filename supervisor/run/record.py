@@ -134,6 +134,10 @@ class Record:
         elif kind == "checkpoint":
             self.write("checkpoint_saved", step=int(data.get("step", 0)), rank=event.rank,
                        data=data)
+        elif kind == "memory_copy":  # one rank's part; committed once every rank's is in
+            self.write_all(self.recovery.memory_part(event.rank, data, self.world))
+        elif kind in ("memory_copy_failed", "memory_copy_skipped", "memory_copy_off"):
+            self.write(kind, rank=event.rank, data=data)
         elif kind == "checkpoint_sync":  # asynchronous saves asked for, but no room for them
             reason = str(data.get("reason", ""))
             self.write("checkpoint_sync", rank=event.rank, reason=reason)

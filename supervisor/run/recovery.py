@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from babysit.checkpoints import Catalog, Checkpoint, RollbackChoice, Verdict
+from babysit.checkpoints import Catalog, Checkpoint, RollbackChoice, Verdict, memory
 from babysit.policies import rollback
 from babysit.policies.rollback import Saved, Shelf
 from babysit.policies.types import Action, Finding, Remedy
@@ -58,6 +58,8 @@ class Recovery:
         """Steps ``a < s <= b`` no supervisor observed (set by ``resume_latest`` on a
         takeover): checkpoints whose probation fell there stay pending."""
         self._next_promotion = 0
+        self._copies: dict[int, dict[int, memory.Part]] = {}
+        """The memory copies whose parts are coming in, by step: each rank's part."""
 
     EVENTS = ("checkpoint_saved", "finding", "sdc_check", "just_in_time")
     """The journal entries it hears (``hear``)."""
@@ -79,6 +81,31 @@ class Recovery:
         if event == "sdc_check":
             self.vouch(entry.get("last_agreeing_step"))
         return []
+
+    def memory_part(self, rank: int, data: dict[str, Any], world_size: int) -> list[Entry]:
+        """A rank's part of a memory copy (its ``memory_copy`` event): once every rank of the
+        job sent its part of the copy of a step, it is committed to the catalog (and older
+        copies that never completed are forgotten). The journal's ``memory_copy`` entry."""
+        step = int(data.get("step", 0))
+        parts = self._copies.setdefault(step, {})
+        parts[rank] = memory.Part.from_event(rank, data)
+        if len(parts) < world_size:
+            return []
+        del self._copies[step]
+        for older in [s for s in self._copies if s < step]:
+            del self._copies[older]
+        place = self.catalog.memory
+        try:
+            manifest = memory.commit(self.catalog.root, step, parts, world_size,
+                                     place.folder if place is not None else "")
+        except OSError as exc:
+            return [_storage_error("committing a memory copy", exc)]
+        held = manifest.memory or {}
+        entry = ("memory_copy", {
+            "checkpoint_step": step, "bytes": manifest.total_bytes, "nodes": held.get("nodes"),
+            "replicas": any(len(n) > 1 for n in held.get("holders", {}).values()),
+            "stall_s": held.get("stall_s"), "write_s": held.get("write_s")})
+        return [entry, *self.on_checkpoint(step)]
 
     def vouch(self, step: int | None) -> None:
         """Every replica agreed at ``step`` (the newest agreeing check, after a relaunch too)."""
@@ -252,11 +279,15 @@ class Recovery:
                                                    "verdict": "pending", **extra}))
             verdict = Verdict.PENDING
         samples = chosen.manifest.samples
-        jit = _just_in_time(chosen, before, listed or [])
+        jit = _just_in_time(chosen, before, listed or []) or _memory(chosen, before, listed or [])
         entries.append(("resume", {"from": str(chosen.path), "checkpoint_step": chosen.step,
+                                   "origin": chosen.manifest.origin,
                                    "cursor": chosen.cursor, "verdict": verdict.value,
                                    "before_step": before, **(extra or {}), **jit,
                                    **({"samples": samples} if samples is not None else {})}))
+        if chosen.manifest.is_memory:
+            return Resume(path=str(chosen.path), step=chosen.step, cursor=chosen.cursor,
+                          samples=samples, memory=chosen.manifest.external_path)
         external = chosen.manifest.external_path
         return Resume(path=external or str(chosen.path), step=chosen.step, cursor=chosen.cursor,
                       external=external is not None, samples=samples)
@@ -285,3 +316,19 @@ def _just_in_time(chosen: Checkpoint, before: int, listed: list[Checkpoint]) -> 
             "summary": f"resumed from the just-in-time state of step {chosen.step}, written by "
                        f"{who} after the {story.get('fault', 'fault')} ({lost} step"
                        f"{'s' if lost != 1 else ''} lost; {newest}){fresh}"}
+
+
+def _memory(chosen: Checkpoint, before: int, listed: list[Checkpoint]) -> dict[str, Any]:
+    """A memory copy's resume's own fields (what it spared: the steps lost, the newest
+    checkpoint on disk) and its one-line ``summary``; {} for another."""
+    if not chosen.manifest.is_memory:
+        return {}
+    on_disk = max((c.step for c in listed if not c.manifest.is_memory
+                   and not c.manifest.is_just_in_time and c.step < chosen.step), default=None)
+    lost = max(0, before - chosen.step)
+    newest = f"the newest checkpoint on disk was of step {on_disk}" if on_disk is not None \
+        else "no checkpoint on disk before it"
+    nodes = (chosen.manifest.memory or {}).get("nodes", [])
+    return {"memory": {"disk_step": on_disk, "lost_steps": lost, "nodes": nodes},
+            "summary": f"resumed from the memory copy of step {chosen.step} ({lost} step"
+                       f"{'s' if lost != 1 else ''} lost; {newest})"}

@@ -105,6 +105,9 @@ class ScriptedMembers:
     def pids(self) -> list[int]:
         return [4242] if self.up else []
 
+    def live_nodes(self) -> list[int]:
+        return [0]
+
     def rank_pids(self) -> tuple[int, ...]:
         return ()
 

@@ -1,0 +1,333 @@
+"""The ranks' side of memory copies (``checkpoints/memory.py``): copy, replicate, fetch.
+
+Worker side; torch is imported inside the functions. Two things happen here:
+
+- ``Copier.copy`` (the training thread, at a step boundary every K steps) stages a host copy of
+  the state the rank writes, DCP's own stager as an asynchronous save's, and returns: that copy
+  is all the training thread pays. A thread of the rank's then writes it into its node's shared
+  memory in the uncoordinated layout of just-in-time state, sends the files to its peer on the
+  next node and keeps the previous node's, all over a gloo group of the copier's own, hashes
+  everything, tells its supervisor (``memory_copy``) and drops copies older than the last few.
+  A copy still being written when the next is due is not waited for: the next is skipped and
+  counted.
+- ``fetch`` (every rank together, at ``attach()``, before a memory copy is loaded) brings into
+  each node's folder what its ranks' load will read and the node lacks (a lost node's shards,
+  kept by their peer): every rank says what its node holds and what it needs, the same list of
+  transfers follows on every rank, and each is one gloo send and receive.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+import time
+from collections.abc import Callable, Collection, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from babysit.checkpoints import just_in_time
+from babysit.checkpoints.errors import CheckpointError
+from babysit.checkpoints.layout import parse_step_dir, rank_state_name
+from babysit.checkpoints.manifest import FileEntry, Manifest, hash_file, list_content_files
+from babysit.checkpoints.memory import KEEP, MEMORY_DIR, copy_dir, event_fields, peers
+
+Emit = Callable[..., None]
+_CHUNK = 64 << 20
+"""A file goes over gloo in pieces of at most 64 MiB: one host buffer of that size per transfer."""
+
+
+class Copier:
+    """One rank's memory copies. Calling rules: ``copy`` on every rank at the same steps (a
+    step boundary, the training thread), ``close`` at the run's clean end."""
+
+    def __init__(self, node_root: Path, *, rank: int, world_size: int, local_world_size: int,
+                 node: int, every: int, model: Any, optimizer: Any, scheduler: Any,
+                 emit: Emit) -> None:
+        self.root = Path(node_root)
+        self.rank, self.world_size, self.node = rank, world_size, node
+        self.every = every
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.peers = peers(rank, world_size, local_world_size)
+        self._emit = emit
+        self._writes_model: bool | None = None
+        """This rank writes the state it holds: the lowest rank holding its shard (decided
+        with the others at the first copy)."""
+        self._group: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._future: Future[None] | None = None
+        self.skipped = 0
+        """Copies not made because the one before was still being written."""
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step > 0 and step % self.every == 0
+
+    def copy(self, step: int, cursor: int, lr_scale: float, samples: int | None,
+             rng: dict[str, Any] | None = None) -> None:
+        """The copy of the state after ``step`` (the data at ``cursor``; ``rng``: the random
+        streams the next step starts from, by default this process's now)."""
+        import torch
+
+        from babysit.checkpoints.save import _dcp_state, _rank_state, _stager
+
+        if self._future is not None and not self._future.done():
+            self.skipped += 1
+            if self.rank == 0:
+                self._emit("memory_copy_skipped", step=step, skipped=self.skipped)
+            return
+        started = time.perf_counter()
+        if self._writes_model is None:
+            self._set_up()
+        staged, close = None, None
+        if self._writes_model:
+            stager = _stager()
+            close = getattr(stager, "close", None)
+            staged = stager.stage(_dcp_state(self.model, self.optimizer))
+        buf = io.BytesIO()
+        torch.save(_rank_state(step, cursor, lr_scale, self.scheduler, None, self.rank, rng), buf)
+        stall = time.perf_counter() - started
+        assert self._pool is not None
+        self._future = self._pool.submit(self._write, step, staged, close, buf.getvalue(),
+                                         {"cursor": cursor, "lr_scale": lr_scale,
+                                          "samples": samples, "stall_s": round(stall, 6)},
+                                         started)
+
+    def close(self) -> None:
+        """Wait for the copy being written (its peer waits for it too); idempotent."""
+        if self._future is not None:
+            self._future.result()
+            self._future = None
+
+    def _set_up(self) -> None:
+        """At the first copy, every rank together: the copier's gloo group, and which ranks
+        write the state they hold (one per shard: under DDP rank 0 alone)."""
+        import torch.distributed as dist
+
+        shard = just_in_time.shard_of(self.model, self.rank)[0]
+        if dist.is_available() and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+            shards: list[Any] = [None] * self.world_size
+            dist.all_gather_object(shards, shard, group=self._group)
+        else:
+            shards = [shard]
+        self._writes_model = shards.index(shard) == self.rank
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="babysit-memory-copy")
+
+    def _write(self, step: int, staged: Any, close: Any, rank_state: bytes,
+               fields: dict[str, Any], started: float) -> None:
+        """The copier's thread: write, replicate, hash, report, prune."""
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+        dest = copy_dir(self.root, step)
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            names = [rank_state_name(self.rank)]
+            if staged is not None:
+                dcp_save(staged, storage_writer=just_in_time._writer(dest, self.rank),
+                         no_dist=True, use_collectives=False)
+                names += [n for n in list_content_files(dest)
+                          if n.startswith(f"__{self.rank}_") or n == f"__{self.rank}.metadata"]
+            _write_atomically(dest / rank_state_name(self.rank), rank_state)
+            files = [hash_file(dest, n) for n in names]
+            kept = self._replicate(dest, files)
+        except Exception as exc:  # a copy that failed costs that copy, never the run
+            self._emit("memory_copy_failed", step=step, error=f"{type(exc).__name__}: {exc}"[:500])
+            return
+        finally:
+            if close is not None:
+                close()
+        self._emit("memory_copy", step=step, node=self.node,
+                   write_s=round(time.perf_counter() - started, 6), **fields,
+                   **event_fields(files, self.peers.keep_for, kept))
+        _prune(self.root / MEMORY_DIR, KEEP)
+
+    def _replicate(self, dest: Path, files: list[FileEntry]) -> list[FileEntry]:
+        """Send this rank's files to its peer and keep the previous node's rank's, at once; the
+        files kept, hashed as written here."""
+        send_to, keep_for = self.peers.send_to, self.peers.keep_for
+        if send_to is None or keep_for is None:
+            return []
+        outgoing = [(f.name, (dest / f.name).read_bytes()) for f in files]
+        incoming = _swap(self._group, send_to, keep_for, outgoing)
+        for name, data in incoming:
+            _write_atomically(dest / name, data)
+        return [hash_file(dest, name) for name, _ in incoming]
+
+
+def _swap(group: Any, send_to: int, receive_from: int,
+          outgoing: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """Send ``outgoing`` (names and bytes) to ``send_to`` while receiving ``receive_from``'s:
+    first the names and sizes, then each file in pieces, every exchange a pair of gloo
+    ``isend``/``irecv`` (both directions at once: a ring of blocking sends would wait on
+    itself)."""
+    import torch
+
+    header = torch.frombuffer(bytearray(pickle.dumps([(n, len(d)) for n, d in outgoing])),
+                              dtype=torch.uint8)
+    lengths = _pair(group, send_to, receive_from, torch.tensor([header.numel()]),
+                    torch.zeros(1, dtype=torch.int64))
+    theirs = pickle.loads(bytes(_pair(group, send_to, receive_from, header,
+                                      torch.empty(int(lengths.item()), dtype=torch.uint8))
+                                .numpy()))
+    mine = [(n, d) for n, d in outgoing]
+    received: list[tuple[str, bytes]] = []
+    for index in range(max(len(mine), len(theirs))):
+        out = mine[index][1] if index < len(mine) else b""
+        size = int(theirs[index][1]) if index < len(theirs) else 0
+        buf = bytearray(size)
+        for at in range(0, max(len(out), size), _CHUNK):
+            piece_out = out[at:at + _CHUNK]
+            piece_in = min(_CHUNK, max(0, size - at))
+            got = _pair(group, send_to if piece_out else None,
+                        receive_from if piece_in else None,
+                        torch.frombuffer(bytearray(piece_out), dtype=torch.uint8)
+                        if piece_out else None,
+                        torch.empty(piece_in, dtype=torch.uint8) if piece_in else None)
+            if got is not None:
+                buf[at:at + piece_in] = got.numpy().tobytes()
+        if index < len(theirs):
+            received.append((str(theirs[index][0]), bytes(buf)))
+    return received
+
+
+def _pair(group: Any, send_to: int | None, receive_from: int | None, out: Any,
+          into: Any) -> Any:
+    """One ``isend`` of ``out`` and one ``irecv`` into ``into``, together; ``into``."""
+    import torch.distributed as dist
+
+    ops = []
+    if send_to is not None and out is not None:
+        ops.append(dist.P2POp(dist.isend, out, send_to, group))
+    if receive_from is not None and into is not None:
+        ops.append(dist.P2POp(dist.irecv, into, receive_from, group))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return into
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _prune(memory: Path, keep: int) -> None:
+    """Drop this node's copies older than the newest ``keep`` (every rank of the node prunes
+    the same ones; a copy another rank is still writing is among the newest)."""
+    try:
+        steps = sorted(s for n in os.listdir(memory) if (s := parse_step_dir(n)) is not None)
+    except OSError:
+        return
+    for step in steps[:-keep] if keep else steps:
+        shutil.rmtree(copy_dir(memory.parent, step), ignore_errors=True)
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+def fetch(data_dir: Path, manifest: Manifest, needs: Iterable[str], group: Any) -> list[str]:
+    """Make every file of ``needs`` (this rank's load reads them) present in ``data_dir`` (its
+    node's folder of the copy), fetching what the node lacks from a rank of a node that has it;
+    collective over ``group`` (gloo). Every file this node got or had of ``needs`` is checked
+    against the manifest's CRC-32. Returns the names fetched. Raises ``CheckpointError`` on
+    every rank alike when a needed file is on no node, and on this rank when one is corrupt."""
+    import torch
+    import torch.distributed as dist
+
+    sizes = {e.name: e for e in manifest.files}
+    wanted = sorted(set(needs))
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    have = sorted(n for n in sizes if _intact_size(data_dir / n, sizes[n].size))
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    everyone: list[Any] = [(node, have, wanted)] if not distributed else [None] * world
+    if distributed:
+        dist.all_gather_object(everyone, (node, have, wanted), group=group)
+    transfers, lost = _transfers(everyone)
+    if lost:
+        raise CheckpointError(
+            f"the memory copy of step {manifest.step} lacks {', '.join(lost[:4])}"
+            f"{' ...' if len(lost) > 4 else ''} on every node: the node that held it and its "
+            "peer are both gone. Resume from an older checkpoint.")
+    fetched = []
+    for source, dest, name in transfers:
+        if rank == source:
+            data = (data_dir / name).read_bytes()
+            for at in range(0, len(data), _CHUNK):
+                dist.send(torch.frombuffer(bytearray(data[at:at + _CHUNK]), dtype=torch.uint8),
+                          dest, group=group)
+        elif rank == dest:
+            size, buf = sizes[name].size, bytearray()
+            for at in range(0, size, _CHUNK):
+                piece = torch.empty(min(_CHUNK, size - at), dtype=torch.uint8)
+                dist.recv(piece, source, group=group)
+                buf += piece.numpy().tobytes()
+            data_dir.mkdir(parents=True, exist_ok=True)
+            _write_atomically(data_dir / name, bytes(buf))
+            fetched.append(name)
+    if distributed:
+        dist.barrier(group=group)  # this node's fetching rank wrote what its other ranks read
+    corrupt = [f"{data_dir / n}: CRC-32 {got.crc32:08x}, the manifest says "
+               f"{sizes[n].crc32:08x}" for n in wanted
+               if (got := hash_file(data_dir, n)).crc32 != sizes[n].crc32]
+    if corrupt:
+        raise CheckpointError(
+            f"the memory copy of step {manifest.step} is corrupted ({'; '.join(corrupt[:2])}): "
+            f"rank {rank} refused it. Resume from an older checkpoint.")
+    return fetched
+
+
+def _transfers(everyone: list[tuple[int, Collection[str], Collection[str]]]
+               ) -> tuple[list[tuple[int, int, str]], list[str]]:
+    """Every rank's (node, files its node holds, files it needs) -> the transfers, in the order
+    every rank makes them: (from rank, to rank, file), one per file a node needs and lacks,
+    from the lowest rank of a node that holds it to the lowest rank of the node that needs it;
+    and the files no node holds."""
+    nodes: dict[int, list[int]] = {}
+    holds: dict[int, set[str]] = {}
+    needs: dict[int, set[str]] = {}
+    for rank, (node, have, wanted) in enumerate(everyone):
+        nodes.setdefault(node, []).append(rank)
+        holds.setdefault(node, set()).update(have)
+        needs.setdefault(node, set()).update(wanted)
+    transfers, lost = [], []
+    for node in sorted(nodes):
+        for name in sorted(needs[node] - holds[node]):
+            source = next((min(nodes[n]) for n in sorted(nodes) if name in holds[n]), None)
+            if source is None:
+                lost.append(name)
+            else:
+                transfers.append((source, min(nodes[node]), name))
+    return transfers, sorted(set(lost))
+
+
+def needs(data_dir: Path, manifest: Manifest, state: dict[str, Any], rank: int) -> list[str]:
+    """The files of a memory copy this rank's load reads: every writer's metadata, its own
+    state file (rank 0's when the copy had no rank of its number), and the data files that
+    hold the chunks of ``state`` DCP's planner assigns it. The metadata files must be in
+    ``data_dir`` (fetched first)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    names = {e.name for e in manifest.files}
+    own = rank_state_name(rank if rank < manifest.world_size else 0)
+    planner = DefaultLoadPlanner()
+    metadata = just_in_time.reader(data_dir).read_metadata()
+    planner.set_up_planner(state, metadata, False)
+    plan = planner.create_local_plan()
+    storage = metadata.storage_data
+    data = {storage[item.storage_index].relative_path for item in plan.items}
+    return sorted({own, *data, *metadata_files(names)} & names)
+
+
+def metadata_files(names: Iterable[str]) -> list[str]:
+    """The writers' metadata files among a copy's ``names``."""
+    return sorted(n for n in names if n.startswith("__") and n.endswith(".metadata"))
+
+
+def _intact_size(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
+
