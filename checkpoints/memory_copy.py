@@ -35,6 +35,9 @@ from babysit.checkpoints.manifest import FileEntry, Manifest, hash_file, list_co
 from babysit.checkpoints.memory import KEEP, MEMORY_DIR, copy_dir, event_fields, peers
 
 Emit = Callable[..., None]
+AUTO_FIRST = 10
+"""With ``memory_every_steps: auto``, the first copy's step: its measured stall is what the
+supervisor's cost model chooses the interval from."""
 _CHUNK = 64 << 20
 """A file goes over gloo in pieces of at most 64 MiB: one host buffer of that size per transfer."""
 
@@ -44,11 +47,16 @@ class Copier:
     step boundary, the training thread), ``close`` at the run's clean end."""
 
     def __init__(self, node_root: Path, *, rank: int, world_size: int, local_world_size: int,
-                 node: int, every: int, model: Any, optimizer: Any, scheduler: Any,
+                 node: int, every: int | str, model: Any, optimizer: Any, scheduler: Any,
                  emit: Emit) -> None:
+        """``every``: the steps between copies, or "auto" (``AUTO_FIRST`` until the supervisor
+        asks for the interval its cost model chose, ``set_every``)."""
         self.root = Path(node_root)
         self.rank, self.world_size, self.node = rank, world_size, node
-        self.every = every
+        self.auto = every == "auto"
+        self.every = AUTO_FIRST if self.auto else int(every)
+        self._local_world_size = local_world_size
+        self._from_step = 0
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.peers = peers(rank, world_size, local_world_size)
         self._emit = emit
@@ -62,7 +70,14 @@ class Copier:
         """Copies not made because the one before was still being written."""
 
     def due(self, step: int) -> bool:
-        return self.every > 0 and step > 0 and step % self.every == 0
+        """A copy is due after ``step`` (at the first one, the copies may turn out off)."""
+        return self.every > 0 and step > self._from_step and step % self.every == 0
+
+    def set_every(self, every: int, from_step: int) -> None:
+        """The supervisor's interval (``memory_every_steps: auto``), from ``from_step`` on;
+        ignored once the copies are off."""
+        if self.every > 0 and every > 0:
+            self.every, self._from_step = every, max(0, from_step - 1)
 
     def copy(self, step: int, cursor: int, lr_scale: float, samples: int | None,
              rng: dict[str, Any] | None = None) -> None:
@@ -80,6 +95,8 @@ class Copier:
         started = time.perf_counter()
         if self._writes_model is None:
             self._set_up()
+            if self.every == 0:
+                return
         staged, close = None, None
         if self._writes_model:
             stager = _stager()
@@ -101,18 +118,58 @@ class Copier:
             self._future = None
 
     def _set_up(self) -> None:
-        """At the first copy, every rank together: the copier's gloo group, and which ranks
-        write the state they hold (one per shard: under DDP rank 0 alone)."""
+        """At the first copy, every rank together: the copier's gloo group; which ranks write
+        the state they hold (one per shard: under DDP rank 0 alone); with ``every`` "auto",
+        whether any shard has a single holder (else the just-in-time state already covers a lost
+        rank, and the copies are off); and whether each node's copies fit in half its free host
+        memory (``KEEP`` copies of its writers' state and of those it keeps a replica of). Off
+        for any reason on any rank: off on every rank, said once by rank 0."""
+        import psutil
         import torch.distributed as dist
 
+        from babysit.checkpoints.save import state_bytes
+
         shard = just_in_time.shard_of(self.model, self.rank)[0]
+        mine = (shard, self.node, state_bytes(self.model, self.optimizer),
+                psutil.virtual_memory().available)
         if dist.is_available() and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
-            shards: list[Any] = [None] * self.world_size
-            dist.all_gather_object(shards, shard, group=self._group)
+            everyone: list[Any] = [None] * self.world_size
+            dist.all_gather_object(everyone, mine, group=self._group)
         else:
-            shards = [shard]
+            everyone = [mine]
+        shards = [e[0] for e in everyone]
         self._writes_model = shards.index(shard) == self.rank
+        writers = [r for r, s in enumerate(shards) if shards.index(s) == r]
+        need: dict[int, int] = {}
+        for r in writers:
+            need[everyone[r][1]] = need.get(everyone[r][1], 0) + KEEP * everyone[r][2]
+            peer = peers(r, self.world_size, self._local_world_size).send_to
+            if peer is not None:
+                need[everyone[peer][1]] = need.get(everyone[peer][1], 0) + KEEP * everyone[r][2]
+        free = {e[1]: e[3] for e in everyone}
+        short = sorted(n for n, b in need.items() if b > free[n] / 2)
+        why = None
+        if self.auto and len(set(shards)) == len(shards) == 1:
+            why = ("every shard of the state has live replicas (DDP): the just-in-time state "
+                   "already keeps the step of a lost rank")
+        elif self.auto and all(shards.count(s) > 1 for s in shards):
+            why = ("every shard of the state has several holders: the just-in-time state "
+                   "already keeps the step of a lost rank")
+        elif short:
+            node = short[0]
+            why = (f"the copies need about {need[node] / 2**30:.1f} GiB of host memory on node "
+                   f"{node} ({KEEP} copies of its ranks' state and of its peer's), more than "
+                   f"half the {free[node] / 2**30:.1f} GiB free there: free host memory, or "
+                   "set checkpoints.memory_every_steps: 0")
+        self.every = 0 if why is not None else self.every
+        if self.rank == 0:
+            if why is not None:
+                self._emit("memory_copy_off", why=why)
+            else:
+                self._emit("memory_copy_plan", every=self.every, auto=self.auto,
+                           node_bytes={str(n): b for n, b in sorted(need.items())},
+                           copies=KEEP)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="babysit-memory-copy")
 
     def _write(self, step: int, staged: Any, close: Any, rank_state: bytes,

@@ -442,6 +442,20 @@ def _dcp_state(model: Any, optimizer: Any) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
+def state_bytes(model: Any, optimizer: Any) -> int:
+    """This rank's bytes of model and optimizer state (a DTensor's local shard only)."""
+    import torch
+
+    def local(t: Any) -> int:
+        t = getattr(t, "_local_tensor", t)
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    total = sum(local(t) for t in model.state_dict().values())
+    if optimizer is not None:
+        total += sum(local(t) for state in optimizer.state.values() for t in state.values())
+    return total
+
+
 def _rank_state(
     step: int, cursor: int, lr_scale: float, scheduler: Any, extra: Any, rank: int,
     rng: dict[str, Any] | None = None,
