@@ -441,6 +441,11 @@ def test_nodes_on_their_own_addresses_start_and_a_healed_partition_rejoins(
     relaunch = next(e for e in run.events("launch") if e["attempt"] == 1)
     assert relaunch["nodes"] == [0, 1]
     assert run.events("run_finished")[-1]["state"] == "succeeded"
+    # Nothing at the rendezvous endpoint yet is a start's expected state on either node, not
+    # a warning: the start's checks passed, and said nothing.
+    for node in (0, 1):
+        console = (tmp_path / f"node{node}.log").read_text()
+        assert "WARN  rendezvous" not in console and "READY" not in console, console[:3000]
 
 
 def test_a_lost_node_costs_one_step_the_other_nodes_ranks_keep_it(
