@@ -111,7 +111,7 @@ class LiveCadence:
             blocking = finite((entry.get("data") or {}).get("blocking_s"))
             if blocking is not None:  # a save that reported no cost costs nothing known
                 self.advisor.on_checkpoint(blocking)
-            self._advise(max(int(entry.get("step") or 0), self._newest_step()))
+            self._advise(max(entry.get("checkpoint_step") or 0, self._newest_step()))
 
     def closing(self) -> list[Entry]:
         """The whole run's advice, for status and report (none when there is nothing to

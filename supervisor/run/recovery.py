@@ -24,6 +24,7 @@ from babysit.policies import rollback
 from babysit.policies.rollback import Saved, Shelf
 from babysit.policies.types import Action, Finding, Remedy
 from babysit.supervisor.contract.directive import Resume
+from babysit.supervisor.run.journal import checkpoint_step
 
 Entry = tuple[str, dict[str, Any]]
 
@@ -67,12 +68,12 @@ class Recovery:
         a finding acted on
         (checkpoints near its onset turn suspect), an SDC check (the step it vouches for).
         Returns the entries to journal in turn."""
-        event = entry["event"]
+        event, step = entry["event"], checkpoint_step(entry)
         if event == "just_in_time" and entry.get("outcome") == "saved":
-            self.kept = int(entry["step"])
-        if event == "checkpoint_saved" or (event == "just_in_time"
-                                           and entry.get("outcome") == "saved"):
-            return self.on_checkpoint(int(entry["step"]))
+            self.kept = step
+        if step is not None and (event == "checkpoint_saved" or (
+                event == "just_in_time" and entry.get("outcome") == "saved")):
+            return self.on_checkpoint(step)
         if event == "finding":
             finding = Finding.from_json(entry["finding"])
             return self.on_finding(finding, Remedy.from_json(entry["remedy"], finding))

@@ -267,7 +267,8 @@ def test_bring_your_own_checkpoint_is_registered_and_resumed(tmp_path: Path) -> 
                               script=WORKERS / "byo_train.py")
     assert result.returncode == 0, result.stdout + result.stderr
     saved = [e for e in journal(run_dir, "checkpoint_saved")]
-    assert [e["step"] for e in saved] == [5, 10, 15, 20] and saved[0]["data"]["external"]
+    assert [e["checkpoint_step"] for e in saved] == [5, 10, 15, 20] and \
+        saved[0]["data"]["external"]
     (resume,) = [e for e in journal(run_dir, "resume") if e.get("from")]
     assert resume["checkpoint_step"] == 10 and resume["cursor"] == 10
     # The script loaded its own file (babysit only told it which), and went on from step 11.

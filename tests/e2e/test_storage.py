@@ -37,9 +37,9 @@ def test_disk_full_during_a_save_costs_that_checkpoint_not_the_run(tmp_path: Pat
         checkpoints=f"{{dir: {small_disk}, every_steps: 5, probation_steps: 2, keep: 3}}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     journal = read_jsonl(run_dir / "events.jsonl")
-    saved = [e["step"] for e in journal if e["event"] == "checkpoint_saved"]
+    saved = [e["checkpoint_step"] for e in journal if e["event"] == "checkpoint_saved"]
     failed = [e for e in journal if e["event"] == "checkpoint_failed"]
-    assert saved[0] == 5 and failed and failed[0]["step"] == 10
+    assert saved[0] == 5 and failed and failed[0]["checkpoint_step"] == 10
     assert "No space left on device" in failed[0]["error"] or "ENOSPC" in failed[0]["error"]
     assert any(e["event"] == "alert" and "failed to save" in e["title"] for e in journal)
     # The crash at step 13 resumes from step 5, the last checkpoint that committed, and the

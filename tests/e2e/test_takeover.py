@@ -38,7 +38,7 @@ def test_a_killed_supervisor_is_taken_over_and_the_run_resumes(tmp_path: Path) -
         while time.monotonic() < deadline and not any(s >= 10 for s in saved):
             time.sleep(0.2)
             if (run_dir / "events.jsonl").exists():
-                saved = [e["step"] for e in read_jsonl(run_dir / "events.jsonl")
+                saved = [e["checkpoint_step"] for e in read_jsonl(run_dir / "events.jsonl")
                          if e["event"] == "checkpoint_saved"]
         assert any(s >= 10 for s in saved), "no checkpoint within 90 s"
         first.send_signal(signal.SIGKILL)

@@ -53,7 +53,10 @@ def test_a_tick_is_recorded_in_order_and_the_listeners_hear_it(tmp_path: Path) -
     assert [e["event"] for e in journal] == ["hang_cleared", "worker_hello", "checkpoint_saved",
                                             "checkpoint_failed"]
     assert {e["attempt"] for e in journal} == {3}
-    assert journal[2]["step"] == 2 and heard == ["checkpoint_saved"]
+    # The job's step is that of the newest row written; the checkpoint's is its own field.
+    assert [e.get("step") for e in journal] == [None, 2, 2, 2]
+    assert journal[2]["checkpoint_step"] == 2 and journal[3]["checkpoint_step"] == 3
+    assert heard == ["checkpoint_saved"]
     assert warnings == ["slow disk", "checkpoint at step 3 failed to save; training goes on "
                                      "from the last good one: disk full"]
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
