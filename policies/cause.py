@@ -89,13 +89,17 @@ class Fault:
         return f"global {self.batches()} on rank {ranks}"
 
     def to_json(self) -> dict[str, Any]:
+        """Batches not known are null (the -1 is this class's own)."""
         return {"incident": self.incident, "ranks": list(self.ranks), "step": self.step,
-                "start": self.start, "end": self.end, "signature": self.signature}
+                "start": self.start if self.placed else None,
+                "end": self.end if self.placed else None, "signature": self.signature}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Fault:
+        start, end = d.get("start"), d.get("end")
         return cls(str(d["incident"]), tuple(int(r) for r in d["ranks"]), int(d["step"]),
-                   int(d["start"]), int(d["end"]), str(d.get("signature", "")))
+                   -1 if start is None else int(start), -1 if end is None else int(end),
+                   str(d.get("signature", "")))
 
 
 def place(finding: Finding, cursor_at: Mapping[int, int],

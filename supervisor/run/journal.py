@@ -7,7 +7,8 @@ with ``read()``; nothing else about a run's history is authoritative.
 Each entry has ``time`` (Unix seconds), ``event`` (what happened), ``attempt`` and, once the job
 has a step, ``step``: the job's step when it was written (``Record.job_step``: the newest row of
 ``metrics.jsonl``). The rest is the event's own evidence, where any other step has a field of its
-own (a checkpoint's: ``checkpoint_step``). docs/running.md ("The journal") is the reference.
+own (a checkpoint's: ``checkpoint_step``) and a value babysit does not have is null, never a
+number standing for none. docs/running.md ("The journal") is the reference.
 """
 
 from __future__ import annotations

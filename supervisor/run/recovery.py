@@ -177,7 +177,8 @@ class Recovery:
             except OSError as exc:
                 entries.append(_storage_error("choosing a checkpoint", exc))
             else:
-                resume = self._chosen(choice, detected + 1, entries, {"replayed": reason})
+                resume = self._chosen(choice, entries, before=detected + 1,
+                                      extra={"replayed": reason})
                 if resume is not None:
                     return resume, entries
         before, allow_pending = rollback.resume_bound(remedy)
@@ -196,7 +197,10 @@ class Recovery:
         and the resumed step were never observed, so they stay pending (journaled as such)
         instead of being promoted once the resumed run passes them."""
         _, entries = self.resume_for(None)
-        resume, entries = self._choose(2**62, True, entries)
+        # Any checkpoint will do: no bound. What a just-in-time one spared is counted up to
+        # the newest step the dead supervisor saw.
+        resume, entries = self._choose(None, True, entries, reached=None if watched_until is None
+                                       else watched_until + 1)
         if watched_until is not None and resume is not None and resume.step > watched_until:
             self.unwatched = (watched_until, resume.step)
             try:
@@ -212,8 +216,10 @@ class Recovery:
                 for c in blind]
         return resume, entries
 
-    def _choose(self, before: int, allow_pending: bool,
-                entries: list[Entry]) -> tuple[Resume | None, list[Entry]]:
+    def _choose(self, before: int | None, allow_pending: bool, entries: list[Entry],
+                reached: int | None = None) -> tuple[Resume | None, list[Entry]]:
+        """The newest usable checkpoint strictly before step ``before`` (None: any), journaled
+        in ``entries``; ``reached`` (default ``before``) as in ``_chosen``."""
         try:
             choice = self.catalog.choose_for_rollback(before, allow_pending=allow_pending)
         except OSError as exc:
@@ -221,7 +227,9 @@ class Recovery:
             entries.append(("resume", {"from": None, "before_step": before,
                                        "reason": "checkpoint storage unusable: starting over"}))
             return None, entries
-        resume = self._chosen(choice, before, entries, listed=self._listed())
+        resume = self._chosen(choice, entries, before=before,
+                              reached=before if reached is None else reached,
+                              listed=self._listed())
         if resume is None:
             entries.append(("resume", {"from": None, "before_step": before,
                                        "reason": "no usable checkpoint: starting from scratch"}))
@@ -234,12 +242,14 @@ class Recovery:
             return []
 
     @staticmethod
-    def _chosen(choice: RollbackChoice, before: int, entries: list[Entry],
-                extra: dict[str, Any] | None = None,
+    def _chosen(choice: RollbackChoice, entries: list[Entry], *, before: int | None,
+                reached: int | None = None, extra: dict[str, Any] | None = None,
                 listed: list[Checkpoint] | None = None) -> Resume | None:
         """The resume of the catalog's ``choice`` (None: none), its refusals and the choice
-        journaled in ``entries``; a just-in-time one says what it saved (``listed``: the
-        catalog, for the newest periodic checkpoint it spared the run)."""
+        journaled in ``entries``: ``before_step`` is ``before``, the bound it was chosen
+        under (null: none). A just-in-time one says what it saved: the steps from it to
+        ``reached`` (the first step the run had not completed; default ``before``) lost, and
+        the newest periodic checkpoint it spared the run (``listed``: the catalog)."""
         for refusal in choice.refused:
             entries.append(("checkpoint_refused", {"checkpoint_step": refusal.step,
                                                    "path": str(refusal.path),
@@ -253,7 +263,7 @@ class Recovery:
                                                    "verdict": "pending", **extra}))
             verdict = Verdict.PENDING
         samples = chosen.manifest.samples
-        jit = _just_in_time(chosen, before, listed or [])
+        jit = _just_in_time(chosen, before if reached is None else reached, listed or [])
         entries.append(("resume", {"from": str(chosen.path), "checkpoint_step": chosen.step,
                                    "cursor": chosen.cursor, "verdict": verdict.value,
                                    "before_step": before, **(extra or {}), **jit,
@@ -264,25 +274,29 @@ class Recovery:
 
 
 
-def _just_in_time(chosen: Checkpoint, before: int, listed: list[Checkpoint]) -> dict[str, Any]:
+def _just_in_time(chosen: Checkpoint, reached: int | None,
+                  listed: list[Checkpoint]) -> dict[str, Any]:
     """A just-in-time resume's own fields (what it was, who wrote it, what it spared: the steps
-    lost and the newest periodic checkpoint) and its one-line ``summary``; {} for another."""
+    from it to ``reached`` lost, null when ``reached`` is unknown, and the newest periodic
+    checkpoint) and its one-line ``summary``; {} for another."""
     if not chosen.manifest.is_just_in_time:
         return {}
     story = chosen.manifest.just_in_time or {}
     writers = [int(r) for r in story.get("writers", [])]
     periodic = max((c.step for c in listed if not c.manifest.is_just_in_time
                     and c.step < chosen.step), default=None)
-    lost = max(0, before - chosen.step)
-    who = f"rank{'s' if len(writers) > 1 else ''} " + ", ".join(map(str, writers[:8])) + \
-        (" ..." if len(writers) > 8 else "")
+    lost = max(0, reached - chosen.step) if reached is not None else None
     newest = f"the newest checkpoint was of step {periodic}" if periodic is not None \
         else "no checkpoint before it"
+    spared = newest if lost is None else \
+        f"{lost} step{'s' if lost != 1 else ''} lost; {newest}"
+    who = f"rank{'s' if len(writers) > 1 else ''} " + ", ".join(map(str, writers[:8])) + \
+        (" ..." if len(writers) > 8 else "")
     streams = story.get("streams_lost") or []
     fresh = f"; ranks {streams} resume with fresh random streams" if streams else ""
     return {"just_in_time": {"writers": writers, "fault": story.get("fault"),
                              "marks": story.get("marks", []), "streams_lost": streams,
                              "periodic_step": periodic, "lost_steps": lost},
             "summary": f"resumed from the just-in-time state of step {chosen.step}, written by "
-                       f"{who} after the {story.get('fault', 'fault')} ({lost} step"
-                       f"{'s' if lost != 1 else ''} lost; {newest}){fresh}"}
+                       f"{who} after the {story.get('fault', 'fault')} "
+                       f"({spared}){fresh}"}

@@ -17,6 +17,7 @@ import pytest
 
 from babysit.checkpoints import Catalog
 from tests.conftest import WORKERS, babysit_env, read_jsonl, run_babysit
+from tests.journal_text import problems
 
 pytestmark = pytest.mark.e2e
 
@@ -187,4 +188,8 @@ def test_sigterm_saves_a_final_checkpoint_and_the_next_run_resumes_from_it(
     journal = read_jsonl(run_dir / "events.jsonl")
     *_, resume = [e for e in journal if e["event"] == "resume" and e.get("from")]
     assert resume["checkpoint_step"] == 39 and resume["just_in_time"], resume
+    assert resume["before_step"] is None  # a takeover takes the newest, bound by no step
     assert journal[-1]["state"] == "succeeded"
+    # Three sessions' SIGTERMs, final checkpoints and takeovers: no number in the journal
+    # stands for "none", and every message reads as a sentence.
+    assert problems(journal) == []

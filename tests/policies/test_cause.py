@@ -184,3 +184,20 @@ def test_a_resume_that_did_not_take_tries_the_next_older_good_checkpoint_once() 
     # No older good checkpoint at all: stop at once rather than train on what the resume left.
     alone = Rules(load_policy("default")).judge(resume_failed(10), 0.0, Known(shelf))[0]
     assert alone.action is Action.STOP and "no good checkpoint older than step 10" in alone.reason
+
+
+def _stuck(step: int) -> Finding:
+    """A hang named on no rank (every rank waited alike), its stall at a step boundary."""
+    return replace(hang(step, ranks=()), evidence={
+        "stalled": {"1": {"last_step": step, "waiting_in": "step"}}})
+
+
+def test_a_fault_without_batches_is_kept_with_null_ones() -> None:
+    """A hang back at the same step without a cursor has no batches: kept in the rules' state
+    (the journal's ``watch_state``) with null ``start`` and ``end``, not -1, and read back."""
+    rules = Rules(load_policy("default"))
+    rules.judge(_stuck(15), 0.0, Known(Shelf()))
+    [fault] = rules.state_dict()["faults"]
+    assert (fault["start"], fault["end"]) == (None, None)
+    assert Fault.from_json(json.loads(json.dumps(fault))) == cause.at_step(_stuck(15))
+
