@@ -23,6 +23,7 @@ from babysit.checkpoints import Catalog, Checkpoint, RollbackChoice, Verdict
 from babysit.policies import rollback
 from babysit.policies.rollback import Saved, Shelf
 from babysit.policies.types import Action, Finding, Remedy
+from babysit.policies.wording import said_ranks
 from babysit.supervisor.contract.directive import Resume
 from babysit.supervisor.run.journal import checkpoint_step
 
@@ -290,13 +291,12 @@ def _just_in_time(chosen: Checkpoint, reached: int | None,
         else "no checkpoint before it"
     spared = newest if lost is None else \
         f"{lost} step{'s' if lost != 1 else ''} lost; {newest}"
-    who = f"rank{'s' if len(writers) > 1 else ''} " + ", ".join(map(str, writers[:8])) + \
-        (" ..." if len(writers) > 8 else "")
-    streams = story.get("streams_lost") or []
-    fresh = f"; ranks {streams} resume with fresh random streams" if streams else ""
+    streams = [int(r) for r in story.get("streams_lost") or []]
+    fresh = f"; {said_ranks(streams)} resume{'s' if len(streams) == 1 else ''} with fresh " \
+        "random streams" if streams else ""
     return {"just_in_time": {"writers": writers, "fault": story.get("fault"),
                              "marks": story.get("marks", []), "streams_lost": streams,
                              "periodic_step": periodic, "lost_steps": lost},
             "summary": f"resumed from the just-in-time state of step {chosen.step}, written by "
-                       f"{who} after the {story.get('fault', 'fault')} "
+                       f"{said_ranks(writers)} after the {story.get('fault', 'fault')} "
                        f"({spared}){fresh}"}

@@ -41,7 +41,7 @@ def test_sdc_check_names_the_flipped_rank_and_rolls_back_past_it(tmp_path: Path)
     assert directive["skip"] == [] and directive["lr_scale"] == 1.0  # the data was fine
     after = [c for c in checks if c["attempt"] == launches[1]["attempt"]]
     assert after and all(c["agree"] for c in after)  # the rollback cured it
-    assert "rank(s) 1 disagree" in out
+    assert "rank 1 disagrees" in out
 
     rows = read_jsonl(run_dir / "metrics.jsonl")
     timed = [r for r in rows if "tokens_per_s" in r]

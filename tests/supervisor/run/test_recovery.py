@@ -149,10 +149,11 @@ def _just_in_time(root: Path, step: int, streams_lost: tuple[int, ...]) -> None:
 def test_a_takeover_resuming_from_just_in_time_state_says_what_it_lost_in_words(
         tmp_path: Path) -> None:
     """A supervisor taking over binds its choice by no step: the ``resume`` entry says so with
-    a null ``before_step``, not a huge number, and counts the steps the state lost up to the
-    newest step the dead supervisor saw."""
+    a null ``before_step``, not a huge number, counts the steps the state lost up to the
+    newest step the dead supervisor saw, and names the ranks that lost their random streams
+    in words."""
     make_ckpt(tmp_path, 20, size=100)
-    _just_in_time(tmp_path, 39, streams_lost=())
+    _just_in_time(tmp_path, 39, streams_lost=(2, 3))
     resume, entries = Recovery(Catalog(tmp_path), probation_steps=5,
                                keep=10).resume_latest(watched_until=39)
     assert resume is not None and resume.step == 39
@@ -161,10 +162,11 @@ def test_a_takeover_resuming_from_just_in_time_state_says_what_it_lost_in_words(
     assert said["just_in_time"]["lost_steps"] == 1 and said["just_in_time"]["periodic_step"] == 20
     assert said["summary"] == (
         "resumed from the just-in-time state of step 39, written by rank 0 after the "
-        "preemption (1 step lost; the newest checkpoint was of step 20)")
+        "preemption (1 step lost; the newest checkpoint was of step 20); ranks 2 and 3 resume "
+        "with fresh random streams")
     assert problems([{"event": event, **fields} for event, fields in entries]) == []
     # Not knowing how far the run got, it says nothing of the steps lost.
     _, entries = Recovery(Catalog(tmp_path), probation_steps=5, keep=10).resume_latest()
     [said] = [fields for event, fields in entries if event == "resume"]
     assert said["just_in_time"]["lost_steps"] is None
-    assert said["summary"].endswith("(the newest checkpoint was of step 20)")
+    assert "(the newest checkpoint was of step 20); ranks 2 and 3" in said["summary"]
