@@ -292,7 +292,7 @@ def test_an_fsdp2_job_that_loses_a_node_goes_on_resharded_and_grows_back_when_it
     for launch, saved_by in ((short, 0), (grown, short["attempt"])):
         step = launch["directive"]["resume"]["step"]
         assert {e["attempt"] for e in run.events("checkpoint_saved")
-                if e["step"] == step} == {saved_by} and launch["directive"]["reshard"]
+                if e["checkpoint_step"] == step} == {saved_by} and launch["directive"]["reshard"]
     # Grown back from the short attempt's first checkpoint after node 2 joined, by the policy's
     # node_joined ladder: a warning, not a fault.
     [joined] = [e for e in run.events("finding") if e["finding"]["incident"] == "node_joined"]

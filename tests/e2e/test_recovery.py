@@ -116,7 +116,7 @@ def test_loss_spike_rolls_back_skips_the_bad_batches_and_lowers_the_lr(tmp_path:
     assert resume["replayed"].startswith(
         f"replayed by the rerun of steps {first['checkpoint_step'] + 1}-")
     assert [e["attempt"] for e in journal(run_dir, "checkpoint_saved")
-            if e["step"] == resume["checkpoint_step"]][-1] == 1  # the rerun's own save
+            if e["checkpoint_step"] == resume["checkpoint_step"]][-1] == 1  # the rerun's save
     # The relaunched attempt never trained on a poisoned batch and finished healthy.
     rows = read_jsonl(run_dir / "metrics.jsonl")
     attempt1 = [m for m in rows if m["attempt"] == 2]
