@@ -15,7 +15,7 @@ TEXT_FIELDS = frozenset({"reason", "summary", "title", "why", "message"})
 """The fields a person reads as sentences."""
 _PROBLEMS = (
     (re.compile(r"\bNone\b"), "a None"),
-    (re.compile(r"\[\d"), "a Python list"),
+    (re.compile(r"\b(ranks?|steps?|nodes?|batch(es)?) \[\d"), "a Python list"),
     (re.compile(r"\b(\w+) \1\b"), "a doubled word"),
     (re.compile(r"\d{13,}"), "a sentinel number"),
 )
@@ -28,9 +28,10 @@ def unreadable(text: str) -> list[str]:
 
 
 def problems(entries: Iterable[dict[str, Any]]) -> list[str]:
-    """Every sentinel value (a huge number, a negative one other than an exit code: a process
+    """Every sentinel value (a huge number, a negative one other than an exit code's: a process
     killed by signal N exits -N) and every unreadable message in ``entries``, with the entry's
-    event and the field's path."""
+    event and the field's path. A message may quote another program's error (torch's
+    ``dict_keys([0, 1])``): only babysit's own ways of going wrong are looked for."""
     found: list[str] = []
 
     def walk(value: Any, where: str, key: str) -> None:
@@ -43,7 +44,8 @@ def problems(entries: Iterable[dict[str, Any]]) -> list[str]:
         elif isinstance(value, bool):
             return
         elif isinstance(value, int):
-            if abs(value) >= SENTINEL or (value < 0 and "code" not in key):
+            exit_code = "code" in where or "exit" in where
+            if abs(value) >= SENTINEL or (value < 0 and not exit_code):
                 found.append(f"{where} = {value}")
         elif isinstance(value, str) and key in TEXT_FIELDS:
             found.extend(f"{where}: {p}" for p in unreadable(value))

@@ -148,7 +148,7 @@ class Record:
             self._warn(f"checkpoints: {reason}")
         elif kind == "checkpoint_failed":
             step, error = int(data.get("step", 0)), str(data.get("error", ""))
-            self.write("checkpoint_failed", checkpoint_step=step, error=error)
+            self.write("checkpoint_failed", checkpoint_step=step, rank=event.rank, error=error)
             self._warn(f"checkpoint at step {step} failed to save; training goes on from the "
                        f"last good one: {error}")
         elif kind == "resume_check":
