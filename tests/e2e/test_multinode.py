@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from babysit import ElasticSampler
+from babysit.policies.wording import said_ranks
 from babysit.supervisor.cluster import leadership
 from babysit.supervisor.node.launcher import free_port
 from tests import cpulimit, netns
@@ -36,6 +37,7 @@ from tests.conftest import (
     read_jsonl,
     run_babysit,
 )
+from tests.journal_text import problems
 from tests.netns import Network
 
 pytestmark = pytest.mark.e2e  # every test here runs several babysitters and torchruns
@@ -480,6 +482,9 @@ def test_a_lost_node_costs_one_step_the_other_nodes_ranks_keep_it(
         "periodic_step"] == 25
     assert [e["node"] for e in run.events("node_lost")] == [1]
     assert run.events("run_finished")[-1]["state"] == "succeeded"
+    assert resumed["summary"].endswith(f"; {said_ranks(there)} resume with fresh random "
+                                       "streams")
+    assert problems(run.journal()) == []
 
 
 def test_a_node_whose_ranks_keep_segfaulting_is_evicted_and_the_run_goes_on(
