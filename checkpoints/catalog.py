@@ -202,22 +202,24 @@ class Catalog:
     # ---- rollback -----------------------------------------------------------------------------
 
     def choose_for_rollback(
-        self, onset_step: int, *, verify: bool = True, allow_pending: bool = False,
+        self, onset_step: int | None, *, verify: bool = True, allow_pending: bool = False,
         just_in_time: bool | None = None,
     ) -> RollbackChoice:
         """Pick the checkpoint to roll back to for an anomaly that began at ``onset_step``.
 
-        Candidates: GOOD checkpoints (plus PENDING ones with ``allow_pending``) strictly before the
-        onset, newest first; just-in-time ones (``checkpoints/just_in_time.py``) only with
-        ``just_in_time`` (default: as ``allow_pending``, a relaunch's choice, never a spike's).
-        With ``verify`` each is checked fully (sizes and CRC-32 of every byte); one that fails
-        is marked CORRUPT and the next older is tried. The chosen one is pinned so retention
-        keeps it. Journal ``refused``: it says what was wrong and where.
+        Candidates: GOOD checkpoints (plus PENDING ones with ``allow_pending``) strictly before
+        the onset (None: at any step), newest first; just-in-time ones
+        (``checkpoints/just_in_time.py``) only with ``just_in_time`` (default: as
+        ``allow_pending``, a relaunch's choice, never a spike's). With ``verify`` each is
+        checked fully (sizes and CRC-32 of every byte); one that fails is marked CORRUPT and
+        the next older is tried. The chosen one is pinned so retention keeps it. Journal
+        ``refused``: it says what was wrong and where.
         """
         wanted = {Verdict.GOOD, Verdict.PENDING} if allow_pending else {Verdict.GOOD}
         jit = allow_pending if just_in_time is None else just_in_time
         return self._choose([c for c in self.checkpoints()
-                             if c.verdict in wanted and c.step < onset_step
+                             if c.verdict in wanted
+                             and (onset_step is None or c.step < onset_step)
                              and (jit or not c.manifest.is_just_in_time)], verify)
 
     def choose_trained_on(self, after_step: int, before_step: int, upto_cursor: int, reason: str,

@@ -55,6 +55,7 @@ from babysit.checkpoints.manifest import (
     write_manifest,
 )
 from babysit.checkpoints.rng import capture_rng
+from babysit.policies.wording import said_ranks
 
 RANK_STATE_FORMAT = 1
 
@@ -162,7 +163,7 @@ class SaveHandle:
                 raise CheckpointError(rank_state_error)
             part = hash_part(self.path, self.rank)
         except BaseException as e:  # reported through the part, not lost in a thread
-            self._own_error = f"{type(e).__name__}: {e}"
+            self._own_error = _said(e)
             part = {"rank": self.rank, "ok": False, "error": self._own_error}
         try:
             atomic_write_json(self.path / part_marker_name(self.rank), part)
@@ -219,13 +220,13 @@ def save(
         # rank together, so every rank raises ours here together.
         except (Exception, CheckpointException) as e:
             raise CheckpointError(
-                _failed_msg(path, step, {rank: f"{type(e).__name__}: {e}"})
+                _failed_msg(path, step, {rank: _said(e)})
             ) from e
         try:
             (path / rank_state_name(rank)).write_bytes(buf.getvalue())
             part = hash_part(path, rank)
         except OSError as e:
-            part = {"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"}
+            part = {"rank": rank, "ok": False, "error": _said(e)}
         _commit_collectively(path, part, meta, rank, world)
         return SaveHandle(path, step, rank, world, meta, None)
 
@@ -233,7 +234,7 @@ def save(
         future = _write_in_background(state, path, group,
                                       (rank_state_name(rank), buf.getvalue()))
     except (Exception, CheckpointException) as e:
-        raise CheckpointError(_failed_msg(path, step, {rank: f"{type(e).__name__}: {e}"})) from e
+        raise CheckpointError(_failed_msg(path, step, {rank: _said(e)})) from e
     handle = SaveHandle(path, step, rank, world, meta, future)
     future.add_done_callback(handle._on_written)
     _pending = handle
@@ -472,6 +473,20 @@ def _rank_state(
         "rng": capture_rng() if rng is None else rng,
         "extra": extra,
     }
+
+
+def _said(e: BaseException) -> str:
+    """``e`` in one line for a person. DCP's ``CheckpointException`` gathers every rank's error,
+    and its text is every rank's traceback: it is said by those errors instead, each once with
+    the ranks it struck ("OSError: [Errno 28] No space left on device (on ranks 0 and 1)")."""
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return f"{type(e).__name__}: {e}"
+    causes: dict[str, list[int]] = {}
+    for rank, failure in sorted(failures.items()):
+        error = failure[0] if isinstance(failure, tuple) and failure else failure
+        causes.setdefault(f"{type(error).__name__}: {error}", []).append(int(rank))
+    return "; ".join(f"{what} (on {said_ranks(ranks)})" for what, ranks in causes.items())
 
 
 def _failed_msg(path: Path, step: int, errors: dict[int, str]) -> str:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from babysit.policies.types import Finding, Incident
+from babysit.policies.wording import said_ranks
 
 PLACED = (Incident.HANG, Incident.CRASH)
 """The incidents whose repeats are held against each other."""
@@ -84,18 +85,22 @@ class Fault:
             else f"batches {self.start}-{self.end - 1}"
 
     def where(self) -> str:
-        """``"global batch 150 on rank 1"``."""
-        ranks = ", ".join(map(str, self.ranks)) if self.ranks else "every rank"
-        return f"global {self.batches()} on rank {ranks}"
+        """``"global batch 150 on rank 1"``, ``"global batches 150-153 on ranks 0 and 1"``."""
+        return f"global {self.batches()} on " + \
+            (said_ranks(self.ranks) if self.ranks else "every rank")
 
     def to_json(self) -> dict[str, Any]:
+        """Batches not known are null (the -1 is this class's own)."""
         return {"incident": self.incident, "ranks": list(self.ranks), "step": self.step,
-                "start": self.start, "end": self.end, "signature": self.signature}
+                "start": self.start if self.placed else None,
+                "end": self.end if self.placed else None, "signature": self.signature}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Fault:
+        start, end = d.get("start"), d.get("end")
         return cls(str(d["incident"]), tuple(int(r) for r in d["ranks"]), int(d["step"]),
-                   int(d["start"]), int(d["end"]), str(d.get("signature", "")))
+                   -1 if start is None else int(start), -1 if end is None else int(end),
+                   str(d.get("signature", "")))
 
 
 def place(finding: Finding, cursor_at: Mapping[int, int],

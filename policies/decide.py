@@ -172,8 +172,10 @@ def _exited(m: Machine, e: Exited) -> Outcome:
         reason = remedy.reason if remedy else f"workers exited with code {e.code}"
         return _to(m, State.FAILED, reason, pending=remedy), [
             Notify(Severity.CRITICAL, f"run failed: {reason}", remedy), Finish(1)]
+    # The remedy's reason says what babysit does ("relaunch at once", "roll back past it"):
+    # the title is that reason, not the action named twice.
     return _to(m, State.RELAUNCHING, f"crash (exit {e.code}): {remedy.reason}", pending=remedy), [
-        Notify(remedy.finding.severity, f"crash, relaunching: {remedy.reason}", remedy),
+        Notify(remedy.finding.severity, remedy.reason, remedy),
         Wait(remedy.backoff_s)]
 
 
@@ -189,7 +191,7 @@ def _remedied(m: Machine, e: Remedied) -> Outcome:
             Notify(Severity.CRITICAL, f"stopping, a human is needed: {remedy.reason}", remedy),
             Finish(1)]
     return _to(m, State.INTERVENING, remedy.reason, pending=remedy), [
-        Notify(remedy.finding.severity, f"{remedy.action.value}: {remedy.reason}", remedy),
+        Notify(remedy.finding.severity, remedy.reason, remedy),
         StopWorkers(remedy.reason)]
 
 

@@ -278,7 +278,7 @@ def plan(finding: Finding, section: Section, memory: Sequence[Region],
     skip, orders = _place(finding, before, after, section.lr_factor, rewarm, known,
                           checkpoint.cursor if checkpoint is not None else None)
     return Plan(finding, True, possible, checkpoint, before, after, section.lr_factor, rewarm,
-                Region(onset - before, onset + after, gen), note, skip, orders)
+                Region(max(0, onset - before), onset + after, gen), note, skip, orders)
 
 
 def _same_region(finding: Finding, section: Section,

@@ -40,6 +40,7 @@ from babysit.policies.cause import Fault, Follows
 from babysit.policies.rollback import Known, Plan, Region, Shelf
 from babysit.policies.schema import Policy, Response
 from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
+from babysit.policies.wording import said_ranks
 
 _DISRUPTIVE = (Action.ROLLBACK, Action.RELAUNCH)
 _SEVERITY = {"warning": Severity.WARNING, "critical": Severity.CRITICAL}
@@ -169,9 +170,9 @@ class Rules:
                             skip_before=size - 1, skip_after=0)
             return remedy, rollback.for_remedy(remedy, known)
         if follows is Follows.THE_STEP:
-            ranks = ", ".join(map(str, fault.ranks)) if fault.ranks else "every rank"
+            ranks = said_ranks(fault.ranks) if fault.ranks else "every rank"
             stuck = replace(finding, evidence={**finding.evidence, "follows": "step"})
-            return Remedy(Action.STOP, stuck, f"same {name} at step {fault.step} on rank "
+            return Remedy(Action.STOP, stuck, f"same {name} at step {fault.step} on "
                           f"{ranks} twice: a relaunch would meet it again, and with no data "
                           "cursor babysit can neither tell the data's fault from the code's "
                           "nor skip the batch (read the data through run.batches() for that)"

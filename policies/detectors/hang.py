@@ -47,6 +47,7 @@ from pydantic import Field
 
 from babysit.policies.detectors._base import DetectorConfig, r4
 from babysit.policies.types import Finding, Incident, RankStep, Severity
+from babysit.policies.wording import said_ranks
 
 
 class HangConfig(DetectorConfig):
@@ -254,7 +255,7 @@ class HangDetector:
         differs = len(culprits) < max(len(self._ranks), len(self._expected), len(stalled))
         where = min(known) if known else None
         head = (
-            f"rank(s) {', '.join(map(str, ranks))} stopped progressing"
+            f"{said_ranks(ranks)} stopped progressing"
             + (f" at step {where}" if where is not None else " before their first step")
         )
         tail = (

@@ -13,6 +13,7 @@ from typing import Any
 
 from babysit.policies.detectors._base import DetectorConfig
 from babysit.policies.types import Finding, Incident, Severity, StepRecord
+from babysit.policies.wording import said_ranks
 
 
 class NonFiniteConfig(DetectorConfig):
@@ -51,8 +52,7 @@ class NonFiniteDetector:
             onset_step=record.step,
             onset_cursor=record.cursor,
             ranks=ranks,
-            message=f"non-finite {what} at step {record.step} on rank(s) "
-            f"{', '.join(map(str, ranks))}",
+            message=f"non-finite {what} at step {record.step} on {said_ranks(ranks)}",
             evidence=bad,
         )
 

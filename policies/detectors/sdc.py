@@ -49,6 +49,7 @@ from pydantic import Field
 
 from babysit.policies.detectors._base import DetectorConfig
 from babysit.policies.types import Finding, Incident, Severity
+from babysit.policies.wording import ranks_doing
 
 _SHORT = 16
 """Characters of a digest shown in evidence and messages (64 bits: plenty to tell them apart)."""
@@ -153,12 +154,12 @@ class SdcDetector:
                 minority = [r for r in ranks if values[r] != top]
                 named.update(minority)
                 rules.append("majority")
-                why.append(f"{key}: rank(s) {_list(minority)} differ from the majority of "
-                           f"{n}/{len(ranks)}")
+                why.append(f"{key}: {ranks_doing(minority, 'differs', 'differ')} from the "
+                           f"majority of {n}/{len(ranks)}")
                 continue
             rest = {values[r] for r in ranks if r not in changed}
             if changed and len(rest) <= 1:
-                why.append(f"{key}: no majority, explained by the rank(s) whose own probe "
+                why.append(f"{key}: no majority, explained by the ranks whose own probe "
                            "changed")
                 continue
             named.update(ranks)
@@ -188,9 +189,9 @@ class SdcDetector:
             step=step,
             onset_step=(last or 0) + 1,
             ranks=tuple(sorted(named)),
-            message=f"silent data corruption suspected at check step {step}: rank(s) "
-            f"{_list(sorted(named))} disagree ({'; '.join(why)}); last agreeing check: "
-            f"{'none' if last is None else f'step {last}'}",
+            message=f"silent data corruption suspected at check step {step}: "
+            f"{ranks_doing(named, 'disagrees', 'disagree')} ({'; '.join(why)}); last agreeing "
+            f"check: {'none' if last is None else f'step {last}'}",
             evidence={
                 "check_step": step,
                 "last_agreeing_step": last,
@@ -259,7 +260,3 @@ class SdcDetector:
         self._checked = d["checked"]
         self._named = None if d["named"] is None else {int(r) for r in d["named"]}
         self._fresh = bool(d["fresh"])
-
-
-def _list(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)

@@ -424,7 +424,7 @@ class Follower:
         for summary in summaries:
             self._send(Summary(self.attempt, summary))
         for finding in findings:
-            self._journal("finding", step=finding.step, finding=finding.to_json())
+            self._journal("finding", finding=finding.to_json())
             self._send(NodeFinding(self.attempt, finding))
 
     def _report_hang(self, hang: Hang) -> None:

@@ -382,7 +382,7 @@ class ClusterMembers(OnThisNode):
             why = f"{_what_is_slow(finding)} ({cost.describe()})"
             self._slow = (node, why)
         verdict = ("evicting it at the next checkpoint" if kept is None else f"kept: {kept}")
-        self.voice.journal("slow_node_cost", node=node, host=host, step=finding.step,
+        self.voice.journal("slow_node_cost", node=node, host=host, detected_step=finding.step,
                            verdict="evict" if kept is None else "keep", kept=kept,
                            **cost.to_json())
         return dataclasses.replace(

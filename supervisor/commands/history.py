@@ -177,7 +177,7 @@ class History:
         h = cls(run_dir)
         pending_cause: IncidentRecord | None = None
         resume_note: str | None = None
-        folders: dict[tuple[Any, Any], str] = {}  # (step, incident) -> folder, until its finding
+        folders: dict[Any, str] = {}  # incident -> the folder just written, for its finding
         for e in journal_mod.read(path):
             if not isinstance(e, dict):
                 continue
@@ -197,7 +197,7 @@ class History:
                 # Arrived while workers were being replaced: journaled, never judged.
                 h.ignored.append(_incident(e, set_aside=True))
             elif kind == "incident" and e.get("dir"):
-                folders[(e.get("step"), e.get("incident"))] = str(e["dir"])
+                folders[e.get("incident")] = str(e["dir"])  # its finding is the next entry
             elif kind == "resume":
                 resume_note = e.get("summary") or e.get("reason") or (
                     f"checkpoint at step {e.get('checkpoint_step')} ({e.get('verdict')})"
@@ -209,7 +209,7 @@ class History:
                                " (its copy, put back)")
             elif kind == "finding":
                 inc = _incident(e)
-                inc.dir = folders.pop((inc.step, inc.incident), None)
+                inc.dir = folders.pop(inc.incident, None)
                 if inc.action == "ignore":
                     h.ignored.append(inc)
                 else:
@@ -218,14 +218,18 @@ class History:
                         pending_cause = inc
             elif kind == "launch":
                 d = _dict(e.get("directive"))
-                resume = _dict(d.get("resume")) or _dict(e.get("script_resume"))
+                # The directive's resume (its own schema: ``step``), or the script's own
+                # checkpoint that stdout mode put back.
+                resume = _dict(d.get("resume"))
+                script = _dict(e.get("script_resume"))
                 skip = [(int(s["start"]), int(s["end"]), *map(int, s.get("samples") or ()))
                         for s in d.get("skip") or ()
                         if isinstance(s, dict) and "start" in s and "end" in s]
                 h.attempts.append(Attempt(
                     attempt=_int(d.get("attempt"), _int(e.get("attempt"), len(h.attempts))),
                     time=finite_float(e.get("time")) or 0.0,
-                    resume_step=resume.get("step") if resume else None,
+                    resume_step=resume.get("step") if resume
+                    else script.get("checkpoint_step") if script else None,
                     skip=skip, lr_scale=finite_float(d.get("lr_scale")) or 1.0,
                     cause=pending_cause if h.attempts else None, resume_note=resume_note,
                     lr_ramp=_dict(d.get("lr_ramp")) or None,
@@ -318,8 +322,8 @@ def checkpoints(h: History) -> list[dict[str, Any]]:
     found: dict[int, dict[str, Any]] = {}
     for e in h.events:
         data = _dict(e.get("data"))
-        step = e.get("checkpoint_step", e.get("step"))
-        if not isinstance(step, int):
+        step = journal_mod.checkpoint_step(e)
+        if step is None:
             continue
         if e.get("event") == "checkpoint_saved":
             copy = data.get("source") == "output"  # stdout mode's copy of the script's own
@@ -351,7 +355,7 @@ def sdc_checks(h: History) -> dict[str, Any] | None:
     checks = [e for e in h.events if e.get("event") == "sdc_check"]
     if not checks:
         return None
-    bad = [{"step": e.get("step"), "ranks": e.get("disagreeing") or []}
+    bad = [{"step": e.get("checked_step"), "ranks": e.get("disagreeing") or []}
            for e in checks if sdc_disagreement(e)]
     return {"checks": len(checks), "last_agreeing_step": checks[-1].get("last_agreeing_step"),
             "disagreements": bad[-5:]}

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from babysit.policies.types import Finding
+from babysit.policies.wording import ranks_doing
 from babysit.supervisor.node import stacks, stall
 from babysit.supervisor.node.stacks import Diagnosis, StackDump, StackVerdict
 
@@ -163,10 +164,10 @@ def _name(finding: Finding, judged: stall.StallVerdict, processes: dict[str, Any
         # another node). The detector's finding stands, without "stacks": a leader prefers a
         # node whose stacks named a rank.
         return dataclasses.replace(finding, evidence=evidence)
-    named = ", ".join(map(str, judged.ranks))
+    stuck = ranks_doing(judged.ranks, "is", "are")
     return dataclasses.replace(
         finding, ranks=tuple(judged.ranks),
-        message=f"hang at step {finding.step}: rank {named} is stuck ({judged.reason})",
+        message=f"hang at step {finding.step}: {stuck} stuck ({judged.reason})",
         evidence={**evidence, "stacks": stack_info.to_dict()})
 
 

@@ -314,7 +314,7 @@ class Outcome:
         who = f"rank{'s' if len(writers) > 1 else ''} {_ranks(writers)}"
         lost = f" (random streams of rank(s) {_ranks(f['streams_lost'])} lost)" \
             if f["streams_lost"] else ""
-        return (f"just-in-time state of step {f['step']} written by {who} after the "
+        return (f"just-in-time state of step {f['checkpoint_step']} written by {who} after the "
                 f"{f['fault']} in {f['seconds']:.2f} s{lost}")
 
 
@@ -359,7 +359,7 @@ def save(parts: Sequence[Part], attempt: int, *, root: Path, world_size: int,
         got = decide(root, world_size, gathered, since_step)
         if isinstance(got, just_in_time.NoPlan):
             fields.update(outcome="nothing" if got.nothing else "none", why=got.why,
-                          step=got.step)
+                          checkpoint_step=got.step)
             return Outcome(fields)
         dest = just_in_time.staging_dir(root, got.step)
         shutil.rmtree(dest, ignore_errors=True)
@@ -371,12 +371,13 @@ def save(parts: Sequence[Part], attempt: int, *, root: Path, world_size: int,
         if written.failed:
             shutil.rmtree(dest, ignore_errors=True)
             rank, why = min(written.failed.items())
-            fields.update(outcome="none", step=got.step,
+            fields.update(outcome="none", checkpoint_step=got.step,
                           why=f"rank {rank} could not write its part: {why}")
             return Outcome(fields)
         got = just_in_time.with_marks(got, {e.name for e in written.files})
         path = just_in_time.commit(root, got, written.files, world_size, fault)
-        fields.update(outcome="saved", path=str(path), **got.to_json())
+        story = got.to_json()
+        fields.update(outcome="saved", path=str(path), checkpoint_step=story.pop("step"), **story)
         return Outcome(fields)
     except OSError as exc:
         fields.update(outcome="none", why=f"storage: {exc.strerror or exc}")

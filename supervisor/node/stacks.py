@@ -69,6 +69,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal, NamedTuple
 
+from babysit.policies.wording import said_ranks
+
 __all__ = [
     "Diagnosis",
     "Frame",
@@ -398,8 +400,7 @@ def _describe_wait(frame: Frame) -> str:
 
 
 def _ranks(ranks: Iterable[int]) -> str:
-    ordered = sorted(ranks)
-    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
+    return said_ranks(ranks)
 
 
 def odd_one_out(dumps: Mapping[int, StackDump]) -> StackVerdict:

@@ -35,6 +35,7 @@ from typing import Any
 
 import psutil
 
+from babysit.policies.wording import ranks_doing, said_ranks
 from babysit.supervisor.node.stacks import StackVerdict
 
 WINDOW_S = 0.3
@@ -173,7 +174,7 @@ def sample(pids: Mapping[int, int], window_s: float = WINDOW_S) -> dict[int, Ran
 
 
 def _names(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
+    return said_ranks(ranks)
 
 
 def judge(procs: Mapping[int, RankProcess], stacks: StackVerdict | None) -> StallVerdict:
@@ -200,7 +201,8 @@ def judge(procs: Mapping[int, RankProcess], stacks: StackVerdict | None) -> Stal
             note = f" ({_names(unread)}: stack unreadable, named by its process)" \
                 if unread else ""
             lead = stacks.reason if stacks is not None and stacks.suspects else \
-                f"{_names(outside)} idle outside the collective {_names(sorted(waiting))} wait in"
+                f"{_names(outside)} idle outside the collective " \
+                f"{ranks_doing(waiting, 'waits', 'wait')} in"
             return StallVerdict(True, tuple(outside), f"{lead}; {what}{note}")
         # Everyone waits in a collective: they wait for each other (mismatched collectives).
         suspects = stacks.suspects if stacks is not None else ()

@@ -462,7 +462,7 @@ def _checkpoint_saved(advisor: CadenceAdvisor, entry: dict[str, Any], t: float,
     if not isinstance(data, dict) or data.get("external"):
         return last
     blocking = finite(data.get("blocking_s"))
-    step = data.get("step", entry.get("step"))
+    step = data.get("step", entry.get("checkpoint_step"))
     if blocking is None or not isinstance(step, int):
         return last
     advisor.on_checkpoint(blocking)

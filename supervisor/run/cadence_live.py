@@ -118,7 +118,7 @@ class LiveCadence:
             blocking = finite((entry.get("data") or {}).get("blocking_s"))
             if blocking is not None:  # a save that reported no cost costs nothing known
                 self.advisor.on_checkpoint(blocking)
-            self._advise(max(int(entry.get("step") or 0), self._newest_step()))
+            self._advise(max(entry.get("checkpoint_step") or 0, self._newest_step()))
 
     def _choose_memory(self, entry: dict[str, Any]) -> None:
         """``memory_every_steps: auto``: at the first memory copy whose stall is measured, once

@@ -4,8 +4,11 @@ One JSON object per line, appended and flushed as each thing happens: every stat
 action and the evidence for it. Later tools (status, report, a restarted supervisor) read it back
 with ``read()``; nothing else about a run's history is authoritative.
 
-Each entry has ``time`` (Unix seconds), ``event`` (what happened), ``attempt`` and, when known,
-``step``; the rest is the event's own evidence.
+Each entry has ``time`` (Unix seconds), ``event`` (what happened), ``attempt`` and, once the job
+has a step, ``step``: the job's step when it was written (``Record.job_step``: the newest row of
+``metrics.jsonl``). The rest is the event's own evidence, where any other step has a field of its
+own (a checkpoint's: ``checkpoint_step``) and a value babysit does not have is null, never a
+number standing for none. docs/running.md ("The journal") is the reference.
 """
 
 from __future__ import annotations
@@ -108,6 +111,13 @@ def read(path: Path) -> Iterator[dict[str, Any]]:
         return
 
 
+
+
+def checkpoint_step(entry: dict[str, Any]) -> int | None:
+    """The step of the checkpoint an entry names (its ``checkpoint_step``); None when it names
+    none."""
+    step = entry.get("checkpoint_step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def json_safe(value: Any) -> Any:

@@ -52,12 +52,11 @@ class Judge:
                 if finding.incident is Incident.HANG else None
             self.incident_dir = incident.write_incident(
                 self.run_dir, attempt, finding, remedy, diagnosis, self.members.tails(attempt))
-            self.record.write("incident", step=finding.step, dir=str(self.incident_dir),
+            self.record.write("incident", dir=str(self.incident_dir),
                               incident=finding.incident.value, ranks=list(finding.ranks))
         # The finding as judged: marked with what the rules made of it (a rerun asked for, the
         # data it follows), so a supervisor taking over reads the same remedy back.
-        self.record.write("finding", step=finding.step, finding=remedy.finding.to_json(),
-                          remedy=remedy.to_json())
+        self.record.write("finding", finding=remedy.finding.to_json(), remedy=remedy.to_json())
         self.record.write("watch_state", state=self.watch.state_dict())
         return remedy
 

@@ -235,7 +235,7 @@ class Supervisor:
                 # Judged only now: once an earlier finding of this tick started a remedy,
                 # later ones are about workers being replaced and must not use up the ladder.
                 if self.machine.state not in (sm.State.STARTING, sm.State.RUNNING):
-                    self._journal("finding_set_aside", step=item.step, finding=item.to_json(),
+                    self._journal("finding_set_aside", finding=item.to_json(),
                                   state=self.machine.state.value)
                     continue
                 item = sm.Remedied(self.judge.finding(item, self.machine.attempt))
@@ -306,7 +306,7 @@ class Supervisor:
                                      keep_nodes=self.watch.rerun is not None)
         self._launched = True
         if restored is not None:  # where the attempt really resumes: the script restores itself
-            fields["script_resume"] = {"step": restored}
+            fields["script_resume"] = {"checkpoint_step": restored}
         self._journal("launch", directive=directive.to_json(), **fields)
 
     def _stop_workers(self, reason: str, replacing: bool = False) -> None:

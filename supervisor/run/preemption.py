@@ -175,11 +175,12 @@ class Preemption:
         self._journal(event, **fields)
         if not outcome.saved:
             return None
-        self.saved = int(outcome.fields["step"])
+        self.saved = int(outcome.fields["checkpoint_step"])
         return self.saved
 
     def _missing(self, why: str) -> None:
         resume = fallback(self.catalog)
-        self._journal("final_checkpoint_missing", reason=why, resume_step=resume.step,
-                      resume_path=resume.path)
+        # The checkpoint the next run resumes from (null: none, it starts from scratch).
+        self._journal("final_checkpoint_missing", reason=why, checkpoint_step=resume.step,
+                      path=resume.path)
         self._warn(missing_message(why, resume))

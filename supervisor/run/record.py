@@ -52,6 +52,10 @@ class Record:
         """The job's ranks, from the hellos (an SDC check waits for every rank's digests)."""
         self.newest_step = 0
         """The newest step any rank reported this attempt (ahead of the merged steps)."""
+        self.job_step: int | None = None
+        """The job's step: that of the newest row written to ``metrics.jsonl`` (the newest
+        step every rank completed; after a relaunch, the new attempt's once its first step
+        is in). Every journal entry carries it as ``step``."""
 
     def open(self) -> None:
         self.journal.open()
@@ -62,10 +66,12 @@ class Record:
         self.journal.close()
 
     def write(self, event: str, /, step: int | None = None, **evidence: Any) -> None:
-        """Journal ``event`` now, at the machine's attempt and (unless given) step."""
-        machine = self._where()
-        self.journal.write(event, time.time(), machine.attempt,
-                           step if step is not None else (machine.step or None), **evidence)
+        """Journal ``event`` now, at the machine's attempt and the job's step (``job_step``):
+        an entry's ``step`` means that, and a field of ``evidence`` names any other step (a
+        checkpoint's is ``checkpoint_step``). ``step`` given stands in for the job's (no writer
+        gives one today)."""
+        self.journal.write(event, time.time(), self._where().attempt,
+                           step if step is not None else self.job_step, **evidence)
 
     def write_all(self, entries: list[Entry]) -> None:
         for event, fields in entries:
@@ -89,6 +95,7 @@ class Record:
             items += self._rank_event(event)
         for record, row in got.steps:
             self.steps.write(record, row)
+            self.job_step = record.step
             if judging:
                 items += self._judge_step(record)
         for event in got.events:
@@ -103,18 +110,18 @@ class Record:
 
     def _judge_step(self, record: JobStep) -> list[Finding]:
         findings = self.watch.observe_record(record)
-        self._write_verdicts(record.step)
+        self._write_verdicts()
         if record.step % WATCH_STATE_EVERY == 0:
             # So a supervisor taking over inherits the baselines, not only the last finding's.
             self.write("watch_state", state=self.watch.state_dict())
         return findings
 
-    def _write_verdicts(self, step: int | None = None) -> None:
+    def _write_verdicts(self) -> None:
         """Whose fault each rerun's spike was: the data's comes back as a finding (its
         rollback's alert says so); a transient one is remedied by the rerun itself, said here,
         and so is one the rerun could not decide."""
         for verdict in self.watch.take_verdicts():
-            self.write("rerun", step=step, **verdict.to_json())
+            self.write("rerun", **verdict.to_json())
             if not verdict.reproduced:
                 self._warn(verdict.summary())
 
@@ -132,11 +139,12 @@ class Record:
                 self._write_verdicts()
                 return found
         elif kind == "checkpoint":
-            self.write("checkpoint_saved", step=int(data.get("step", 0)), rank=event.rank,
-                       data=data)
+            self.write("checkpoint_saved", checkpoint_step=int(data.get("step", 0)),
+                       rank=event.rank, data=data)
         elif kind == "memory_copy":  # one rank's part; committed once every rank's is in
             self.write_all(self.recovery.memory_part(event.rank, data, self.world))
-        elif kind in ("memory_copy_failed", "memory_copy_skipped", "memory_copy_off"):
+        elif kind in ("memory_copy_failed", "memory_copy_skipped", "memory_copy_off",
+                      "memory_copy_plan"):
             self.write(kind, rank=event.rank, data=data)
         elif kind == "checkpoint_sync":  # asynchronous saves asked for, but no room for them
             reason = str(data.get("reason", ""))
@@ -144,7 +152,7 @@ class Record:
             self._warn(f"checkpoints: {reason}")
         elif kind == "checkpoint_failed":
             step, error = int(data.get("step", 0)), str(data.get("error", ""))
-            self.write("checkpoint_failed", step=step, error=error)
+            self.write("checkpoint_failed", checkpoint_step=step, rank=event.rank, error=error)
             self._warn(f"checkpoint at step {step} failed to save; training goes on from the "
                        f"last good one: {error}")
         elif kind == "resume_check":
@@ -155,7 +163,8 @@ class Record:
             check = self.watch.observe_fingerprint(event, self.world)
             if check is not None:
                 finding = check.finding
-                self.write("sdc_check", step=check.step, agree=check.agree, ranks=check.ranks,
+                self.write("sdc_check", checked_step=check.step, agree=check.agree,
+                           ranks=check.ranks,
                            repeat=not check.agree and finding is None,
                            last_agreeing_step=check.last_agreeing_step,
                            disagreeing=list(finding.ranks) if finding else [],

@@ -23,7 +23,9 @@ from babysit.checkpoints import Catalog, Checkpoint, RollbackChoice, Verdict, me
 from babysit.policies import rollback
 from babysit.policies.rollback import Saved, Shelf
 from babysit.policies.types import Action, Finding, Remedy
+from babysit.policies.wording import said_ranks
 from babysit.supervisor.contract.directive import Resume
+from babysit.supervisor.run.journal import checkpoint_step
 
 Entry = tuple[str, dict[str, Any]]
 
@@ -69,12 +71,12 @@ class Recovery:
         a finding acted on
         (checkpoints near its onset turn suspect), an SDC check (the step it vouches for).
         Returns the entries to journal in turn."""
-        event = entry["event"]
+        event, step = entry["event"], checkpoint_step(entry)
         if event == "just_in_time" and entry.get("outcome") == "saved":
-            self.kept = int(entry["step"])
-        if event == "checkpoint_saved" or (event == "just_in_time"
-                                           and entry.get("outcome") == "saved"):
-            return self.on_checkpoint(int(entry["step"]))
+            self.kept = step
+        if step is not None and (event == "checkpoint_saved" or (
+                event == "just_in_time" and entry.get("outcome") == "saved")):
+            return self.on_checkpoint(step)
         if event == "finding":
             finding = Finding.from_json(entry["finding"])
             return self.on_finding(finding, Remedy.from_json(entry["remedy"], finding))
@@ -203,7 +205,8 @@ class Recovery:
             except OSError as exc:
                 entries.append(_storage_error("choosing a checkpoint", exc))
             else:
-                resume = self._chosen(choice, detected + 1, entries, {"replayed": reason})
+                resume = self._chosen(choice, entries, before=detected + 1,
+                                      extra={"replayed": reason})
                 if resume is not None:
                     return resume, entries
         before, allow_pending = rollback.resume_bound(remedy)
@@ -222,7 +225,10 @@ class Recovery:
         and the resumed step were never observed, so they stay pending (journaled as such)
         instead of being promoted once the resumed run passes them."""
         _, entries = self.resume_for(None)
-        resume, entries = self._choose(2**62, True, entries)
+        # Any checkpoint will do: no bound. What a just-in-time one spared is counted up to
+        # the newest step the dead supervisor saw.
+        resume, entries = self._choose(None, True, entries, reached=None if watched_until is None
+                                       else watched_until + 1)
         if watched_until is not None and resume is not None and resume.step > watched_until:
             self.unwatched = (watched_until, resume.step)
             try:
@@ -238,8 +244,10 @@ class Recovery:
                 for c in blind]
         return resume, entries
 
-    def _choose(self, before: int, allow_pending: bool,
-                entries: list[Entry]) -> tuple[Resume | None, list[Entry]]:
+    def _choose(self, before: int | None, allow_pending: bool, entries: list[Entry],
+                reached: int | None = None) -> tuple[Resume | None, list[Entry]]:
+        """The newest usable checkpoint strictly before step ``before`` (None: any), journaled
+        in ``entries``; ``reached`` (default ``before``) as in ``_chosen``."""
         try:
             choice = self.catalog.choose_for_rollback(before, allow_pending=allow_pending)
         except OSError as exc:
@@ -247,7 +255,9 @@ class Recovery:
             entries.append(("resume", {"from": None, "before_step": before,
                                        "reason": "checkpoint storage unusable: starting over"}))
             return None, entries
-        resume = self._chosen(choice, before, entries, listed=self._listed())
+        resume = self._chosen(choice, entries, before=before,
+                              reached=before if reached is None else reached,
+                              listed=self._listed())
         if resume is None:
             entries.append(("resume", {"from": None, "before_step": before,
                                        "reason": "no usable checkpoint: starting from scratch"}))
@@ -260,12 +270,14 @@ class Recovery:
             return []
 
     @staticmethod
-    def _chosen(choice: RollbackChoice, before: int, entries: list[Entry],
-                extra: dict[str, Any] | None = None,
+    def _chosen(choice: RollbackChoice, entries: list[Entry], *, before: int | None,
+                reached: int | None = None, extra: dict[str, Any] | None = None,
                 listed: list[Checkpoint] | None = None) -> Resume | None:
         """The resume of the catalog's ``choice`` (None: none), its refusals and the choice
-        journaled in ``entries``; a just-in-time one says what it saved (``listed``: the
-        catalog, for the newest periodic checkpoint it spared the run)."""
+        journaled in ``entries``: ``before_step`` is ``before``, the bound it was chosen
+        under (null: none). A just-in-time one says what it saved: the steps from it to
+        ``reached`` (the first step the run had not completed; default ``before``) lost, and
+        the newest periodic checkpoint it spared the run (``listed``: the catalog)."""
         for refusal in choice.refused:
             entries.append(("checkpoint_refused", {"checkpoint_step": refusal.step,
                                                    "path": str(refusal.path),
@@ -279,7 +291,8 @@ class Recovery:
                                                    "verdict": "pending", **extra}))
             verdict = Verdict.PENDING
         samples = chosen.manifest.samples
-        jit = _just_in_time(chosen, before, listed or []) or _memory(chosen, before, listed or [])
+        reached = before if reached is None else reached
+        jit = _just_in_time(chosen, reached, listed or []) or _memory(chosen, reached, listed or [])
         entries.append(("resume", {"from": str(chosen.path), "checkpoint_step": chosen.step,
                                    "origin": chosen.manifest.origin,
                                    "cursor": chosen.cursor, "verdict": verdict.value,
@@ -294,41 +307,46 @@ class Recovery:
 
 
 
-def _just_in_time(chosen: Checkpoint, before: int, listed: list[Checkpoint]) -> dict[str, Any]:
+def _just_in_time(chosen: Checkpoint, reached: int | None,
+                  listed: list[Checkpoint]) -> dict[str, Any]:
     """A just-in-time resume's own fields (what it was, who wrote it, what it spared: the steps
-    lost and the newest periodic checkpoint) and its one-line ``summary``; {} for another."""
+    from it to ``reached`` lost, null when ``reached`` is unknown, and the newest periodic
+    checkpoint) and its one-line ``summary``; {} for another."""
     if not chosen.manifest.is_just_in_time:
         return {}
     story = chosen.manifest.just_in_time or {}
     writers = [int(r) for r in story.get("writers", [])]
     periodic = max((c.step for c in listed if not c.manifest.is_just_in_time
-                    and c.step < chosen.step), default=None)
-    lost = max(0, before - chosen.step)
-    who = f"rank{'s' if len(writers) > 1 else ''} " + ", ".join(map(str, writers[:8])) + \
-        (" ..." if len(writers) > 8 else "")
+                    and not c.manifest.is_memory and c.step < chosen.step), default=None)
+    lost = max(0, reached - chosen.step) if reached is not None else None
     newest = f"the newest checkpoint was of step {periodic}" if periodic is not None \
         else "no checkpoint before it"
-    streams = story.get("streams_lost") or []
-    fresh = f"; ranks {streams} resume with fresh random streams" if streams else ""
+    spared = newest if lost is None else \
+        f"{lost} step{'s' if lost != 1 else ''} lost; {newest}"
+    streams = [int(r) for r in story.get("streams_lost") or []]
+    fresh = f"; {said_ranks(streams)} resume{'s' if len(streams) == 1 else ''} with fresh " \
+        "random streams" if streams else ""
     return {"just_in_time": {"writers": writers, "fault": story.get("fault"),
                              "marks": story.get("marks", []), "streams_lost": streams,
                              "periodic_step": periodic, "lost_steps": lost},
             "summary": f"resumed from the just-in-time state of step {chosen.step}, written by "
-                       f"{who} after the {story.get('fault', 'fault')} ({lost} step"
-                       f"{'s' if lost != 1 else ''} lost; {newest}){fresh}"}
+                       f"{said_ranks(writers)} after the {story.get('fault', 'fault')} "
+                       f"({spared}){fresh}"}
 
 
-def _memory(chosen: Checkpoint, before: int, listed: list[Checkpoint]) -> dict[str, Any]:
-    """A memory copy's resume's own fields (what it spared: the steps lost, the newest
-    checkpoint on disk) and its one-line ``summary``; {} for another."""
+def _memory(chosen: Checkpoint, reached: int | None,
+            listed: list[Checkpoint]) -> dict[str, Any]:
+    """A memory copy's resume's own fields (what it spared: the steps from it to ``reached``
+    lost, null when unknown, and the newest checkpoint on disk) and its one-line ``summary``;
+    {} for another."""
     if not chosen.manifest.is_memory:
         return {}
     on_disk = max((c.step for c in listed if not c.manifest.is_memory
                    and not c.manifest.is_just_in_time and c.step < chosen.step), default=None)
-    lost = max(0, before - chosen.step)
+    lost = max(0, reached - chosen.step) if reached is not None else None
     newest = f"the newest checkpoint on disk was of step {on_disk}" if on_disk is not None \
         else "no checkpoint on disk before it"
+    spared = newest if lost is None else f"{lost} step{'s' if lost != 1 else ''} lost; {newest}"
     nodes = (chosen.manifest.memory or {}).get("nodes", [])
     return {"memory": {"disk_step": on_disk, "lost_steps": lost, "nodes": nodes},
-            "summary": f"resumed from the memory copy of step {chosen.step} ({lost} step"
-                       f"{'s' if lost != 1 else ''} lost; {newest})"}
+            "summary": f"resumed from the memory copy of step {chosen.step} ({spared})"}

@@ -124,11 +124,11 @@ def decide(entries: Sequence[dict[str, Any]], earlier: Sequence[dict[str, Any]],
         requeue = f"the run's verdict is requeue ({finished.get('why') or finished.get('reason')})"
     elif code == SIGTERM_CODE:
         before = [e for e in earlier if e.get("event") == "run_finished"]
-        if before and before[-1].get("exit_code") == SIGTERM_CODE and \
-                step <= int(before[-1].get("step") or 0):
+        # A session that ended before its first step journaled no step: it was at step 0.
+        was = int(before[-1].get("step") or 0) if before else 0
+        if before and before[-1].get("exit_code") == SIGTERM_CODE and step <= was:
             return _left(lost, f"stopped by SIGTERM at step {step}, as the session before it "
-                               f"was at step {before[-1].get('step')}: no progress, so no "
-                               f"requeue")
+                               f"was at step {was}: no progress, so no requeue")
         requeue = (f"a SIGTERM while the job runs (its --signal before the time limit, or "
                    f"scancel --signal=TERM), stopped at step {step}: the requeued job resumes "
                    f"from its newest checkpoint")

@@ -176,7 +176,7 @@ class Ledger:
         self._attempts: dict[int, _Attempt] = {}
         self._open_step = 0.0  # seconds since the attempt's last row, not yet assigned
         self._pending_ckpt = 0.0
-        self._saved: set[tuple[int, int]] = set()
+        self._saved: set[tuple[int, int | None]] = set()
         self._backoff_until: float | None = None
         self._session_open = False
         self._session_unfinished = False
@@ -207,8 +207,8 @@ class Ledger:
                     self._take_restore(self._attempt)  # the hello came after the first step
         elif kind == "checkpoint_saved":
             data = e.get("data") if isinstance(e.get("data"), Mapping) else {}
-            step = e.get("step")
-            key = (_int(e.get("attempt")), step if isinstance(step, int) else -1)
+            step = e.get("checkpoint_step")
+            key = (_int(e.get("attempt")), step if isinstance(step, int) else None)
             blocking = _num(data.get("blocking_s")) if data else None
             if key not in self._saved and blocking is not None and blocking > 0:
                 self._saved.add(key)
@@ -307,9 +307,11 @@ class Ledger:
     def _launch(self, t: float, e: Mapping[str, Any]) -> None:
         directive = e.get("directive") if isinstance(e.get("directive"), Mapping) else {}
         resume = (directive or {}).get("resume")
-        if not isinstance(resume, Mapping):  # stdout mode: the script's own checkpoint, put back
-            resume = e.get("script_resume")
-        resume_step = resume.get("step") if isinstance(resume, Mapping) else None
+        if isinstance(resume, Mapping):
+            resume_step = resume.get("step")  # the directive's own schema
+        else:  # stdout mode: the script's own checkpoint, put back
+            script = e.get("script_resume")
+            resume_step = script.get("checkpoint_step") if isinstance(script, Mapping) else None
         resume_step = resume_step if isinstance(resume_step, int) else 0
         number = _int((directive or {}).get("attempt"), _int(e.get("attempt"), 0))
         if self._attempt is not None and not self._attempt.ended:

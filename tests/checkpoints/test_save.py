@@ -76,3 +76,25 @@ def test_single_process_async_save_commits_on_poll_and_round_trips(tmp_path: Pat
     )
     assert restored.samples == 560 == read_manifest(handle.path).samples
     assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_a_dcp_failure_gathered_from_the_ranks_is_said_in_one_line() -> None:
+    """DCP raises one ``CheckpointException`` on every rank with every rank's traceback in its
+    text; the save's error (journaled, and the title of its alert) names each error once with
+    the ranks it struck. The real disk-full run: ``tests/e2e/test_storage.py``."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from babysit.checkpoints.save import _said
+
+    def raised(error: BaseException) -> BaseException:
+        try:
+            raise error
+        except BaseException as e:  # with its traceback, as DCP wraps it
+            return e
+
+    full = raised(OSError(28, "No space left on device"))
+    gathered = CheckpointException("write failed", {0: _wrap_exception(full),
+                                                    1: _wrap_exception(full)})
+    assert "Traceback" in str(gathered)
+    assert _said(gathered) == "OSError: [Errno 28] No space left on device (on ranks 0 and 1)"
+    assert _said(ValueError("bad")) == "ValueError: bad"

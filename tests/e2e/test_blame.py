@@ -70,7 +70,7 @@ def test_faults_on_rank_1_name_rank_1_and_slow_work_is_no_hang(tmp_path: Path) -
     # Each fault left rank 0 holding the last step rank 1 had completed with it: the relaunch
     # resumed there, and rank 1's random streams came from its mark (dead, killed, stopped or
     # asleep, it was never asked).
-    kept = [(e["fault"], e["step"], e["writers"], e["marks"]) for e in journal
+    kept = [(e["fault"], e["checkpoint_step"], e["writers"], e["marks"]) for e in journal
             if e["event"] == "just_in_time"]
     assert kept == [("crash", 6, [0], [1]), ("crash", 8, [0], [1]), ("hang", 9, [0], [1]),
                     ("hang", 11, [0], [1])], kept

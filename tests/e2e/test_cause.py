@@ -112,7 +112,8 @@ def test_a_fault_at_the_same_batch_twice_is_the_datas_and_that_batch_is_skipped(
     assert "the data's: rolled back and batch 13 skipped, the LR unchanged" in data
     # Both relaunches resumed from the state of step 13 the live ranks kept (the second fault
     # had no step of its own to keep), not from step 0: nothing else was replayed.
-    kept = [(e["outcome"], e["step"]) for e in journal(run_dir, "just_in_time")]
+    kept = [(e["outcome"], e["checkpoint_step"])
+            for e in journal(run_dir, "just_in_time")]
     assert kept == [("saved", 13), ("nothing", 13)], kept
     resumed = [e["checkpoint_step"] for e in journal(run_dir, "resume") if e.get("from")]
     assert resumed == [13, 13]

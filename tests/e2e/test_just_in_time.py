@@ -117,7 +117,7 @@ def test_one_node_ddp_a_hang_a_segfault_a_stopped_and_a_killed_rank_each_cost_on
                               checkpoints=SAVES, policy=POLICY)
     assert result.returncode == 0, result.stdout + result.stderr
     events = read_jsonl(run_dir / "events.jsonl")
-    saved = [(e["fault"], e["outcome"], e["step"], e["writers"], e["marks"])
+    saved = [(e["fault"], e["outcome"], e["checkpoint_step"], e["writers"], e["marks"])
              for e in journal(run_dir, "just_in_time")]
     assert saved == [("hang", "saved", 29, [0], [1]), ("crash", "saved", 59, [1], [0]),
                      ("hang", "saved", 89, [0], [1]), ("crash", "saved", 119, [0], [1])]
@@ -150,7 +150,7 @@ def test_one_node_fsdp2_keeps_the_step_while_every_shard_lives_and_says_why_when
     assert result.returncode == 0, result.stdout + result.stderr
     events = read_jsonl(run_dir / "events.jsonl")
     hang, crash, stopped, half = journal(run_dir, "just_in_time")
-    assert (hang["outcome"], hang["step"], hang["writers"]) == ("saved", 29, [0, 1])
+    assert (hang["outcome"], hang["checkpoint_step"], hang["writers"]) == ("saved", 29, [0, 1])
     assert (crash["outcome"], stopped["outcome"], half["outcome"]) == ("none",) * 3
     assert "shard 0 of the sharded state has no live holder (rank 0 is dead)" in crash["why"]
     assert "shard 1 of the sharded state has no live holder (rank 1 is stopped (SIGSTOP)" \
@@ -213,8 +213,8 @@ def test_two_nodes_ddp_every_fault_of_either_node_costs_one_step(
         tmp_path: Path, net3: Network, clean_ddp: Clean) -> None:
     run, lost_at = _two_nodes(tmp_path, net3)
     leader, follower = _ranks(run)[0], _ranks(run)[1]
-    saved = [(e["fault"], e["outcome"], e["step"], e["writers"]) for e in run.events(
-        "just_in_time")]
+    saved = [(e["fault"], e["outcome"], e["checkpoint_step"], e["writers"])
+             for e in run.events("just_in_time")]
     assert saved[:3] == [("hang", "saved", 29, [leader]), ("crash", "saved", 59, [follower]),
                          ("hang", "saved", 89, [leader])], saved
     # The leader hears of the loss first from its own rank (gloo's connection reset: a
@@ -236,7 +236,7 @@ def test_two_nodes_fsdp2_keeps_the_step_while_every_shard_lives_and_says_why_whe
     run, lost_at = _two_nodes(tmp_path, net3, "--fsdp")
     leader, follower = _ranks(run)[0], _ranks(run)[1]
     hang, crash, stopped, lost = run.events("just_in_time")
-    assert (hang["outcome"], hang["step"], hang["writers"]) == ("saved", 29, [0, 1])
+    assert (hang["outcome"], hang["checkpoint_step"], hang["writers"]) == ("saved", 29, [0, 1])
     assert (crash["outcome"], stopped["outcome"], lost["outcome"]) == ("none",) * 3
     assert f"rank {leader} is dead" in crash["why"]
     assert f"rank {follower} is stopped (SIGSTOP)" in stopped["why"]

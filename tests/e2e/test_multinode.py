@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from babysit import ElasticSampler
+from babysit.policies.wording import said_ranks
 from babysit.supervisor.cluster import leadership
 from babysit.supervisor.node.launcher import free_port
 from tests import cpulimit, netns
@@ -36,6 +37,7 @@ from tests.conftest import (
     read_jsonl,
     run_babysit,
 )
+from tests.journal_text import problems
 from tests.netns import Network
 
 pytestmark = pytest.mark.e2e  # every test here runs several babysitters and torchruns
@@ -292,7 +294,7 @@ def test_an_fsdp2_job_that_loses_a_node_goes_on_resharded_and_grows_back_when_it
     for launch, saved_by in ((short, 0), (grown, short["attempt"])):
         step = launch["directive"]["resume"]["step"]
         assert {e["attempt"] for e in run.events("checkpoint_saved")
-                if e["step"] == step} == {saved_by} and launch["directive"]["reshard"]
+                if e["checkpoint_step"] == step} == {saved_by} and launch["directive"]["reshard"]
     # Grown back from the short attempt's first checkpoint after node 2 joined, by the policy's
     # node_joined ladder: a warning, not a fault.
     [joined] = [e for e in run.events("finding") if e["finding"]["incident"] == "node_joined"]
@@ -441,6 +443,11 @@ def test_nodes_on_their_own_addresses_start_and_a_healed_partition_rejoins(
     relaunch = next(e for e in run.events("launch") if e["attempt"] == 1)
     assert relaunch["nodes"] == [0, 1]
     assert run.events("run_finished")[-1]["state"] == "succeeded"
+    # Nothing at the rendezvous endpoint yet is a start's expected state on either node, not
+    # a warning: the start's checks passed, and said nothing.
+    for node in (0, 1):
+        console = (tmp_path / f"node{node}.log").read_text()
+        assert "WARN  rendezvous" not in console and "READY" not in console, console[:3000]
 
 
 def test_a_lost_node_costs_one_step_the_other_nodes_ranks_keep_it(
@@ -466,15 +473,18 @@ def test_a_lost_node_costs_one_step_the_other_nodes_ranks_keep_it(
     [saved] = run.events("just_in_time")
     assert saved["outcome"] == "saved", saved
     assert saved["writers"] == [here[0]] and saved["marks"] == here[1:]
-    assert saved["streams_lost"] == there and saved["step"] >= killed_at
+    assert saved["streams_lost"] == there and saved["checkpoint_step"] >= killed_at
     resume = run.events("launch")[1]
     assert run.events("launch")[1]["nodes"] == [0] and resume["directive"]["reshard"]
-    assert resume["directive"]["resume"]["step"] == saved["step"]
+    assert resume["directive"]["resume"]["step"] == saved["checkpoint_step"]
     [resumed] = [e for e in run.events("resume") if e.get("from")]
     assert resumed["just_in_time"]["lost_steps"] <= 2 and resumed["just_in_time"][
         "periodic_step"] == 25
     assert [e["node"] for e in run.events("node_lost")] == [1]
     assert run.events("run_finished")[-1]["state"] == "succeeded"
+    assert resumed["summary"].endswith(f"; {said_ranks(there)} resume with fresh random "
+                                       "streams")
+    assert problems(run.journal()) == []
 
 
 def test_a_node_whose_ranks_keep_segfaulting_is_evicted_and_the_run_goes_on(

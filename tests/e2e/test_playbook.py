@@ -29,7 +29,7 @@ def test_sdc_check_names_the_flipped_rank_and_rolls_back_past_it(tmp_path: Path)
     assert result.returncode == 0, out
     checks = journal(run_dir, "sdc_check")
     bad = [c for c in checks if not c["agree"]]
-    assert [(c["step"], c["disagreeing"]) for c in bad] == [(15, [1])], checks
+    assert [(c["checked_step"], c["disagreeing"]) for c in bad] == [(15, [1])], checks
     assert bad[0]["last_agreeing_step"] == 10 and len(bad[0]["digests"]["params"]) == 3
     [finding] = [e for e in journal(run_dir, "finding") if e["finding"]["incident"] == "sdc"]
     assert finding["finding"]["ranks"] == [1] and finding["remedy"]["action"] == "rollback"
@@ -41,7 +41,7 @@ def test_sdc_check_names_the_flipped_rank_and_rolls_back_past_it(tmp_path: Path)
     assert directive["skip"] == [] and directive["lr_scale"] == 1.0  # the data was fine
     after = [c for c in checks if c["attempt"] == launches[1]["attempt"]]
     assert after and all(c["agree"] for c in after)  # the rollback cured it
-    assert "rank(s) 1 disagree" in out
+    assert "rank 1 disagrees" in out
 
     rows = read_jsonl(run_dir / "metrics.jsonl")
     timed = [r for r in rows if "tokens_per_s" in r]
@@ -89,7 +89,7 @@ def test_cadence_advice_is_journaled_and_auto_adopted(tmp_path: Path) -> None:
     assert (adopted["old_every"], adopted["new_every"]) == (5, 12)
     applied = journal(run_dir, "cadence_applied")
     assert applied and applied[0]["data"]["every_steps"] == 12
-    saved = sorted({e["step"] for e in journal(run_dir, "checkpoint_saved")})
+    saved = sorted({e["checkpoint_step"] for e in journal(run_dir, "checkpoint_saved")})
     start = adopted["from_step"]
     assert [s for s in saved if s >= start] == [s for s in range(start, 61) if s % 12 == 0]
     assert all(s % 5 == 0 for s in saved if s < start)

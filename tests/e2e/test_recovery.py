@@ -116,7 +116,7 @@ def test_loss_spike_rolls_back_skips_the_bad_batches_and_lowers_the_lr(tmp_path:
     assert resume["replayed"].startswith(
         f"replayed by the rerun of steps {first['checkpoint_step'] + 1}-")
     assert [e["attempt"] for e in journal(run_dir, "checkpoint_saved")
-            if e["step"] == resume["checkpoint_step"]][-1] == 1  # the rerun's own save
+            if e["checkpoint_step"] == resume["checkpoint_step"]][-1] == 1  # the rerun's save
     # The relaunched attempt never trained on a poisoned batch and finished healthy.
     rows = read_jsonl(run_dir / "metrics.jsonl")
     attempt1 = [m for m in rows if m["attempt"] == 2]
@@ -267,7 +267,8 @@ def test_bring_your_own_checkpoint_is_registered_and_resumed(tmp_path: Path) -> 
                               script=WORKERS / "byo_train.py")
     assert result.returncode == 0, result.stdout + result.stderr
     saved = [e for e in journal(run_dir, "checkpoint_saved")]
-    assert [e["step"] for e in saved] == [5, 10, 15, 20] and saved[0]["data"]["external"]
+    assert [e["checkpoint_step"] for e in saved] == [5, 10, 15, 20] and \
+        saved[0]["data"]["external"]
     (resume,) = [e for e in journal(run_dir, "resume") if e.get("from")]
     assert resume["checkpoint_step"] == 10 and resume["cursor"] == 10
     # The script loaded its own file (babysit only told it which), and went on from step 11.

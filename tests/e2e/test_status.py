@@ -127,7 +127,7 @@ def test_human_view_says_the_same_compactly(run_dir: Path) -> None:
     assert "attempt 2 (3 launched), step 60, loss " in out
     assert "reproduced on the rerun at batch" in out
     start, end = json.loads(status(run_dir, True)[1])["attempt_history"][2]["skip"][0]
-    step = next(f["step"] for f in journal(run_dir, "finding")
+    step = next(f["finding"]["step"] for f in journal(run_dir, "finding")
                 if f["remedy"]["action"] == "rollback")
     # The LR cut wears off after the skipped batches (issue 14's re-warm), and the line says so.
     assert f"skip batches {start}-{end - 1}, lr x0.5 from batch {start}, back to x1 over " \

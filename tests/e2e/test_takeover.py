@@ -17,6 +17,7 @@ import pytest
 
 from babysit.checkpoints import Catalog
 from tests.conftest import WORKERS, babysit_env, read_jsonl, run_babysit
+from tests.journal_text import problems
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +39,7 @@ def test_a_killed_supervisor_is_taken_over_and_the_run_resumes(tmp_path: Path) -
         while time.monotonic() < deadline and not any(s >= 10 for s in saved):
             time.sleep(0.2)
             if (run_dir / "events.jsonl").exists():
-                saved = [e["step"] for e in read_jsonl(run_dir / "events.jsonl")
+                saved = [e["checkpoint_step"] for e in read_jsonl(run_dir / "events.jsonl")
                          if e["event"] == "checkpoint_saved"]
         assert any(s >= 10 for s in saved), "no checkpoint within 90 s"
         first.send_signal(signal.SIGKILL)
@@ -175,7 +176,7 @@ def test_sigterm_saves_a_final_checkpoint_and_the_next_run_resumes_from_it(
     resume = [e for e in journal if e["event"] == "resume" and e.get("from")]
     assert resume[-1]["checkpoint_step"] == final["checkpoint_step"]
     *_, kept = [e for e in journal if e["event"] == "just_in_time"]
-    assert (kept["fault"], kept["outcome"], kept["step"], kept["writers"]) == (
+    assert (kept["fault"], kept["outcome"], kept["checkpoint_step"], kept["writers"]) == (
         "preemption", "saved", 39, [0]), kept
     *_, final = [e for e in journal if e["event"] == "final_checkpoint"]
     assert final["saved"] and final["just_in_time"] and final["checkpoint_step"] == 39
@@ -187,4 +188,8 @@ def test_sigterm_saves_a_final_checkpoint_and_the_next_run_resumes_from_it(
     journal = read_jsonl(run_dir / "events.jsonl")
     *_, resume = [e for e in journal if e["event"] == "resume" and e.get("from")]
     assert resume["checkpoint_step"] == 39 and resume["just_in_time"], resume
+    assert resume["before_step"] is None  # a takeover takes the newest, bound by no step
     assert journal[-1]["state"] == "succeeded"
+    # Three sessions' SIGTERMs, final checkpoints and takeovers: no number in the journal
+    # stands for "none", and every message reads as a sentence.
+    assert problems(journal) == []

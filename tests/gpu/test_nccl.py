@@ -18,7 +18,7 @@ def test_a_one_rank_nccl_job_runs_and_checkpoints(tmp_path: Path) -> None:
     result, run_dir = babysat(tmp_path, "nccl", "--steps", "12", *NCCL, nproc=1)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert ", nccl" in result.stdout  # the worker's own line: its default group is NCCL
-    saved = [e["step"] for e in journal(run_dir, "checkpoint_saved")]
+    saved = [e["checkpoint_step"] for e in journal(run_dir, "checkpoint_saved")]
     assert 10 in saved
     assert read_jsonl(run_dir / "events.jsonl")[-1]["state"] == "succeeded"
 

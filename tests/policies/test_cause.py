@@ -75,7 +75,7 @@ def test_a_hang_at_the_same_batch_twice_is_rolled_back_past_it_and_nothing_else(
 
     second, plan = rules.judge(hang(12, ranks=(0, 1)), 10.0, known)
     assert second.action is Action.ROLLBACK
-    assert second.reason == ("same hang at global batch 12 on rank 0, 1 twice -> the data's: "
+    assert second.reason == ("same hang at global batch 12 on ranks 0 and 1 twice -> the data's: "
                              "rolled back and batch 12 skipped, the LR unchanged")
     assert plan is not None and plan.skip == Span(12, 13) and plan.orders == ramp
     assert plan.region is None  # nothing for a later spike to escalate from
@@ -184,3 +184,29 @@ def test_a_resume_that_did_not_take_tries_the_next_older_good_checkpoint_once() 
     # No older good checkpoint at all: stop at once rather than train on what the resume left.
     alone = Rules(load_policy("default")).judge(resume_failed(10), 0.0, Known(shelf))[0]
     assert alone.action is Action.STOP and "no good checkpoint older than step 10" in alone.reason
+
+
+def _stuck(step: int) -> Finding:
+    """A hang named on no rank (every rank waited alike), its stall at a step boundary."""
+    return replace(hang(step, ranks=()), evidence={
+        "stalled": {"1": {"last_step": step, "waiting_in": "step"}}})
+
+
+def test_a_fault_without_batches_is_kept_with_null_ones() -> None:
+    """A hang back at the same step without a cursor has no batches: kept in the rules' state
+    (the journal's ``watch_state``) with null ``start`` and ``end``, not -1, and read back."""
+    rules = Rules(load_policy("default"))
+    rules.judge(_stuck(15), 0.0, Known(Shelf()))
+    [fault] = rules.state_dict()["faults"]
+    assert (fault["start"], fault["end"]) == (None, None)
+    assert Fault.from_json(json.loads(json.dumps(fault))) == cause.at_step(_stuck(15))
+
+
+def test_a_fault_named_on_no_rank_reads_every_rank() -> None:
+    rules = Rules(load_policy("default"))
+    blind = Known(Shelf())
+    rules.judge(_stuck(15), 0.0, blind)
+    again, _ = rules.judge(_stuck(15), 1.0, blind)
+    assert again.action is Action.STOP
+    assert again.reason.startswith("same hang at step 15 on every rank twice: a relaunch")
+    assert Fault("hang", (0, 1), 12, 12, 13).where() == "global batch 12 on ranks 0 and 1"

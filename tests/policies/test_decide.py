@@ -103,3 +103,26 @@ def test_progress_tracks_the_step_and_reason() -> None:
     assert (m.state, m.step, m.reason) == (S.RUNNING, 1, "first step 1")
     m, _ = sm.decide(m, sm.Progress(2))
     assert m.step == 2 and m.reason == "first step 1"
+
+
+def test_an_alert_title_says_once_what_babysit_does() -> None:
+    """The remedies the default policy gives a hang and a crash, through ``decide()``: the
+    title the console and the journal's ``alert`` show is the remedy's reason, which names
+    the relaunch itself; prefixed with the action it read "relaunch: ... relaunch"."""
+    from babysit.policies.detectors import classify
+    from babysit.policies.loader import load_policy
+    from babysit.policies.rules import Rules
+    from tests.journal_text import unreadable
+
+    rules = Rules(load_policy("default"))
+    hang = Finding(Incident.HANG, "hang", Severity.CRITICAL, step=9, onset_step=9,
+                   message="hang at step 9: rank 1 is stuck", ranks=(1,))
+    crash = classify(-9, None, "", 12, []).to_finding()
+    running = sm.Machine(state=S.RUNNING, step=9)
+    for event in (sm.Remedied(rules.on_finding(hang, 0.0)),
+                  sm.Exited(-9, rules.on_finding(crash, 1.0))):
+        _, actions = sm.decide(running, event)
+        [notify] = [a for a in actions if isinstance(a, sm.Notify)]
+        assert notify.remedy is not None and notify.title == notify.remedy.reason
+        assert notify.title.count("relaunch") == 1 and unreadable(notify.title) == [], \
+            notify.title

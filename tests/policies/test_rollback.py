@@ -46,6 +46,13 @@ def test_a_first_rollback_goes_back_skips_around_the_onset_and_cuts_the_lr_for_a
     assert plan.region == Region(100 - 10, 100 + 50, 0) and plan.note == ""
 
 
+def test_a_region_near_the_start_begins_at_batch_0() -> None:
+    """Skipping 10 batches before an onset at batch 4 cannot reach below batch 0: the region
+    remembered (the rules' state, journaled in ``watch_state``) starts there, not at -6."""
+    plan = rollback.plan(spike(step=3, onset=2, cursor=4), SECTION, [], Known(Shelf(), CURSORS))
+    assert plan.region == Region(0, 4 + 50, 0)
+
+
 def test_the_same_region_again_skips_wider_and_the_cut_stays() -> None:
     first = rollback.plan(spike(cursor=1000), SECTION, [], Known(SHELF, CURSORS))
     assert first.region == Region(990, 1050, 0)

@@ -15,7 +15,9 @@ of every ``babysit run`` through ``fast_checks``; the rest only under ``babysit 
     checkpoints.dir  writable                                                    fast
     disk space       room for checkpoints.keep checkpoints plus one in flight    fast
     checkpoint io    a real save and load of a tiny model, where checkpoints go  (imports torch)
-    rendezvous       multi-node: the endpoint resolves and answers               fast
+    rendezvous       multi-node: the endpoint resolves; node 0's port is free,   fast
+                     node 0's host answers the others (nothing listening yet
+                     is fine: the store opens with node 0's torchrun)
     node address     multi-node: the address the others reach this node at, and  fast
                      a host name that resolves elsewhere (127.0.0.1)
     alert config     every sink's URL variable is set                            fast
@@ -73,7 +75,7 @@ CHECKS: tuple[Check, ...] = (
     Check("checkpoints.dir", checks.checkpoint_dir, fast=True),
     Check("disk space", checks.disk_space, fast=True),
     Check("checkpoint io", runtime.checkpoint_io, fast=False),
-    Check("rendezvous", checks.rendezvous, fast=True),
+    Check("rendezvous", network.rendezvous, fast=True),
     Check("node address", network.node_address, fast=True),
     Check("alert config", alerting.alert_config, fast=True),
     Check("metrics port", checks.metrics_port, fast=True),

@@ -1,4 +1,5 @@
-"""Checks of the script, the folders and the network: fast, no torch, at every ``babysit run``."""
+"""Checks of the script, the folders, the disk and the metrics port: fast, no torch, at every
+``babysit run``."""
 
 from __future__ import annotations
 
@@ -7,17 +8,13 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from babysit.checkpoints import Catalog
 from babysit.supervisor.commands.doctor.core import CheckResult, Context, ProbeError, Status, probe
-from babysit.supervisor.config.address import parse_address
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.services.exporter import DEFAULT_PORT
 
 GIB = 1024**3
-_TORCHRUN_DEFAULT_RDZV_PORT = 29400  # torchrun's port when --rdzv-endpoint names only a host
-RDZV_TIMEOUT_S = 3.0
 
 
 def nearest_existing(path: Path) -> Path:
@@ -150,72 +147,6 @@ def disk_space(plan: RunPlan, ctx: Context) -> CheckResult:
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
-
-
-def rendezvous(plan: RunPlan, ctx: Context) -> CheckResult:
-    """For multi-node configs: the endpoint resolves and, from nodes other than 0, answers."""
-    name = "rendezvous"
-    launch = plan.config.launch
-    endpoint = launch.rdzv_endpoint
-    if endpoint is None and launch.rendezvous == "static" and launch.master_addr:
-        endpoint = f"{launch.master_addr}:{launch.master_port or _TORCHRUN_DEFAULT_RDZV_PORT}"
-    if endpoint is None and launch.multinode and plan.config.nodes.leader:
-        leader, leader_port = parse_address(plan.config.nodes.leader)
-        try:
-            socket.getaddrinfo(leader, leader_port, type=socket.SOCK_STREAM)
-        except socket.gaierror as exc:
-            return CheckResult(name, Status.FAIL, f"nodes.leader: cannot resolve '{leader}' "
-                               f"({exc.strerror})", "Use node 0's IP address or a name this "
-                               "node's DNS knows.")
-        return CheckResult(name, Status.PASS, f"the leader at {leader}:{leader_port} picks a "
-                           f"fresh rendezvous port on {leader} for every attempt")
-    if endpoint is None:
-        if launch.nnodes == "1":
-            return CheckResult(name, Status.SKIP, "single node: babysit picks a free local "
-                               "port for every attempt")
-        return CheckResult(name, Status.FAIL, f"nnodes is {launch.nnodes} but "
-                           "launch.rdzv_endpoint and nodes.leader are unset", "Set nodes.leader "
-                           "(or launch.rdzv_endpoint) to the same host:port on every node: "
-                           "node 0's address and a free port.")
-    try:
-        parts = urlsplit(f"//{endpoint}")
-        host, port = parts.hostname, parts.port or _TORCHRUN_DEFAULT_RDZV_PORT
-    except ValueError:
-        host, port = None, 0
-    if not host:
-        return CheckResult(name, Status.FAIL, f"launch.rdzv_endpoint '{endpoint}' is not "
-                           "host:port", "Write it as host:port, e.g. node0.cluster:29400.")
-    try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        return CheckResult(name, Status.FAIL, f"cannot resolve '{host}' ({exc.strerror})",
-                           "Use node 0's IP address or a name this node's DNS knows.")
-    family, kind, proto, _, address = addresses[0]
-    where = f"{host}:{port}"
-    try:
-        with socket.socket(family, kind, proto) as sock:
-            sock.settimeout(RDZV_TIMEOUT_S)
-            sock.connect(address)
-    except TimeoutError:
-        why = f"no answer within {RDZV_TIMEOUT_S:g} s"
-    except OSError as exc:
-        why = (exc.strerror or type(exc).__name__).lower()
-    else:
-        if launch.node_rank == 0:
-            return CheckResult(
-                name, Status.WARN, f"something already listens at {where}",
-                "On node 0 torchrun starts the rendezvous store there itself: if no other "
-                "node's agent of this run holds it, stop the stale process or pick another port.")
-        return CheckResult(name, Status.PASS, f"{where} answers (node 0's store is up)")
-    if launch.node_rank == 0:
-        return CheckResult(
-            name, Status.WARN, f"nothing answers at {where} yet ({why}); expected on node 0",
-            "torchrun starts the c10d store there when the run starts on this node; make sure "
-            f"{host} is this node's address and the other nodes can reach port {port}.")
-    return CheckResult(
-        name, Status.WARN, f"nothing answers at {where} ({why})",
-        "Start node 0 first (the store starts with its torchrun); if it is running, a firewall "
-        f"blocks port {port} between the nodes.")
 
 
 def metrics_port(plan: RunPlan, ctx: Context) -> CheckResult:

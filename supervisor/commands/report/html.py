@@ -367,7 +367,7 @@ def _sdc(data: RunData) -> str:
     checks = _events(data, "sdc_check")
     if not checks:
         return ""
-    steps = [e["step"] for e in checks if isinstance(e.get("step"), int)]
+    steps = [e["checked_step"] for e in checks if isinstance(e.get("checked_step"), int)]
     bad = [e for e in checks if sdc_disagreement(e)]
     last_ok = checks[-1].get("last_agreeing_step")  # as babysit status says it
     span = f" between steps {min(steps)} and {max(steps)}" if steps else ""
@@ -382,7 +382,7 @@ def _sdc(data: RunData) -> str:
     rows = []
     for e in bad[-SHOWN:]:
         odd = set(_rank_ids(e.get("disagreeing")))
-        rows.append([_e(e.get("step")), _e(e.get("attempt")), _e(e.get("ranks")),
+        rows.append([_e(e.get("checked_step")), _e(e.get("attempt")), _e(e.get("ranks")),
                      f"<b>{_e(_ranges(sorted(odd)) or '-')}</b>", _e(e.get("last_agreeing_step")),
                      _digests(e.get("digests"), odd)])
     if len(bad) > SHOWN:

@@ -54,7 +54,9 @@ def test_three_ranks_one_disagrees_it_is_named_by_majority() -> None:
     assert ev["check_step"] == 300 and ev["last_agreeing_step"] == 200
     assert ev["rules"] == ["majority"] and ev["keys"] == ["params"]
     assert ev["digests"]["params"] == {"0": P[:16], "1": P[:16], "2": Q[:16]}
-    assert "majority of 2/3" in f.message and "rank(s) 2" in f.message
+    assert "params: rank 2 differs from the majority of 2/3" in f.message
+    assert f.message.startswith("silent data corruption suspected at check step 300: rank 2 "
+                                "disagrees (")
     json.dumps(f.to_json())
     assert Finding.from_json(json.loads(json.dumps(f.to_json()))) == f
 

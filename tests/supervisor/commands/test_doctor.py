@@ -28,10 +28,12 @@ from babysit.supervisor.commands.doctor import (
     alerting,
     checks,
     doctor_main,
+    fast_checks,
     load,
     network,
     render,
     runtime,
+    verdict,
 )
 from babysit.supervisor.commands.doctor.core import run_one
 from babysit.supervisor.config.plan import RunPlan
@@ -295,12 +297,6 @@ def test_disk_space_uses_the_newest_checkpoints_size(tmp_path: Path) -> None:
 # -- rendezvous ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def listener() -> Iterator[int]:
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        yield server.getsockname()[1]
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -308,22 +304,89 @@ def free_port() -> int:
 
 
 def rdzv(tmp_path: Path, launch: str) -> CheckResult:
-    return checks.rendezvous(plan_of(tmp_path, f"launch: {{script: train.py, {launch}}}\n"),
-                             Context())
+    return network.rendezvous(plan_of(tmp_path, f"launch: {{script: train.py, {launch}}}\n"),
+                              Context())
 
 
-def test_rendezvous(tmp_path: Path, listener: int) -> None:
+@pytest.fixture
+def held_port() -> Iterator[tuple[int, int]]:
+    """A port another process listens on, on loopback: (its pid, the port)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import socket, sys\n"
+         "s = socket.create_server(('127.0.0.1', 0))\n"
+         "print(s.getsockname()[1], flush=True)\nsys.stdin.read()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        yield proc.pid, int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_multinode_config_without_a_place_to_meet_fails(tmp_path: Path) -> None:
     assert rdzv(tmp_path, "nnodes: 1").status is Status.SKIP
     assert rdzv(tmp_path, "nnodes: 2").status is Status.FAIL
-    up = rdzv(tmp_path, f"nnodes: 2, node_rank: 1, rdzv_endpoint: '127.0.0.1:{listener}'")
-    assert up.status is Status.PASS, up
-    down = free_port()
-    result = rdzv(tmp_path, f"nnodes: 2, node_rank: 1, rdzv_endpoint: '127.0.0.1:{down}'")
-    assert result.status is Status.WARN and "Start node 0 first" in (result.fix or "")
-    result = rdzv(tmp_path, f"nnodes: 2, node_rank: 0, rdzv_endpoint: '127.0.0.1:{down}'")
-    assert result.status is Status.WARN and "expected on node 0" in result.summary
-    result = rdzv(tmp_path, "nnodes: 2, node_rank: 1, rdzv_endpoint: 'no-such-host.invalid:29400'")
-    assert result.status is Status.FAIL and "cannot resolve" in result.summary
+    result = rdzv(tmp_path, "nnodes: 2, node_rank: 1, rdzv_endpoint: 'node0:port'")
+    assert result.status is Status.FAIL and "is not host:port" in result.summary
+
+
+def test_on_node_0_a_port_another_process_holds_warns_naming_that_process(
+        tmp_path: Path, held_port: tuple[int, int]) -> None:
+    pid, port = held_port
+    result = rdzv(tmp_path, f"nnodes: 2, node_rank: 0, rdzv_endpoint: '127.0.0.1:{port}'")
+    assert result.status is Status.WARN, result
+    assert result.summary.startswith(f"pid {pid} (") and "socket.create_server" in \
+        result.summary, result
+    assert result.summary.endswith(f") holds port {port} on this node, where its torchrun "
+                                   f"opens the rendezvous store (127.0.0.1:{port})")
+    assert "Stop that process, or pick another port" in (result.fix or "")
+
+
+def test_on_node_0_a_free_port_is_where_its_torchrun_opens_the_store(tmp_path: Path) -> None:
+    port = free_port()
+    result = rdzv(tmp_path, f"nnodes: 2, node_rank: 0, rdzv_endpoint: '127.0.0.1:{port}'")
+    assert result.status is Status.PASS, result
+    assert result.summary == (f"port {port} is free on this node: its torchrun opens the "
+                              f"rendezvous store at 127.0.0.1:{port} when the run starts")
+
+
+def test_a_follower_started_before_node_0_is_ready_without_warnings(tmp_path: Path) -> None:
+    """Nothing listens at the endpoint yet: the expected state of a start, one quiet line in
+    doctor's table, and nothing at all on ``babysit run``'s console."""
+    port = free_port()
+    plan = plan_of(tmp_path, f"""\
+        launch: {{script: train.py, nnodes: 2, node_rank: 1, rdzv_endpoint: '127.0.0.1:{port}'}}
+        nodes: {{secret: '0123456789abcdefgh'}}
+        prometheus: {{enabled: false}}
+        """)
+    results = fast_checks(plan)
+    (result,) = [r for r in results if r.name == "rendezvous"]
+    assert result.status is Status.PASS, result
+    assert result.summary == (f"nothing listens at 127.0.0.1:{port} yet, as expected before "
+                              "node 0's torchrun opens the rendezvous store there")
+    assert verdict(results).startswith("READY: "), render(results)
+    assert render(results, problems_only=True) == verdict(results) + "\n"
+
+
+def test_a_follower_after_node_0_started_finds_the_store_up(
+        tmp_path: Path, held_port: tuple[int, int]) -> None:
+    _, port = held_port
+    result = rdzv(tmp_path, f"nnodes: 2, node_rank: 1, rdzv_endpoint: '127.0.0.1:{port}'")
+    assert result.status is Status.PASS, result
+    assert result.summary == f"127.0.0.1:{port} answers: node 0's rendezvous store is up"
+
+
+@pytest.mark.parametrize("launch", [
+    "nnodes: 2, node_rank: 0, rdzv_endpoint: 'no-such-host.invalid:29400'",
+    "nnodes: 2, node_rank: 1, rdzv_endpoint: 'no-such-host.invalid:29400'",
+    "nnodes: 2, node_rank: 1}\nnodes: {leader: 'no-such-host.invalid:29401'",
+])
+def test_a_name_that_does_not_resolve_warns(tmp_path: Path, launch: str) -> None:
+    result = rdzv(tmp_path, launch)
+    assert result.status is Status.WARN, result
+    assert "'no-such-host.invalid' does not resolve (" in result.summary
+    assert "nodes.join_timeout_s" in (result.fix or "")
 
 
 def test_node_address_says_where_the_others_reach_this_node(tmp_path: Path) -> None:

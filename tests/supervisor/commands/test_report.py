@@ -200,8 +200,9 @@ def test_large_world_rows_draw_step_time_quantiles(tmp_path: Path) -> None:
 
 
 def sdc_check(step: int, agree: bool, **fields: Any) -> dict[str, Any]:
-    return {"event": "sdc_check", "time": T0 + 1.0 + 0.5 * step, "attempt": 0, "step": step,
-            "agree": agree, "ranks": 8, "last_agreeing_step": step if agree else 200,
+    return {"event": "sdc_check", "time": T0 + 1.0 + 0.5 * step, "attempt": 0,
+            "checked_step": step, "agree": agree, "ranks": 8,
+            "last_agreeing_step": step if agree else 200,
             "disagreeing": [], **fields}
 
 

@@ -106,3 +106,47 @@ def test_a_confirmation_after_an_early_look_measures_cpu_from_that_look_and_wait
         for p in ranks:
             p.kill()
             p.wait()
+
+
+def test_ranks_idle_outside_a_collective_are_named_in_a_sentence() -> None:
+    stacks = StackVerdict((), "no rank stands out", {0: ["finalize_backward (libtorch_cpu.so)"]},
+                          (0,), "same")
+    verdict = judge({0: proc(0), 1: proc(1), 2: proc(2)}, stacks)
+    assert verdict.hung and verdict.ranks == (1, 2)
+    assert verdict.reason.startswith("ranks 1 and 2 idle outside the collective rank 0 waits in;")
+
+
+def test_several_stopped_ranks_are_named_as_stuck_in_one_sentence() -> None:
+    """Two real processes stand in for ranks, both SIGSTOPped: the hang's finding names them
+    both, its verb agreeing ("ranks 0 and 1 are stuck", once "rank 0, 1 is stuck")."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from babysit.policies.types import Finding, Incident, Severity
+    from babysit.supervisor.node import hang
+    from tests.journal_text import unreadable
+
+    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for _ in range(2)]
+    try:
+        for p in ranks:
+            p.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 30  # the stop is delivered when each is scheduled
+        while any(psutil.Process(p.pid).status() != psutil.STATUS_STOPPED for p in ranks):
+            assert time.monotonic() < deadline, "SIGSTOP never took"
+            time.sleep(0.01)
+        finding = Finding(Incident.HANG, "hang", Severity.CRITICAL, 5, 5, "no step",
+                          evidence={"confirm": True})
+        named = hang.confirm(finding, {r: p.pid for r, p in enumerate(ranks)}).finding
+        assert named is not None and named.ranks == (0, 1)
+        assert named.message.startswith("hang at step 5: ranks 0 and 1 are stuck (ranks 0 and "
+                                        "1 are stopped (process state T"), named.message
+        assert unreadable(named.message) == []
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()

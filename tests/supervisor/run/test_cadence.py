@@ -232,7 +232,8 @@ def saved(t: float, attempt: int, step: int, blocking: float | None) -> dict[str
                             "asynchronous": False}
     if blocking is not None:
         data["blocking_s"] = blocking
-    return {"time": t, "event": "checkpoint_saved", "attempt": attempt, "step": step, "rank": 0,
+    return {"time": t, "event": "checkpoint_saved", "attempt": attempt, "checkpoint_step": step,
+            "rank": 0,
             "data": data}
 
 

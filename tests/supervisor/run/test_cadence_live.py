@@ -36,7 +36,8 @@ def test_running_time_interruptions_and_costs_come_from_the_journal() -> None:
     heard = Heard()
     c = heard.cadence(every_steps=100)
     c.hear(entry("state", 10.0, old="starting", new="running"))
-    c.hear(entry("checkpoint_saved", 70.0, step=100, data={"step": 100, "blocking_s": 2.0}))
+    c.hear(entry("checkpoint_saved", 70.0, checkpoint_step=100,
+                 data={"step": 100, "blocking_s": 2.0}))
     assert c.advisor.observed_s == 60.0  # charged up to the save, not only when running ends
     c.hear(entry("finding", 80.0, finding={"incident": "hang"}, remedy={"action": "relaunch"}))
     c.hear(entry("finding", 81.0, finding={"incident": "straggler"}, remedy={"action": "alert"}))
@@ -55,7 +56,8 @@ def test_the_advice_is_journaled_and_auto_asks_the_ranks_for_the_interval() -> N
     for s in range(1, 65):
         c.observe_step(step(s, 0.1))
     c.hear(entry("state", 0.0, old="starting", new="running"))
-    c.hear(entry("checkpoint_saved", 3600.0, step=1000, data={"step": 1000, "blocking_s": 0.5}))
+    c.hear(entry("checkpoint_saved", 3600.0, checkpoint_step=1000,
+                 data={"step": 1000, "blocking_s": 0.5}))
 
     events = [e for e, _ in heard.entries]
     assert events[0] == "cadence_advice"
@@ -97,7 +99,8 @@ def test_the_console_shows_the_advice_again_only_when_it_moved_materially() -> N
     t = 0.0
     for blocking in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1.5, 2.0, 4.0, 8.0):  # costs grow
         t += 600.0
-        c.hear(entry("checkpoint_saved", t, step=100, data={"step": 100, "blocking_s": blocking}))
+        c.hear(entry("checkpoint_saved", t, checkpoint_step=100,
+                     data={"step": 100, "blocking_s": blocking}))
     advised = entries.count("cadence_advice")
     assert advised >= 4 and 1 <= len(lines) < advised
     shown = [int(line.split("checkpoint every ")[1].split()[0]) for line in lines]

@@ -37,7 +37,8 @@ class Said:
 
 
 def saved(step: int, final: bool = True) -> dict[str, Any]:
-    return {"event": "checkpoint_saved", "step": step, "data": {"step": step, "final": final}}
+    return {"event": "checkpoint_saved", "checkpoint_step": step,
+            "data": {"step": step, "final": final}}
 
 
 def test_a_sigterm_while_training_waits_for_the_final_checkpoint(tmp_path: Path) -> None:
@@ -72,7 +73,7 @@ def test_a_wait_that_runs_out_says_what_the_next_run_resumes_from(tmp_path: Path
     assert [e for e, _ in said.entries] == ["final_checkpoint_requested", "final_checkpoint",
                                            "final_checkpoint_missing"]
     missing = said.entries[-1][1]
-    assert missing["resume_step"] is None and "final_grace_s = 30 s" in missing["reason"]
+    assert missing["checkpoint_step"] is None and "final_grace_s = 30 s" in missing["reason"]
     (warning,) = said.warnings
     assert "no final checkpoint" in warning and "starts from scratch" in warning
 
@@ -132,7 +133,7 @@ def test_a_final_checkpoint_that_never_comes_is_stood_in_for_by_the_live_ranks_s
 
     def keep(fault: str) -> Outcome:
         asked.append(fault)
-        return Outcome({"fault": fault, "outcome": "saved", "step": 44, "writers": [0],
+        return Outcome({"fault": fault, "outcome": "saved", "checkpoint_step": 44, "writers": [0],
                         "streams_lost": [], "seconds": 0.05})
 
     said = Said()

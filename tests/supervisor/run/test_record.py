@@ -37,7 +37,7 @@ def test_a_tick_is_recorded_in_order_and_the_listeners_hear_it(tmp_path: Path) -
     record.open()
     got = Gathered(entries=[("hang_cleared", {"ranks": [0]})], warnings=["slow disk"],
                    events=[event(0, "hello", world_size=2), event(0, "checkpoint", step=2),
-                           event(1, "checkpoint_failed", step=3, error="disk full")],
+                           event(0, "checkpoint_failed", step=3, error="disk full")],
                    newest=3)
     for s in (1, 2):
         rank = RankStep(rank=0, step=s, time=float(s), cursor=s, loss=2.0)
@@ -53,7 +53,11 @@ def test_a_tick_is_recorded_in_order_and_the_listeners_hear_it(tmp_path: Path) -
     assert [e["event"] for e in journal] == ["hang_cleared", "worker_hello", "checkpoint_saved",
                                             "checkpoint_failed"]
     assert {e["attempt"] for e in journal} == {3}
-    assert journal[2]["step"] == 2 and heard == ["checkpoint_saved"]
+    # The job's step is that of the newest row written; the checkpoint's is its own field.
+    assert [e.get("step") for e in journal] == [None, 2, 2, 2]
+    assert journal[3]["rank"] == 0  # rank 0 says a save failed (rank.saving)
+    assert journal[2]["checkpoint_step"] == 2 and journal[3]["checkpoint_step"] == 3
+    assert heard == ["checkpoint_saved"]
     assert warnings == ["slow disk", "checkpoint at step 3 failed to save; training goes on "
                                      "from the last good one: disk full"]
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()

@@ -13,6 +13,7 @@ from babysit.checkpoints import Catalog, Verdict
 from babysit.policies.types import Action, Finding, Incident, Remedy, Severity
 from babysit.supervisor.run.recovery import Recovery
 from tests.checkpoints.test_catalog import make_ckpt
+from tests.journal_text import problems
 
 
 def sdc_finding(step: int, last_agreeing: int) -> Finding:
@@ -120,9 +121,52 @@ def test_a_relaunch_takes_a_checkpoint_saved_where_the_ranks_were_past_the_findi
     assert recovery.resume_for(remedy)[0].step == 20  # type: ignore[union-attr]
     assert recovery.resume_for(remedy, newest=30)[0].step == 30  # type: ignore[union-attr]
     make_ckpt(tmp_path, 33, size=100)
-    recovery.hear({"event": "just_in_time", "outcome": "saved", "step": 33})
+    recovery.hear({"event": "just_in_time", "outcome": "saved", "checkpoint_step": 33})
     assert recovery.resume_for(remedy, newest=32)[0].step == 33  # type: ignore[union-attr]
     # A spike's rollback is bounded by its onset, whatever the ranks reached.
     spike = Finding(Incident.LOSS_SPIKE, "loss_spike", Severity.CRITICAL, step=31,
                     onset_step=25, message="spike")
     assert recovery.resume_for(Remedy(Action.ROLLBACK, spike, "x"), newest=31)[0] is None
+
+
+def _just_in_time(root: Path, step: int, streams_lost: tuple[int, ...]) -> None:
+    """A just-in-time checkpoint of ``step`` as the live ranks commit it: rank 0 wrote the
+    state, rank 1 its mark; ``streams_lost``' random streams died with their node."""
+    from babysit.checkpoints import just_in_time
+    from babysit.checkpoints.manifest import hash_file
+
+    plan = just_in_time.Plan(step, step, None, 1.0, writers=(0,), marks=(1,),
+                             streams_lost=streams_lost)
+    staged = just_in_time.staging_dir(root, step)
+    staged.mkdir(parents=True)
+    for name, data in (("__0_0.distcp", b"weights"), ("__0.metadata", b"meta"),
+                       ("rank_00000.pt", b"rank 0"), (just_in_time.mark_name(1), b"mark")):
+        (staged / name).write_bytes(data)
+    files = [hash_file(staged, n) for n in ("__0_0.distcp", "__0.metadata", "rank_00000.pt")]
+    just_in_time.commit(root, plan, files, world_size=4, fault="preemption")
+
+
+def test_a_takeover_resuming_from_just_in_time_state_says_what_it_lost_in_words(
+        tmp_path: Path) -> None:
+    """A supervisor taking over binds its choice by no step: the ``resume`` entry says so with
+    a null ``before_step``, not a huge number, counts the steps the state lost up to the
+    newest step the dead supervisor saw, and names the ranks that lost their random streams
+    in words."""
+    make_ckpt(tmp_path, 20, size=100)
+    _just_in_time(tmp_path, 39, streams_lost=(2, 3))
+    resume, entries = Recovery(Catalog(tmp_path), probation_steps=5,
+                               keep=10).resume_latest(watched_until=39)
+    assert resume is not None and resume.step == 39
+    [said] = [fields for event, fields in entries if event == "resume"]
+    assert said["before_step"] is None and said["checkpoint_step"] == 39
+    assert said["just_in_time"]["lost_steps"] == 1 and said["just_in_time"]["periodic_step"] == 20
+    assert said["summary"] == (
+        "resumed from the just-in-time state of step 39, written by rank 0 after the "
+        "preemption (1 step lost; the newest checkpoint was of step 20); ranks 2 and 3 resume "
+        "with fresh random streams")
+    assert problems([{"event": event, **fields} for event, fields in entries]) == []
+    # Not knowing how far the run got, it says nothing of the steps lost.
+    _, entries = Recovery(Catalog(tmp_path), probation_steps=5, keep=10).resume_latest()
+    [said] = [fields for event, fields in entries if event == "resume"]
+    assert said["just_in_time"]["lost_steps"] is None
+    assert "(the newest checkpoint was of step 20); ranks 2 and 3" in said["summary"]

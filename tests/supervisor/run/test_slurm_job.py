@@ -14,6 +14,7 @@ from babysit.supervisor.config import plan as plan_mod
 from babysit.supervisor.config.slurm import SlurmStep
 from babysit.supervisor.run import slurm_job
 from babysit.supervisor.run.slurm_job import Ending, Job, decide, lost_nodes, session
+from tests.journal_text import unreadable
 
 SHOWN = ("JobId=42 JobName=llm UserId=ana(1000) GroupId=ana(1000) MCS_label=N/A Priority=1 "
          "Nice=0 Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) "
@@ -84,6 +85,15 @@ def test_a_sigterm_while_the_job_runs_is_the_time_limits_warning_and_requeues_it
     loop = decide(stopped, earlier, RUNNING)
     assert loop.action is None and "no progress" in loop.why
     assert decide(ran(code=143, state="stopped", step=151), earlier, RUNNING).action == "requeue"
+    # Two sessions stopped before their first step: neither journaled a step, and the reason
+    # says step 0, not None.
+    early = [entry("run_started", pid=7),
+             entry("run_finished", state="stopped", exit_code=143)]
+    again = decide(early, early, RUNNING)
+    assert again.action is None and again.why.startswith(
+        "stopped by SIGTERM at step 0, as the session before it was at step 0: no progress, "
+        "so no requeue")
+    assert unreadable(again.why) == []
 
 
 @pytest.mark.parametrize("state", ["COMPLETING", "CANCELLED", "TIMEOUT", "PREEMPTED"])

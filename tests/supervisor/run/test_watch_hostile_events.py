@@ -55,7 +55,8 @@ def test_a_nonsense_checkpoint_cost_is_ignored_live_and_when_the_journal_is_repl
     # same run directory: it must never stop one from starting.
     advisor = CadenceAdvisor(5)
     advisor.on_checkpoint(blocking)
-    replay_journal(advisor, [{"event": "checkpoint_saved", "time": 1.0, "attempt": 0, "step": 5,
+    replay_journal(advisor, [{"event": "checkpoint_saved", "time": 1.0, "attempt": 0,
+                              "checkpoint_step": 5,
                               "data": {"blocking_s": blocking}}])
     advisor.on_step_time(0.1)
     assert advisor.advice() is None  # no cost known: no advice

@@ -48,7 +48,7 @@ def assert_sums(g: Any) -> None:
 def test_a_clean_run_is_startup_steps_checkpoints_and_shutdown() -> None:
     entries = [ev(0.0, "run_started", pid=1), launch(1.0, 0),
                ev(4.0, "worker_hello", rank=0, data={"restore_s": 0.0}),
-               ev(7.5, "checkpoint_saved", step=3, rank=0, data={"blocking_s": 0.3}),
+               ev(7.5, "checkpoint_saved", checkpoint_step=3, rank=0, data={"blocking_s": 0.3}),
                ev(11.0, "state", new="succeeded"), ev(11.5, "run_finished", state="succeeded")]
     g = ledger(entries, rows(0, range(1, 7), t0=5.0))  # steps 1..6 at 5..10 s
     assert_sums(g)
@@ -213,7 +213,7 @@ def journals(draw: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], flo
                             "data_wait_per_rank": [0.0, draw(st.floats(0.0, 0.5))],
                             "step_time_per_rank": [0.5, 0.5]})
             if draw(st.booleans()):
-                entries.append(ev(t + 0.01, "checkpoint_saved", attempt, step=step,
+                entries.append(ev(t + 0.01, "checkpoint_saved", attempt, checkpoint_step=step,
                                   data={"blocking_s": draw(st.floats(0.0, 3.0))}))
         t += draw(st.floats(0.0, 2.0))
         ending = draw(st.sampled_from(["rollback", "crash", "takeover", "none"]))
@@ -244,7 +244,7 @@ def test_a_stdout_mode_resume_from_the_scripts_checkpoint_loses_only_the_steps_p
     """Stdout mode: no babysit checkpoint in the directive; the launch says where the script's
     own checkpoint, put back, resumes it (``script_resume``)."""
     relaunch = launch(11.0, 1)
-    relaunch["script_resume"] = {"step": 6}
+    relaunch["script_resume"] = {"checkpoint_step": 6}
     entries = [ev(0.0, "run_started"), launch(0.0, 0), finding(10.5, "crash", "relaunch"),
                relaunch, ev(20.0, "run_finished", 1, state="succeeded")]
     g = ledger(entries, rows(0, range(1, 11), t0=1.0) + rows(1, range(7, 14), t0=12.0))
