@@ -131,6 +131,8 @@ class Run:
         from the optimizer's hooks; ``attach()`` installs it, ``batches()`` removes it."""
         self._by_loader = False
         """The script draws its batches from ``batches()``, which counts the cursor."""
+        self._topped = -1
+        """The step after which the top of ``batches()`` last ran."""
         self._framework = False
         """A framework integration owns the loop: it counts the cursor and saves through the
         framework's own checkpoints (``framework_loop``)."""
@@ -197,6 +199,7 @@ class Run:
                 self._keeper.mark(self.step_count, self.cursor,
                                   sampler.samples_at(self.cursor) if sampler is not None else None,
                                   self.lr_scale)
+            self._topped = self.step_count
             self._checkpointer.maybe_save(self.step_count, self.cursor, self.lr_scale,
                                           self.phase)
             self._check_integrity(self.step_count)
@@ -496,13 +499,20 @@ class Run:
             self.dropped += 1
 
     def close(self) -> None:
-        """Tell the supervisor this rank finished cleanly. Safe to call twice."""
+        """Tell the supervisor this rank finished cleanly. Call it on every rank, after the
+        last step (a checkpoint due at that step is saved here, a collective). Safe to call
+        twice."""
         if self._closed:
             return
         self._closed = True
-        if self._between is not None:  # a checkpoint owed of the last step is saved now
+        # A checkpoint due at the last step is saved now: a loop that draws from batches()
+        # with next() at each step's start ends before the top after its last step.
+        if self._between is not None:
             self._between.close()
             self._between = None
+        elif self._by_loader and self._topped != self.step_count:
+            self._checkpointer.maybe_save(self.step_count, self.cursor, self.lr_scale,
+                                          self.phase)
         if self._keeper is not None:  # a clean end: nothing of this attempt to keep
             self._keeper.close()
         self._checkpointer.close()

@@ -268,6 +268,24 @@ def test_a_loop_over_run_batches_marks_and_saves_at_its_top_once_a_step(
     assert job.run.cursor == 5  # counted by the loader: the batch drawn before the break
 
 
+def test_run_batches_drawn_with_next_saves_its_last_step_at_close(
+        tmp_path: Path, intake: Intake, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchtitan's shape: ``next(data_iter)`` at each step's start. The top of the loop after
+    the last step never comes; the checkpoint due there is saved at ``run.close()``."""
+    job = Job(tmp_path, intake, monkeypatch, every=2)
+    data_iter = job.run.batches([torch.randn(3, 4) for _ in range(10)])
+    while job.run.step_count < 4:
+        loss = job.model(next(data_iter)).square().mean()
+        loss.backward()
+        if job.run.step(loss=loss.item()):
+            job.opt.step()
+        job.opt.zero_grad()
+        job.sched.step()
+    job.run.close()
+    assert [e["step"] for e in job.events("checkpoint")] == [2, 4]
+    assert load(step_dir(tmp_path / "ckpt", 4), job.model).cursor == 4
+
+
 def test_a_run_that_can_take_no_checkpoint_says_so_at_its_first_step(
         tmp_path: Path, intake: Intake, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
