@@ -127,8 +127,8 @@ class Run:
         top of ``batches()`` (once per step: not per micro-batch of a gradient
         accumulation)."""
         self._between: Any = None
-        """The point between steps of a loop without ``batches()`` (``rank.boundary``), found
-        from the optimizer's hooks; ``attach()`` installs it, ``batches()`` removes it."""
+        """The point between steps found from the optimizer's hooks (``rank.boundary``):
+        ``attach()`` installs it; under ``batches()`` it only marks each step's end."""
         self._by_loader = False
         """The script draws its batches from ``batches()``, which counts the cursor."""
         self._topped = -1
@@ -165,15 +165,16 @@ class Run:
         ``batch_sampler``) is told where the resumed checkpoint left the data, in samples, so a
         resume on another world size goes on at the next sample (``rank.elastic_data``).
 
-        From this call on, the top of its loop is the point between steps (marks, saves, the
-        SDC check), whether the script iterates it with ``for`` or draws it with ``next()``
-        at each step's start; the optimizer's hooks no longer look for it (``rank.boundary``).
+        From this call on, the top of its loop is the point between steps (saves, the SDC
+        check), whether the script iterates it with ``for`` or draws it with ``next()`` at
+        each step's start; each step's end is marked where its optimizer update is done, and
+        marked again at the top where the script drew from a random stream in between
+        (``rank.boundary``).
         """
         if not self._by_loader:
             self._by_loader = True
             if self._between is not None:
-                self._between.remove()
-                self._between = None
+                self._between.by_loader()
         return self._batches(loader)
 
     def _batches(self, loader: Iterable[T]) -> Iterator[T]:
@@ -194,11 +195,13 @@ class Run:
         while True:
             # Between steps: the previous step's optimizer and scheduler updates are done and the
             # next batch is not drawn, so a checkpoint here is exactly (step, cursor).
+            if self._between is not None:
+                self._between.starting()  # the step's end's mark settled: the scheduler stepped
             if self._keeper is not None and self.step_count != self._marked:
                 self._marked = self.step_count
-                self._keeper.mark(self.step_count, self.cursor,
-                                  sampler.samples_at(self.cursor) if sampler is not None else None,
-                                  self.lr_scale)
+                samples = sampler.samples_at(self.cursor) if sampler is not None else None
+                if not self._keeper.holds(self.step_count, self.cursor, samples, self.lr_scale):
+                    self._keeper.mark(self.step_count, self.cursor, samples, self.lr_scale)
             self._topped = self.step_count
             self._checkpointer.maybe_save(self.step_count, self.cursor, self.lr_scale,
                                           self.phase)
@@ -218,6 +221,12 @@ class Run:
             self._data_wait += _perf() - t0
             self.cursor += 1
             yield batch
+
+    def _samples(self) -> int | None:
+        """The samples of the data stream consumed at the cursor, where ``batches()`` draws
+        from an ``ElasticSampler``; else None."""
+        samples_at = self._checkpointer.samples_at
+        return samples_at(self.cursor) if samples_at is not None else None
 
     def _place_skips(self, sampler: elastic_data.ElasticSampler) -> None:
         """The stream's place, told once per attempt (rank 0: every rank's is the same), so
@@ -510,7 +519,7 @@ class Run:
         if self._between is not None:
             self._between.close()
             self._between = None
-        elif self._by_loader and self._topped != self.step_count:
+        if self._by_loader and self._topped != self.step_count:
             self._checkpointer.maybe_save(self.step_count, self.cursor, self.lr_scale,
                                           self.phase)
         if self._keeper is not None:  # a clean end: nothing of this attempt to keep
@@ -737,7 +746,7 @@ def _between(run: Run, model: Any, optimizer: Any) -> Any:
 
     between = Between(model=model, optimizer=optimizer, keeper=run._keeper,
                       checkpointer=run._checkpointer,
-                      where=lambda: (run.step_count, run.cursor, run.lr_scale),
+                      where=lambda: (run.step_count, run.cursor, run._samples(), run.lr_scale),
                       check=run._check_integrity, phase=run.phase)
     between.install()
     return between

@@ -25,8 +25,11 @@ script gives anyway:
 - ``run.close()`` starts no step, but a checkpoint decided at the last step's end is saved there.
 
 The attempt's first step starts from ``attach()``'s restore, marked at its end (``attach``).
-Once the script draws from ``run.batches()``, the top of its loop is the point between steps and
-the hooks here are removed, so no step is marked or saved twice. A step whose update the
+Once the script draws from ``run.batches()``, the top of its loop saves and checks, exactly as
+ever; the hooks here still mark each step's end, and the top marks again only where a stream
+moved since (the script drew between steps), so a fault in the tail of the loop's body (between
+a step's end and the next batch) still finds the completed step marked, and no step is saved
+twice nor marked twice alike. A step whose update the
 optimizer never ran (a ``GradScaler`` that found infinite gradients skips ``opt.step()`` while
 ``run.step()`` said keep) has no end here: it is neither marked nor saved, and the keeper's
 state stays that of the step before (not consistent once the scheduler stepped).
@@ -88,8 +91,8 @@ class StepEnds:
         return True
 
 
-Where = Callable[[], tuple[int, int, float]]
-"""(steps completed, data cursor, LR scale), now."""
+Where = Callable[[], tuple[int, int, int | None, float]]
+"""(steps completed, data cursor, samples consumed there or None, LR scale), now."""
 Phase = Callable[[str], AbstractContextManager[None]]
 
 
@@ -98,8 +101,8 @@ class Between:
 
     ``install()`` once, after ``attach()``'s restore and after the keeper started (its optimizer
     post-hook must count the update before this one marks); ``reported`` from each
-    ``run.step()``, ``starting`` at its entry, ``close`` from ``run.close()``, ``remove`` when
-    ``run.batches()`` takes over."""
+    ``run.step()``, ``starting`` at its entry (and at the top of ``run.batches()``),
+    ``by_loader`` when ``run.batches()`` takes over, ``close`` from ``run.close()``."""
 
     def __init__(self, *, model: Any, optimizer: Any, keeper: Any, checkpointer: Checkpointer,
                  where: Where, check: Callable[[int], None], phase: Phase) -> None:
@@ -108,7 +111,10 @@ class Between:
         self.checkpointer = checkpointer
         self._where, self._check, self._phase = where, check, phase
         self.ends = StepEnds()
+        self.saves = True
+        """Saves and SDC checks are made here (False once ``run.batches()`` makes them)."""
         self._hooks: list[Any] = []
+        self._forward_hook: Any = None
         self._step = -1
         """The step that ended last (``-1``: none in this attempt)."""
         self._lr_scale = 1.0
@@ -129,10 +135,25 @@ class Between:
         if register is not None:
             # Plain Python under torch.compile: no part of the model's graph.
             eager: Any = torch.compiler.disable
-            self._hooks.append(register(eager(self._forward), prepend=True))
+            self._forward_hook = register(eager(self._forward), prepend=True)
+            self._hooks.append(self._forward_hook)
+
+    def by_loader(self) -> None:
+        """``run.batches()`` took over (its first call, between steps): a checkpoint owed of
+        the step that ended is saved now; from here on the top of its loop saves, checks and
+        marks where something drew since the step's end (``Keeper.holds``), and the hooks
+        here only mark each step's end, so a fault in the loop's tail (between the step's end
+        and the next batch: the script's logging, eval or own checkpoint, a ``next()`` not
+        reached yet) still finds the step it completed. The model's hook comes off."""
+        self.starting()
+        self.saves = False
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._hooks.remove(self._forward_hook)
+            self._forward_hook = None
 
     def remove(self) -> None:
-        """The hooks off (``run.batches()`` took over, or the run closed). Idempotent."""
+        """The hooks off. Idempotent."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -149,6 +170,8 @@ class Between:
             return
         if self.keeper is not None:
             self.keeper.settle()
+        if not self.saves:
+            return
         due, rng = self._due, self._rng
         if due is not None:
             self._due = self._rng = None
@@ -162,10 +185,12 @@ class Between:
         self.remove()
 
     def _ended(self) -> None:
-        step, cursor, lr_scale = self._where()
+        step, cursor, samples, lr_scale = self._where()
         self._step, self._lr_scale = step, lr_scale
         if self.keeper is not None:
-            self.keeper.mark(step, cursor, None, lr_scale, settled=False)
+            self.keeper.mark(step, cursor, samples, lr_scale, settled=False)
+        if not self.saves:
+            return
         self._due = self.checkpointer.due(step, cursor)
         if self._due is not None:
             from babysit.checkpoints.rng import capture_rng

@@ -136,6 +136,15 @@ class Keeper:
         if self._event is not None:
             self._event.record()
 
+    def holds(self, step: int, cursor: int, samples: int | None, lr_scale: float) -> bool:
+        """The mark is of ``step`` with these values and no random stream moved since: a mark
+        now would write what it holds (the top of ``run.batches()`` after a step whose end the
+        optimizer's hook marked, when nothing drew in between)."""
+        marked = self._marked
+        return marked is not None and \
+            (marked.step, marked.cursor, marked.samples, marked.lr_scale) == \
+            (step, cursor, samples, lr_scale) and not self._marks.moved()
+
     def settle(self) -> None:
         """The step after the mark starts: the scheduler's epoch now is that of the marked
         step's state, and how far it moved since the mark is what the next step's end will
