@@ -17,7 +17,9 @@ loop without the fault:
 - the same with a plain iterator of the script's, fast-forwarded by the script, and the step
   reported after ``opt.step()`` and ``sched.step()``.
 
-What a run that can take no checkpoint is told is ``tests/supervisor/rank/test_boundary.py``'s.
+A loop babysit cannot find the point between steps in (no optimizer given to ``attach()``,
+no ``run.batches()``) is told so on the console, once, at its first step; the reasons and when
+each is known are ``tests/supervisor/rank/test_boundary.py``'s.
 """
 
 from __future__ import annotations
@@ -104,3 +106,15 @@ def test_a_while_loop_drawing_from_the_global_generator_resumes_at_the_fault_bit
 def test_a_train_step_drawing_with_next_resumes_at_the_fault_bit_exact(
         tmp_path: Path, clean_iterator: tuple[dict[int, Any], float], shape: str) -> None:
     assert_resumed_at_the_fault(run_of(tmp_path, shape, shape, *FAULT), clean_iterator)
+
+
+def test_a_loop_whose_steps_babysit_cannot_see_is_told_so_on_the_console(tmp_path: Path) -> None:
+    result, run_dir = babysat(tmp_path, "blind", "--shape", "while", "--steps", "20",
+                              "--no-optimizer", checkpoints="{every_steps: 5}", script=SCRIPT,
+                              launch_extra="  warm_standby: false\n")
+    assert result.returncode == 0, result.stdout + result.stderr
+    said = [line for line in result.stdout.splitlines()
+            if "babysit: checkpoints.every_steps is 5, but attach() got no optimizer" in line]
+    assert len(said) == 1, result.stdout  # rank 0's, once, through torchrun's tee
+    assert "(rank 0, step 1)" in said[0] and "run.batches(loader)" in said[0]
+    assert not journal(run_dir, "checkpoint_saved")

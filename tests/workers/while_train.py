@@ -22,6 +22,8 @@ after the last step an evaluation on a held-out batch is reported as ``eval_loss
     --at ATTEMPT:RANK:STEP:WHAT   on that attempt, just before that step (before its batch is
                            drawn), that rank strikes as ``tiny_train.py``'s ``--at`` does
                            (``SIGSEGV``, ``SIGKILL``, ``SIGSTOP``, ``hang``, ...). Repeatable
+    --no-optimizer         ``attach()`` gets the model but not the optimizer: in a loop without
+                           ``run.batches()`` babysit cannot see where a step ends
 """
 
 import argparse
@@ -64,6 +66,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--step-sleep", type=float, default=0.02)
     p.add_argument("--at", action="append", default=[], type=lambda t: t.split(":", 3))
+    p.add_argument("--no-optimizer", action="store_true")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -75,7 +78,7 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.99)
     torch.manual_seed(100 + rank)  # each rank's own stream: its batches (while) and dropout
-    run = attach(model=model, optimizer=opt, scheduler=sched)
+    run = attach(model=model, optimizer=None if args.no_optimizer else opt, scheduler=sched)
     attempt = run.directive.attempt
 
     def faults() -> None:
