@@ -124,18 +124,15 @@ class Between:
         import torch
 
         self._grad_enabled = torch.is_grad_enabled
+        self._compiling = torch.compiler.is_compiling
 
     def install(self) -> None:
         """Hook the optimizer and the model."""
-        import torch
-
         self._hooks.append(self.optimizer.register_step_pre_hook(self._optimizer_starts))
         self._hooks.append(self.optimizer.register_step_post_hook(self._optimizer_done))
         register = getattr(self.model, "register_forward_pre_hook", None)
         if register is not None:
-            # Plain Python under torch.compile: no part of the model's graph.
-            eager: Any = torch.compiler.disable
-            self._forward_hook = register(eager(self._forward), prepend=True)
+            self._forward_hook = register(self._forward, prepend=True)
             self._hooks.append(self._forward_hook)
 
     def by_loader(self) -> None:
@@ -205,7 +202,12 @@ class Between:
             self._ended()
 
     def _forward(self, module: Any, args: Any) -> None:
-        if self.ends.open and module.training and self._grad_enabled():
+        # Traced by torch.compile, a no-op (is_compiling() first: no guard on our state), and
+        # the step's start is then found at run.step() or the optimizer's pre-hook. Cheaper
+        # than torch.compiler.disable's wrapper at every forward in eager mode.
+        if self._compiling() or not self.ends.open:
+            return
+        if module.training and self._grad_enabled():
             self.starting()
 
 

@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
@@ -155,7 +155,9 @@ class Keeper:
             return
         epoch = getattr(self.scheduler, "last_epoch", None)
         self._scheduler_moves = _moved(marked.scheduler_epoch, epoch)
-        self._marked = replace(marked, scheduler_epoch=epoch, settled=True)
+        # A new record, swapped in whole: the keeper's thread may be reading the old one.
+        self._marked = _Marked(marked.step, marked.cursor, marked.samples, marked.lr_scale,
+                               marked.optimizer_steps, epoch, True)
 
     def close(self) -> None:
         """The run closed cleanly: nothing to keep. Idempotent."""
