@@ -20,12 +20,17 @@ Calling rules:
 - ``attach()`` once per process, after the model and optimizer exist. Under plain ``torchrun`` or
   ``python train.py`` (no babysit environment) it returns a ``Run`` that reports nothing and skips
   nothing, so the script trains unchanged.
-- ``step()`` exactly once per optimizer step, on every rank, after the backward pass. It sends one
-  message and never waits: if the supervisor is behind, the report is dropped and counted. It
-  converts its arguments with ``float()``: a CUDA tensor would synchronise, so pass the Python
-  float you already have (``loss.item()``) where you already sync, or accept that cost knowingly.
-- ``batches()`` wraps the loader each rank iterates; every rank's loader yields that rank's shard
-  of the same global batch, so one local batch advances the global data cursor by one.
+- ``step()`` exactly once per optimizer step, on every rank, after the backward pass (before
+  ``opt.step()``, so that its False can skip the update, or after it). It sends one message and
+  never waits: if the supervisor is behind, the report is dropped and counted. It converts its
+  arguments with ``float()``: a CUDA tensor would synchronise, so pass the Python float you
+  already have (``loss.item()``) where you already sync, or accept that cost knowingly.
+- ``batches()`` wraps the loader each rank iterates (with ``for``, or ``next()`` at each step's
+  start); every rank's loader yields that rank's shard of the same global batch, so one local
+  batch advances the global data cursor by one. A loop without it (``while run.step_count <
+  n:``) passes ``attach()`` the optimizer it steps: babysit finds where each step ends from the
+  optimizer's hooks (``rank.boundary``), and counts one global batch per ``step()``.
+- ``close()`` once, on every rank, after the last step.
 - ``phase(name)`` around work that is not a training step (checkpoint, eval): the hang detector
   grants it a longer allowance and step times exclude it.
 """
