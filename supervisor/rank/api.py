@@ -452,8 +452,9 @@ class Run:
     def _checkpoints_off(self) -> None:
         """Once per attempt, when the config asks for checkpoints and this run can take none,
         rank 0 says why and what to change: on its stderr (the console's, through torchrun's
-        tee) and in a ``checkpoints_off`` event for the journal. Called by ``step()`` until
-        the answer is known (at the first step, or once the first checkpoint was due)."""
+        tee), and in a ``checkpoints_off`` event (which the supervisor does not journal yet).
+        Called by ``step()`` until the answer is known (at the first step, or once the first
+        checkpoint was due)."""
         from babysit.supervisor.rank.boundary import why_no_checkpoints
 
         ckpt = self._checkpointer

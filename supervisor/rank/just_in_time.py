@@ -137,11 +137,11 @@ class Keeper:
             self._event.record()
 
     def holds(self, step: int, cursor: int, samples: int | None, lr_scale: float) -> bool:
-        """The mark is of ``step`` with these values and no random stream moved since: a mark
-        now would write what it holds (the top of ``run.batches()`` after a step whose end the
-        optimizer's hook marked, when nothing drew in between)."""
+        """The mark is of ``step`` with these values, and no random stream moved nor forward
+        ran since: a mark now would record what it holds (the top of ``run.batches()`` after a
+        step whose end the optimizer's hook marked, when nothing drew in between)."""
         marked = self._marked
-        return marked is not None and \
+        return marked is not None and not self._forward_moved and \
             (marked.step, marked.cursor, marked.samples, marked.lr_scale) == \
             (step, cursor, samples, lr_scale) and not self._marks.moved()
 
