@@ -1,6 +1,7 @@
-"""Where one training step ends and the next begins, in a loop that draws its batches without
-``run.batches()`` (a ``while`` loop as nanoGPT's, an iterator drawn with ``next()`` inside a
-``train_step`` as torchtitan's).
+"""Where one training step ends and the next begins, found from the optimizer's hooks: the whole
+point between steps in a loop that draws its batches without ``run.batches()`` (a ``while``
+loop as nanoGPT's, an iterator drawn with ``next()`` inside a ``train_step`` as torchtitan's);
+the step's end's mark in one that does.
 
 ``run.batches()`` knows the point between two steps exactly: the top of its loop, after the
 script's ``opt.step()``, ``zero_grad()`` and ``sched.step()`` of step k, before batch k+1 is
@@ -29,10 +30,10 @@ Once the script draws from ``run.batches()``, the top of its loop saves and chec
 ever; the hooks here still mark each step's end, and the top marks again only where a stream
 moved since (the script drew between steps), so a fault in the tail of the loop's body (between
 a step's end and the next batch) still finds the completed step marked, and no step is saved
-twice nor marked twice alike. A step whose update the
-optimizer never ran (a ``GradScaler`` that found infinite gradients skips ``opt.step()`` while
-``run.step()`` said keep) has no end here: it is neither marked nor saved, and the keeper's
-state stays that of the step before (not consistent once the scheduler stepped).
+twice nor marked twice alike. A step whose update the optimizer never ran (a ``GradScaler``
+that found infinite gradients skips ``opt.step()`` while ``run.step()`` said keep) has no end
+here: it is neither marked nor saved, and the keeper's state stays that of the step before
+(not consistent once the scheduler stepped).
 
 ``StepEnds`` is the bookkeeping (pure); ``Between`` installs the hooks and acts.
 """
@@ -124,7 +125,6 @@ class Between:
         import torch
 
         self._grad_enabled = torch.is_grad_enabled
-        self._compiling = torch.compiler.is_compiling
 
     def install(self) -> None:
         """Hook the optimizer and the model."""
@@ -132,7 +132,11 @@ class Between:
         self._hooks.append(self.optimizer.register_step_post_hook(self._optimizer_done))
         register = getattr(self.model, "register_forward_pre_hook", None)
         if register is not None:
-            self._forward_hook = register(self._forward, prepend=True)
+            import torch
+
+            # Run as plain Python under torch.compile (a graph break): no part of the graph.
+            eager: Any = torch.compiler.disable
+            self._forward_hook = register(eager(self._forward), prepend=True)
             self._hooks.append(self._forward_hook)
 
     def by_loader(self) -> None:
@@ -202,12 +206,7 @@ class Between:
             self._ended()
 
     def _forward(self, module: Any, args: Any) -> None:
-        # Traced by torch.compile, a no-op (is_compiling() first: no guard on our state), and
-        # the step's start is then found at run.step() or the optimizer's pre-hook. Cheaper
-        # than torch.compiler.disable's wrapper at every forward in eager mode.
-        if self._compiling() or not self.ends.open:
-            return
-        if module.training and self._grad_enabled():
+        if self.ends.open and module.training and self._grad_enabled():
             self.starting()
 
 
