@@ -7,6 +7,7 @@ torchrun jobs of those loop shapes meeting a real fault: ``tests/e2e/test_loop_s
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,19 @@ def test_a_while_loop_is_saved_on_its_cadence_and_resumes_bit_exact(
     assert (resumed.run.step_count, resumed.run.cursor) == (6, 6)
     assert resumed.train(9, report_after) == {s: losses[s] for s in (7, 8, 9)}
     resumed.run.close()
+
+
+def test_a_while_loop_saves_the_final_checkpoint_a_preemption_asks_for(
+        tmp_path: Path, intake: Intake, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor's request before a SIGTERM's stop (the control file): saved at the next
+    step's end, waited for and announced as final."""
+    job = Job(tmp_path, intake, monkeypatch, every=1000)
+    job.train(2)
+    control = Path(job.run._checkpointer.control or "")
+    control.write_text(json.dumps({"final_checkpoint": "sigterm-1"}))
+    job.train(4)
+    job.run.close()
+    assert [(e["step"], e.get("final")) for e in job.events("checkpoint")] == [(3, True)]
 
 
 def test_the_keepers_state_is_the_steps_from_its_end_and_loads_back_bit_exact(
