@@ -183,6 +183,7 @@ def save(
     extra: dict[str, Any] | None = None,
     async_save: bool = False,
     samples: int | None = None,
+    rng: dict[str, Any] | None = None,
 ) -> SaveHandle:
     """Save a checkpoint of the state after optimizer step ``step``; collective.
 
@@ -190,12 +191,14 @@ def save(
     ``cursor`` (global batches consumed) and ``lr_scale``. ``model`` may be wrapped (DDP, FSDP);
     ``optimizer`` and ``scheduler`` are optional. ``extra`` is this rank's own picklable dict
     (it is stored per rank and handed back to the same rank by ``load``). Each rank's RNG streams
-    are captured at the call. ``samples``: the samples of the data stream consumed at
-    ``cursor``, when the loader counts them (``ElasticSampler``). Sync (default): returns once
-    the checkpoint is committed on every rank. Async: returns after the state is staged in
-    memory; keep training and call ``handle.poll()`` each step (see ``SaveHandle``). A previous
-    async save still in flight is waited for first. An existing ``step_<step>`` directory (e.g.
-    from before a rollback) is replaced.
+    are captured at the call, or are ``rng`` (``checkpoints.rng.capture_rng``'s form, taken
+    earlier by the caller: at the end of step ``step``, where a loop without ``run.batches()``
+    has drawn its next batch by the time every rank can save). ``samples``: the samples of the
+    data stream consumed at ``cursor``, when the loader counts them (``ElasticSampler``). Sync
+    (default): returns once the checkpoint is committed on every rank. Async: returns after the
+    state is staged in memory; keep training and call ``handle.poll()`` each step (see
+    ``SaveHandle``). A previous async save still in flight is waited for first. An existing
+    ``step_<step>`` directory (e.g. from before a rollback) is replaced.
     """
     import torch
     from torch.distributed.checkpoint.api import CheckpointException
@@ -209,7 +212,7 @@ def save(
     _prepare_dir(path, rank, world, group)
     state = _dcp_state(model, optimizer)
     buf = io.BytesIO()
-    torch.save(_rank_state(step, cursor, lr_scale, scheduler, extra, rank), buf)
+    torch.save(_rank_state(step, cursor, lr_scale, scheduler, extra, rank, rng), buf)
     meta = {"step": step, "cursor": cursor, "lr_scale": lr_scale, "world_size": world,
             "samples": samples}
 

@@ -79,9 +79,11 @@ from babysit.supervisor.run.console import Console
 
 TICK_S = 0.1
 FORWARDED = ("hello", "close", "skip", "checkpoint", "checkpoint_failed", "checkpoint_sync",
-             "cadence", "fingerprint", "stream")
-"""Rank events the leader needs: the run's record, checkpoints, cadence, SDC checks and
-where the data stream is (rank 0 is on node 0 unless the ranks were placed otherwise)."""
+             "checkpoints_off", "cadence", "fingerprint", "stream", "memory_copy",
+             "memory_copy_failed", "memory_copy_skipped", "memory_copy_off", "memory_copy_plan")
+"""Rank events the leader needs: the run's record, checkpoints (memory copies too: the leader
+commits each once every rank's part is in), cadence, SDC checks and where the data stream is
+(rank 0 is on node 0 unless the ranks were placed otherwise)."""
 
 
 class Follower:

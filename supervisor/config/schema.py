@@ -222,7 +222,9 @@ class CheckpointConfig(DashedSection):
     dir: str | None = None
     """Checkpoint folder; default: ``checkpoints/`` inside the run directory."""
     every_steps: int = Field(0, ge=0)
-    """Save every N optimizer steps through the worker API; 0 leaves saving to the script."""
+    """Save every N optimizer steps through the worker API (``attach(model=...,
+    optimizer=...)``; docs/worker-api.md says what the loop must look like); 0 leaves saving
+    to the script."""
     keep: int = Field(3, ge=1)
     """How many recent checkpoints retention keeps (the newest good one is always kept)."""
     probation_steps: int = Field(50, ge=1)
@@ -238,8 +240,8 @@ class CheckpointConfig(DashedSection):
     """After a hang, a crash or a lost node, before anything is stopped, the ranks still alive
     write the state of the last completed step (model, optimizer, data cursor, random streams),
     and the relaunch resumes from it: one step lost instead of everything since the last
-    checkpoint. Needs ``every_steps`` > 0 and ``attach(model=..., optimizer=...)``; costs about
-    5 us a step (docs/recovery.md, "Just-in-time state")."""
+    checkpoint. Needs ``every_steps`` > 0 and ``attach(model=..., optimizer=...)``; what it
+    costs a step is measured in docs/measured.md ("Just-in-time state")."""
     memory_every_steps: int | Literal["auto"] = "auto"
     """Every N steps each rank also copies its state (its shard, its optimizer's, its random
     streams, the cursor) into its node's shared memory, and a rank of the next node keeps a

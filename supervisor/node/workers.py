@@ -304,7 +304,8 @@ class NodeWorkers:
         every = self.plan.config.checkpoints.memory_every_steps
         if self.plan.config.checkpoints.every_steps > 0 and every != 0:
             directive = replace(directive, memory={"root": str(self.memory.root),
-                                                   "every": every})
+                                                   "every": every,
+                                                   "node": self.plan.node_rank})
         if self.keepers is None:
             return directive
         return replace(directive, just_in_time=self.keepers.settings(attempt, self.budget))

@@ -20,12 +20,17 @@ Calling rules:
 - ``attach()`` once per process, after the model and optimizer exist. Under plain ``torchrun`` or
   ``python train.py`` (no babysit environment) it returns a ``Run`` that reports nothing and skips
   nothing, so the script trains unchanged.
-- ``step()`` exactly once per optimizer step, on every rank, after the backward pass. It sends one
-  message and never waits: if the supervisor is behind, the report is dropped and counted. It
-  converts its arguments with ``float()``: a CUDA tensor would synchronise, so pass the Python
-  float you already have (``loss.item()``) where you already sync, or accept that cost knowingly.
-- ``batches()`` wraps the loader each rank iterates; every rank's loader yields that rank's shard
-  of the same global batch, so one local batch advances the global data cursor by one.
+- ``step()`` exactly once per optimizer step, on every rank, after the backward pass (before
+  ``opt.step()``, so that its False can skip the update, or after it). It sends one message and
+  never waits: if the supervisor is behind, the report is dropped and counted. It converts its
+  arguments with ``float()``: a CUDA tensor would synchronise, so pass the Python float you
+  already have (``loss.item()``) where you already sync, or accept that cost knowingly.
+- ``batches()`` wraps the loader each rank iterates (with ``for``, or ``next()`` at each step's
+  start); every rank's loader yields that rank's shard of the same global batch, so one local
+  batch advances the global data cursor by one. A loop without it (``while run.step_count <
+  n:``) passes ``attach()`` the optimizer it steps: babysit finds where each step ends from the
+  optimizer's hooks (``rank.boundary``), and counts one global batch per ``step()``.
+- ``close()`` once, on every rank, after the last step.
 - ``phase(name)`` around work that is not a training step (checkpoint, eval): the hang detector
   grants it a longer allowance and step times exclude it.
 """
@@ -123,8 +128,21 @@ class Run:
         """The keeper of the last completed step (``rank.just_in_time``), when babysit keeps
         one; ``attach()`` starts it."""
         self._marked = -1
-        """The step the keeper last marked the start after (once per step: not per micro-batch
-        of a gradient accumulation)."""
+        """The step the keeper last marked the start after, at the end of ``attach()`` or the
+        top of ``batches()`` (once per step: not per micro-batch of a gradient
+        accumulation)."""
+        self._between: Any = None
+        """The point between steps found from the optimizer's hooks (``rank.boundary``):
+        ``attach()`` installs it; under ``batches()`` it only marks each step's end."""
+        self._by_loader = False
+        """The script draws its batches from ``batches()``, which counts the cursor."""
+        self._topped = -1
+        """The step after which the top of ``batches()`` last ran."""
+        self._framework = False
+        """A framework integration owns the loop: it counts the cursor and saves through the
+        framework's own checkpoints (``framework_loop``)."""
+        self._told_off = False
+        """This attempt said why babysit takes no checkpoint (``_checkpoints_off``)."""
         if optimizer is not None and (directive.lr_scale != 1.0 or directive.lr_ramp):
             self._install_lr_scale(optimizer)
 
@@ -151,7 +169,20 @@ class Run:
         An ``ElasticSampler`` (``babysit.ElasticSampler``, itself or as a ``DataLoader``'s
         ``batch_sampler``) is told where the resumed checkpoint left the data, in samples, so a
         resume on another world size goes on at the next sample (``rank.elastic_data``).
+
+        From this call on, the top of its loop is the point between steps (saves, the SDC
+        check), whether the script iterates it with ``for`` or draws it with ``next()`` at
+        each step's start; each step's end is marked where its optimizer update is done, and
+        marked again at the top where the script drew from a random stream in between
+        (``rank.boundary``).
         """
+        if not self._by_loader:
+            self._by_loader = True
+            if self._between is not None:
+                self._between.by_loader()
+        return self._batches(loader)
+
+    def _batches(self, loader: Iterable[T]) -> Iterator[T]:
         seek = getattr(loader, "seek", None)
         sampler = elastic_data.find(loader)
         if sampler is not None:
@@ -169,14 +200,17 @@ class Run:
         while True:
             # Between steps: the previous step's optimizer and scheduler updates are done and the
             # next batch is not drawn, so a checkpoint here is exactly (step, cursor).
+            if self._between is not None:
+                self._between.starting()  # the step's end's mark settled: the scheduler stepped
             if self._keeper is not None and self.step_count != self._marked:
                 self._marked = self.step_count
-                self._keeper.mark(self.step_count, self.cursor,
-                                  sampler.samples_at(self.cursor) if sampler is not None else None,
-                                  self.lr_scale)
+                samples = sampler.samples_at(self.cursor) if sampler is not None else None
+                if not self._keeper.holds(self.step_count, self.cursor, samples, self.lr_scale):
+                    self._keeper.mark(self.step_count, self.cursor, samples, self.lr_scale)
+            self._topped = self.step_count
             self._checkpointer.maybe_save(self.step_count, self.cursor, self.lr_scale,
                                           self.phase)
-            self._check_integrity()
+            self._check_integrity(self.step_count)
             skip = self._skip_at(self.cursor)
             if skip is not None:
                 self._event("skip", start=skip.start, end=skip.end, **(
@@ -192,6 +226,12 @@ class Run:
             self._data_wait += _perf() - t0
             self.cursor += 1
             yield batch
+
+    def _samples(self) -> int | None:
+        """The samples of the data stream consumed at the cursor, where ``batches()`` draws
+        from an ``ElasticSampler``; else None."""
+        samples_at = self._checkpointer.samples_at
+        return samples_at(self.cursor) if samples_at is not None else None
 
     def _place_skips(self, sampler: elastic_data.ElasticSampler) -> None:
         """The stream's place, told once per attempt (rank 0: every rank's is the same), so
@@ -251,15 +291,15 @@ class Run:
         self._event("resume_check", step=self.step_count, took=seen == restored,
                     restored=restored, seen=seen)
 
-    def _check_integrity(self) -> None:
+    def _check_integrity(self, step: int) -> None:
         """The silent-data-corruption check, between steps: every rank's parameters are the
-        same here (step k's update is done, batch k+1 not drawn), so the supervisor can compare
-        their digests at this step across ranks."""
+        same here (step k's update is done, step k+1's not begun), so the supervisor can
+        compare their digests at this step across ranks."""
         fp = self._fingerprint
-        if fp is None or self.step_count == self._fingerprinted or not fp.due(self.step_count):
+        if fp is None or step == self._fingerprinted or not fp.due(step):
             return
-        self._fingerprinted = self.step_count
-        self._event("fingerprint", step=self.step_count, digests=fp.digests())
+        self._fingerprinted = step
+        self._event("fingerprint", step=step, digests=fp.digests())
 
     def _position(
         self,
@@ -287,6 +327,13 @@ class Run:
         if skip is not None:
             self._event("skip", start=skip.start, end=skip.end)
         return skip
+
+    def framework_loop(self) -> None:
+        """For frameworks that own the training loop (``babysit.integrations``): they count
+        ``cursor`` themselves and save through the framework's own checkpoints
+        (``checkpoint_saved``), so ``step()`` counts no batch and says nothing of babysit's
+        own checkpoints. Call once, right after ``attach()``."""
+        self._framework = True
 
     def scale_lr(self, optimizer: Any) -> None:
         """Apply the LR scale a rollback set to ``optimizer``, for frameworks that build it
@@ -328,12 +375,21 @@ class Run:
         now = _perf()
         last = self._last_step
         self._last_step = now
+        between = self._between
+        if between is not None:  # the step before ends no later than here (rank.boundary)
+            between.starting()
         self.step_count += 1
+        if not (self._by_loader or self._framework):
+            self.cursor += 1  # no loader of babysit's: one global batch a step
         self._checkpointer.poll()
         keep = True
         if self._guard is not None and grad_norm is not None:
             # Every rank sees the same all-reduced grad norm, so every rank decides alike.
             keep = self._guard.observe_value(self.step_count, float(grad_norm)) is None
+        if between is not None:
+            between.reported(keep)
+        if not self._told_off:
+            self._checkpoints_off()
         sock = self._sock
         if sock is None:
             return keep
@@ -393,6 +449,25 @@ class Run:
             self.scalars(scalars)
         return keep
 
+    def _checkpoints_off(self) -> None:
+        """Once per attempt, when the config asks for checkpoints and this run can take none,
+        rank 0 says why and what to change in a ``checkpoints_off`` event: journaled, and a
+        warning on the console and to the alert sinks.
+        Called by ``step()`` until the answer is known (at the first step, or once the first
+        checkpoint was due)."""
+        from babysit.supervisor.rank.boundary import why_no_checkpoints
+
+        ckpt = self._checkpointer
+        between = self._between
+        known, why = why_no_checkpoints(
+            wanted=ckpt.enabled and not self._framework, model=self._model is not None,
+            optimizer=self._optimizer is not None, by_loader=self._by_loader,
+            ended=between.ends.ended if between is not None else 0,
+            step=self.step_count, every=ckpt.every(self.step_count), rank=self.rank)
+        self._told_off = known
+        if why is not None and self.rank == 0:
+            self._event("checkpoints_off", step=self.step_count, why=why)
+
     def scalars(self, scalars: Mapping[str, Any]) -> None:
         """Report other numbers of the newest step by name (``{"eval_loss": 2.1}``): call it
         after an eval that follows ``step()``, or pass ``scalars=`` to ``step()`` itself. For
@@ -438,10 +513,20 @@ class Run:
             self.dropped += 1
 
     def close(self) -> None:
-        """Tell the supervisor this rank finished cleanly. Safe to call twice."""
+        """Tell the supervisor this rank finished cleanly. Call it on every rank, after the
+        last step (a checkpoint due at that step is saved here, a collective). Safe to call
+        twice."""
         if self._closed:
             return
         self._closed = True
+        # A checkpoint due at the last step is saved now: a loop that draws from batches()
+        # with next() at each step's start ends before the top after its last step.
+        if self._between is not None:
+            self._between.close()
+            self._between = None
+        if self._by_loader and self._topped != self.step_count:
+            self._checkpointer.maybe_save(self.step_count, self.cursor, self.lr_scale,
+                                          self.phase)
         if self._keeper is not None:  # a clean end: nothing of this attempt to keep
             self._keeper.close()
         self._checkpointer.close()
@@ -560,6 +645,10 @@ def attach(
         if model is not None:  # checked at the first forward: did the restore take?
             run._watch_restore()
     run._keeper = _keeper(run, directive, token_hex, model, optimizer, scheduler)
+    run._between = _between(run, model, optimizer)
+    if run._keeper is not None:  # the first step starts from the restore, whatever the loop
+        run._marked = run.step_count
+        run._keeper.mark(run.step_count, run.cursor, None, run.lr_scale)
     keeps: dict[str, Any] = {}
     if directive.just_in_time:  # the node keeps the last step only with the ranks that can
         keeps = {"keeps": run._keeper is not None}
@@ -648,6 +737,24 @@ def _keeper(run: Run, directive: Directive, token_hex: str, model: Any, optimize
                     optimizer=optimizer, scheduler=scheduler, emit=run._event)
     keeper.start()
     return keeper
+
+
+def _between(run: Run, model: Any, optimizer: Any) -> Any:
+    """The point between steps found from the optimizer's hooks (``rank.boundary``), installed,
+    when something is done there (checkpoints, the keeper's marks, the SDC check) and there is
+    a model and an optimizer to hook; else None. After the keeper's start: its optimizer
+    post-hook counts each update before this one's marks it."""
+    if model is None or optimizer is None or not (
+            run._checkpointer.enabled or run._keeper is not None or run._fingerprint is not None):
+        return None
+    from babysit.supervisor.rank.boundary import Between
+
+    between = Between(model=model, optimizer=optimizer, keeper=run._keeper,
+                      checkpointer=run._checkpointer,
+                      where=lambda: (run.step_count, run.cursor, run._samples(), run.lr_scale),
+                      check=run._check_integrity, phase=run.phase)
+    between.install()
+    return between
 
 
 def _grad_guard(settings: dict[str, Any]) -> Any:

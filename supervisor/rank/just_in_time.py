@@ -5,13 +5,17 @@ After a fault the ranks that live usually still hold the model and optimizer of 
 completed step. The keeper makes that usable (``checkpoints/just_in_time.py`` says what is
 written, ``node/just_in_time.py`` who asks):
 
-- **marks** (``mark``, at the first top of ``Run.batches()`` after each step): the step, the
-  data cursor and the LR scale the next step starts from, the rank's random streams into its
-  mark file (``checkpoints.mark``: about 5 us), the optimizer-step count and the scheduler's
-  epoch; on a GPU, a CUDA event after the step's last kernels.
+- **marks** (``mark``, at the first top of ``Run.batches()`` after each step, or, in a loop
+  without it, at each step's end found by the optimizer's hooks: ``rank.boundary``): the step,
+  the data cursor and the LR scale the next step starts from, the rank's random streams into
+  its mark file (``checkpoints.mark``: about 15 us), the optimizer-step count and the
+  scheduler's epoch; on a GPU, a CUDA event after the step's last kernels.
 - **knows** whether the state is still that of the mark: the optimizer's own hooks say whether
   ``optimizer.step()`` is running or ran since (then no), and the scheduler's epoch whether it
-  stepped since.
+  stepped since. A mark at a step's end comes before the script's ``sched.step()``: its epoch
+  is settled at the next step's start (``settle``), and until then the state is the step's
+  only once the scheduler moved as far as it did after the step before (a fault between
+  ``opt.step()`` and ``sched.step()`` keeps nothing).
 - **answers** its node from a thread of its own (``contract/just_in_time.py``), so it writes while
   the main thread sits in a collective that will never finish; on a GPU it copies from a side
   stream once the mark's event completed, never waiting behind the kernel that is stuck.
@@ -56,6 +60,11 @@ class _Marked:
     lr_scale: float
     optimizer_steps: int
     scheduler_epoch: Any
+    """The scheduler's epoch at the mark; once ``settled``, that of the step's state."""
+    settled: bool = True
+    """Marked after the scheduler stepped (the top of ``run.batches()``, or ``settle``); a mark
+    at a step's end found by its optimizer hook (``rank.boundary``) comes before the script's
+    ``sched.step()``, and is settled at the next step's start."""
 
 
 class Keeper:
@@ -74,6 +83,9 @@ class Keeper:
         self._marks = MarkWriter(self._mark_path)
         self._marked: _Marked | None = None
         self._optimizer_steps = 0
+        self._scheduler_moves: Any = None
+        """How far the scheduler moved between a step's end and the next step's start, the
+        last time a mark was settled (None: not seen yet in this attempt)."""
         self._in_optimizer = False
         self._hooks: list[Any] = []
         self._event, self._device = _cuda_event(model)
@@ -110,16 +122,43 @@ class Keeper:
                 self._installed_sigterm = True
                 _forget_in_children()
 
-    def mark(self, step: int, cursor: int, samples: int | None, lr_scale: float) -> None:
+    def mark(self, step: int, cursor: int, samples: int | None, lr_scale: float,
+             settled: bool = True) -> None:
         """The step after ``step`` starts here (the data at ``cursor``): record what it starts
-        from. Call once per step, between steps, before its batch is drawn."""
+        from. Call once per step, between steps, before its batch is drawn, after
+        ``optimizer.step()`` returned. ``settled``: the scheduler has stepped for ``step``
+        already (the top of ``run.batches()``); False at a step's end found by the optimizer's
+        hook, which ``settle`` completes at the next step's start."""
         self._marks.write(step, cursor, samples, lr_scale)
         scheduler = self.scheduler
         self._marked = _Marked(step, cursor, samples, lr_scale, self._optimizer_steps,
-                               getattr(scheduler, "last_epoch", None))
+                               getattr(scheduler, "last_epoch", None), settled)
         self._forward_moved = False
         if self._event is not None:
             self._event.record()
+
+    def holds(self, step: int, cursor: int, samples: int | None, lr_scale: float) -> bool:
+        """The mark is of ``step`` with these values, and no random stream moved nor forward
+        ran since: a mark now would record what it holds (the top of ``run.batches()`` after a
+        step whose end the optimizer's hook marked, when nothing drew in between)."""
+        marked = self._marked
+        return marked is not None and not self._forward_moved and \
+            (marked.step, marked.cursor, marked.samples, marked.lr_scale) == \
+            (step, cursor, samples, lr_scale) and not self._marks.moved()
+
+    def settle(self) -> None:
+        """The step after the mark starts: the scheduler's epoch now is that of the marked
+        step's state, and how far it moved since the mark is what the next step's end will
+        move it too (``_scheduler_why``). Call at the next step's first sign, before its
+        optimizer update; does nothing after a settled mark."""
+        marked = self._marked
+        if marked is None or marked.settled:
+            return
+        epoch = getattr(self.scheduler, "last_epoch", None)
+        self._scheduler_moves = _moved(marked.scheduler_epoch, epoch)
+        # A new record, swapped in whole: the keeper's thread may be reading the old one.
+        self._marked = _Marked(marked.step, marked.cursor, marked.samples, marked.lr_scale,
+                               marked.optimizer_steps, epoch, True)
 
     def close(self) -> None:
         """The run closed cleanly: nothing to keep. Idempotent."""
@@ -217,10 +256,11 @@ class Keeper:
             return "inside optimizer.step(): its update is half done"
         if self._optimizer_steps != marked.optimizer_steps:
             return "optimizer.step() ran since the step started"
-        scheduler = self.scheduler
-        if scheduler is not None and getattr(scheduler, "last_epoch", None) != \
-                marked.scheduler_epoch:
-            return "the scheduler stepped since the step started"
+        if self.scheduler is not None:
+            why = _scheduler_why(marked, getattr(self.scheduler, "last_epoch", None),
+                                 self._scheduler_moves)
+            if why is not None:
+                return why
         if self._forward_moved:
             return ("the interrupted step's forward changed the model's buffers (BatchNorm "
                     "running statistics)")
@@ -271,6 +311,39 @@ class Keeper:
             time.sleep(0.005)
         with torch.cuda.device(self._device), torch.cuda.stream(torch.cuda.Stream()):  # type: ignore[no-untyped-call]
             yield
+
+
+def _moved(before: Any, after: Any) -> int | None:
+    """How many epochs a scheduler moved (None where its epochs are not integers)."""
+    if isinstance(before, int) and isinstance(after, int):
+        return after - before
+    return None
+
+
+def _scheduler_why(marked: _Marked, epoch: Any, moves: int | None) -> str | None:
+    """Why the scheduler's state is not that of the marked step, or None.
+
+    A settled mark holds the step's epoch: any move since is the next step's. An unsettled
+    one (a step's end found by the optimizer's hook) came before the script's ``sched.step()``
+    for that step: the state is the step's once the scheduler moved as far as it did between
+    the previous step's end and start (``moves``), and not while it is short of that (a fault
+    between ``opt.step()`` and ``sched.step()``). In the attempt's first step nothing was
+    learned yet, so a fault in that window keeps nothing."""
+    if marked.settled:
+        return None if epoch == marked.scheduler_epoch else \
+            "the scheduler stepped since the step started"
+    moved = _moved(marked.scheduler_epoch, epoch)
+    if moved is None:  # epochs babysit cannot count: only no move is known to be the step's
+        return None if epoch == marked.scheduler_epoch else \
+            "the scheduler stepped since the step ended, and its epochs cannot be counted"
+    if moves is None:
+        return ("the step ended at optimizer.step() and the scheduler's step after it is not "
+                "known yet (the attempt's first step)")
+    if moved < moves:
+        return "between optimizer.step() and the scheduler's step: the step is half done"
+    if moved > moves:
+        return "the scheduler stepped since the step ended"
+    return None
 
 
 _FORK_HOOKED = False

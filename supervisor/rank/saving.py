@@ -8,10 +8,18 @@ Two modes, chosen by what the script does:
 - bring your own: the script saves and loads itself, calls ``run.checkpoint_saved(path)`` after
   each save, and on a relaunch reads ``run.resume`` to know which of its checkpoints to load.
 
-A save happens at the top of the next ``batches()`` iteration, not inside ``step()``: the
-script's ``opt.step()``, ``zero_grad()`` and ``sched.step()`` for step *k* have all run by
-then, and batch *k+1* has not been drawn, so the checkpoint holds exactly "after step k, cursor
-k". Saving inside ``step()`` would capture the weights before that step's update.
+A save happens between steps, never inside ``step()`` (which comes before the step's update
+in most loops, so it would capture the weights before it). Where, depends on the loop:
+
+- with ``run.batches()``, at the top of its next iteration: the script's ``opt.step()``,
+  ``zero_grad()`` and ``sched.step()`` for step *k* have all run by then, and batch *k+1* has
+  not been drawn, so the checkpoint holds exactly "after step k, cursor k" (``maybe_save``).
+- in a loop of its own (``while``, an iterator drawn with ``next()``), the save is decided at
+  step *k*'s end (its ``run.step()`` and its optimizer update both came: ``rank.boundary``)
+  and made at step *k+1*'s start (its first training forward, its optimizer's pre-hook or its
+  ``run.step()``), where the scheduler has stepped and every rank arrives at the same step
+  still holding step *k*'s model and optimizer; the random streams written are those taken at
+  the end (``due`` then ``save``), since the next batch has been drawn by then.
 
 The supervisor can steer a running attempt through its control file (``CONTROL_FILE`` beside the
 directive, contract in ``babysit.supervisor.contract.directive``): a one-off checkpoint at a given
@@ -28,12 +36,28 @@ import json
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from babysit.supervisor.contract.directive import Directive
 
 Emit = Callable[..., None]
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """A checkpoint owed of the state of ``step`` (the data at ``cursor``)."""
+
+    step: int
+    cursor: int
+    final: bool = False
+    """The final checkpoint the supervisor asked for before a preemption: waited for."""
+    wait: bool = False
+    """A rerun's save where the data's remedy would resume (``save_at``): waited for."""
+    memory: bool = False
+    """A memory copy (``checkpoints.memory``) rather than a checkpoint on disk: its step is
+    not one the disk's cadence saves."""
 
 
 class Checkpointer:
@@ -68,6 +92,10 @@ class Checkpointer:
         self._cadence: list[tuple[int, int]] = [(0, directive.checkpoint_every)]
         """``(from_step, every)`` pieces in step order: the directive's cadence, then each
         change the control file made. Pieces wholly in the past are dropped as steps go by."""
+        self.copier = _copier(directive, rank, model, optimizer, scheduler, emit) \
+            if self.enabled and model is not None else None
+        """This rank's memory copies, every few steps between the checkpoints on disk
+        (``checkpoints.memory_copy``), when the directive asks for them."""
 
     @property
     def enabled(self) -> bool:
@@ -92,27 +120,52 @@ class Checkpointer:
                 f"{resume.step}), but attach() got no model to restore into. Pass "
                 f"model=..., optimizer=... and scheduler=... to attach().")
         restored = checkpoints.load(resume.path, self.model, self.optimizer, self.scheduler,
-                                    reshard=self.directive.reshard)
+                                    reshard=self.directive.reshard, memory=resume.memory)
         self._last_saved = restored.step
         return restored.step, restored.cursor
 
     def maybe_save(self, step: int, cursor: int, lr_scale: float,
                    phase: Callable[[str], contextlib.AbstractContextManager[None]]) -> None:
         """Save if the cadence, or the supervisor's request for a final checkpoint, says so.
-        Call between steps, on every rank."""
+        Call between steps, on every rank (the top of ``run.batches()``: exact)."""
+        due = self.due(step, cursor)
+        if due is not None:
+            self.save(due, lr_scale, phase)
+
+    def due(self, step: int, cursor: int) -> Due | None:
+        """Whether the state of ``step`` (the data at ``cursor``) is to be saved: the cadence,
+        the supervisor's requests (the control file: a one-off step, the final checkpoint's
+        agreed step) or a rerun's ``save_at``. Call once at the end of every step, on every
+        rank (each step's end counts in the final checkpoint's agreement); a save it returns
+        is owed, by ``save``, before the next step changes the state."""
         if not self.enabled or self.model is None or step == 0 or step == self._last_saved:
-            return  # without attach(model=...) there is nothing of babysit's to save
+            return None  # without attach(model=...) there is nothing of babysit's to save
         requested = self._read_control(step)
         final = self._final_target(step)
         # A rerun's save where the data's remedy would resume: waited for, like a final one.
         wait = cursor == self.directive.save_at
         if step % self.every(step) and step != requested and step != final and not wait:
-            return
-        from babysit import checkpoints
-
+            if self.copier is not None and self.copier.due(step):
+                return Due(step, cursor, memory=True)
+            return None
         if final is not None and step >= final:
             self._final, self._final_step = None, None
         self._last_saved = step
+        return Due(step, cursor, final=step == final, wait=wait)
+
+    def save(self, due: Due, lr_scale: float,
+             phase: Callable[[str], contextlib.AbstractContextManager[None]],
+             rng: dict[str, Any] | None = None) -> None:
+        """Save the checkpoint ``due`` asked for (collective): the model, optimizer and
+        scheduler as they are now, which must still be those of ``due.step``; this rank's
+        random streams as they are now, or ``rng`` (taken at the step's end, where a loop
+        without ``run.batches()`` saves only once it has drawn the next batch)."""
+        from babysit import checkpoints
+
+        step, cursor = due.step, due.cursor
+        if due.memory and self.copier is not None:  # only its copy into host memory stalls
+            self.copier.copy(step, cursor, lr_scale, self._samples(cursor), rng=rng)
+            return
         started = time.perf_counter()
         try:
             with phase("checkpoint"):
@@ -122,7 +175,7 @@ class Checkpointer:
                 handle = checkpoints.save(
                     str(self.directive.checkpoint_dir), step, cursor, lr_scale, self.model,
                     self.optimizer, self.scheduler, async_save=self._in_background(),
-                    samples=self._samples(cursor))
+                    samples=self._samples(cursor), rng=rng)
         except checkpoints.CheckpointError as exc:
             # Every rank raises together (the save is collective), so every rank trains on: a
             # full disk must cost a checkpoint, never the run. The last good one still stands.
@@ -131,14 +184,14 @@ class Checkpointer:
         # The stall training paid: the whole save when synchronous, the staging copy (and any
         # wait for the previous async save) when asynchronous; the writes overlap training.
         blocking = time.perf_counter() - started
-        if step == final or wait:
+        if due.final or due.wait:
             # The supervisor waits for this one; a final checkpoint is never left in flight.
             try:
                 handle.wait()
             except checkpoints.CheckpointError as exc:
                 self._failed(step, exc)
                 return
-            self._announce(handle, time.perf_counter() - started, final=step == final)
+            self._announce(handle, time.perf_counter() - started, final=due.final)
         elif handle.committed:
             self._announce(handle, blocking)
         else:
@@ -160,7 +213,9 @@ class Checkpointer:
         if self._background is None:
             import psutil
 
-            need = _state_bytes(self.model, self.optimizer) * _local_ranks()
+            from babysit.checkpoints.save import state_bytes
+
+            need = state_bytes(self.model, self.optimizer) * _local_ranks()
             free = psutil.virtual_memory().available
             self._background = _every_rank(need <= free / 2)
             if not self._background and self.rank == 0:
@@ -252,6 +307,10 @@ class Checkpointer:
         ``checkpoint_every`` changes the cadence from ``from_step`` on (absent: the next step)
         and stays in force when a later version of the file leaves it out."""
         self._control_step = _as_int(request.get("checkpoint_at_step"))
+        memory_every = _as_int(request.get("memory_every"))
+        if memory_every is not None and self.copier is not None:
+            start = _as_int(request.get("memory_from_step"))
+            self.copier.set_every(memory_every, step + 1 if start is None else start)
         final = request.get("final_checkpoint")
         if final is not None and str(final) not in self._final_done:
             self._final_done.add(str(final))
@@ -285,6 +344,8 @@ class Checkpointer:
 
     def close(self) -> None:
         self._finish_pending()
+        if self.copier is not None:
+            self.copier.close()
 
     def _finish_pending(self) -> None:
         """Wait for the async save in flight, if any, and announce it or report its failure."""
@@ -332,6 +393,22 @@ class Checkpointer:
                        write_s=round(write_s, 6), **({"final": True} if final else {}))
 
 
+def _copier(directive: Directive, rank: int, model: Any, optimizer: Any, scheduler: Any,
+            emit: Emit) -> Any:
+    """This rank's memory copier when the directive asks for copies (``memory``), else None."""
+    settings = directive.memory
+    if not settings or not settings.get("every"):
+        return None
+    from babysit.checkpoints.memory_copy import Copier
+
+    every = settings["every"]
+    return Copier(Path(settings["root"]), rank=rank,
+                  world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                  local_world_size=_local_ranks(), node=int(settings.get("node", 0)),
+                  every=every if every == "auto" else int(every), model=model,
+                  optimizer=optimizer, scheduler=scheduler, emit=emit)
+
+
 def _as_int(value: Any) -> int | None:
     """A JSON integer (an integral float too), else None: a malformed field asks nothing."""
     if isinstance(value, bool):
@@ -365,20 +442,6 @@ def _barrier() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def _state_bytes(model: Any, optimizer: Any) -> int:
-    """This rank's bytes of model and optimizer state (a DTensor's local shard only)."""
-    import torch
-
-    def local(t: Any) -> int:
-        t = getattr(t, "_local_tensor", t)
-        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-    total = sum(local(t) for t in model.state_dict().values())
-    if optimizer is not None:
-        total += sum(local(t) for state in optimizer.state.values() for t in state.values())
-    return total
 
 
 def _local_ranks() -> int:

@@ -146,6 +146,10 @@ class Record:
         elif kind in ("memory_copy_failed", "memory_copy_skipped", "memory_copy_off",
                       "memory_copy_plan"):
             self.write(kind, rank=event.rank, data=data)
+        elif kind == "checkpoints_off":  # checkpoints asked for, but this run can take none
+            why = str(data.get("why", ""))
+            self.write("checkpoints_off", rank=event.rank, why=why)
+            self._warn(why)
         elif kind == "checkpoint_sync":  # asynchronous saves asked for, but no room for them
             reason = str(data.get("reason", ""))
             self.write("checkpoint_sync", rank=event.rank, reason=reason)

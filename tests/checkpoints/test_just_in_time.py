@@ -105,6 +105,20 @@ def test_a_mark_that_moved_is_rewritten_and_one_that_did_not_is_kept(tmp_path: P
     assert random.getstate() == state and mark.read(tmp_path / "m").samples is None
 
 
+def test_a_mark_says_whether_any_stream_moved_since_its_write(tmp_path: Path) -> None:
+    """A step's end is marked where its optimizer update is done; the top of ``run.batches()``
+    marks again only when something drew in between."""
+    writer = mark.MarkWriter(tmp_path / "m")
+    assert writer.moved()  # nothing written yet
+    for draw in (lambda: torch.rand(1), random.random, np.random.rand,
+                 lambda: random.gauss(0.0, 1.0)):
+        writer.write(1, 1, None, 1.0)
+        assert not writer.moved()
+        draw()
+        assert writer.moved()
+    writer.close()
+
+
 def test_a_torn_or_foreign_mark_is_refused(tmp_path: Path) -> None:
     writer = mark.MarkWriter(tmp_path / "m")
     writer.write(5, 5, None, 1.0)

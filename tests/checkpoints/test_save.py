@@ -98,3 +98,24 @@ def test_a_dcp_failure_gathered_from_the_ranks_is_said_in_one_line() -> None:
     assert "Traceback" in str(gathered)
     assert _said(gathered) == "OSError: [Errno 28] No space left on device (on ranks 0 and 1)"
     assert _said(ValueError("bad")) == "ValueError: bad"
+
+
+def test_given_random_streams_are_saved_instead_of_the_current_ones(tmp_path: Path) -> None:
+    """A loop without ``run.batches()`` has drawn its next batch by the time the ranks save:
+    the streams taken at the step's end are the ones a resume must restore."""
+    import random
+
+    import torch
+
+    from babysit.checkpoints import load, save
+    from babysit.checkpoints.rng import capture_rng
+
+    model, opt, sched = tiny()
+    torch.manual_seed(3)
+    random.seed(3)
+    at_the_end = capture_rng()
+    expected = (torch.rand(4), random.random())  # the next step's draws
+    save(tmp_path, 5, cursor=5, lr_scale=1.0, model=model, optimizer=opt, scheduler=sched,
+         rng=at_the_end)
+    load(step_dir(tmp_path, 5), model, opt, sched)
+    assert torch.equal(torch.rand(4), expected[0]) and random.random() == expected[1]

@@ -38,6 +38,7 @@ class BabysitTrainerCallback(TrainerCallback):  # type: ignore[misc]
 
     def __init__(self, run: Run | None = None) -> None:
         self.run = run if run is not None else attach()
+        self.run.framework_loop()  # the framework counts the cursor and saves its checkpoints
         self._tokens_seen = 0
         self._last_logged = 0
         self._aligned = False

@@ -43,6 +43,7 @@ class BabysitLightningCallback(Callback):  # type: ignore[misc]
 
     def __init__(self, run: Run | None = None) -> None:
         self.run = run if run is not None else attach()
+        self.run.framework_loop()  # the framework counts the cursor and saves its checkpoints
         self._skip_end: int | None = None
         self._skipped = False
         """The current batch was skipped: drop its gradients, report nothing."""

@@ -121,3 +121,28 @@ def test_a_forked_child_dies_by_sigterm_at_once(trained: Any) -> None:
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
     assert time.monotonic() - started < 2.0
+
+
+def test_a_mark_holds_until_a_stream_moves_or_a_forward_moves_the_buffers(
+        tmp_path: Path) -> None:
+    """The top of ``run.batches()`` marks again only where the step's end's mark no longer
+    holds what a mark would record there: a draw, or a forward of a model with BatchNorm (an
+    eval in the loop's tail) since."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    keeper = Keeper(rank=0, attempt=7, token_hex=TOKEN, marks=tmp_path / "marks", hold_s=5.0,
+                    model=model, optimizer=None, scheduler=None, emit=lambda kind, **data: None)
+    keeper.start()
+    try:
+        keeper.mark(3, 3, None, 1.0, settled=False)
+        assert keeper.holds(3, 3, None, 1.0)
+        assert not keeper.holds(3, 4, None, 1.0) and not keeper.holds(3, 3, None, 0.5)
+        torch.rand(1)
+        assert not keeper.holds(3, 3, None, 1.0)
+        keeper.mark(3, 3, None, 1.0)
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(2, 4, generator=torch.Generator().manual_seed(1)))
+        assert not keeper.holds(3, 3, None, 1.0)
+    finally:
+        keeper.close()
