@@ -128,11 +128,7 @@ class Keeper:
             self._hooks.append(self.model.register_forward_pre_hook(self._forwarding))
         self._server = _serve(self._address, self)
         self._previous_hook, sys.excepthook = sys.excepthook, self._on_exception
-        with contextlib.suppress(ValueError):  # not the main thread: no handler of ours
-            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, self._on_sigterm)
-                self._installed_sigterm = True
-                _forget_in_children()
+        self._take_sigterm()
 
     def mark(self, step: int, cursor: int, samples: int | None, lr_scale: float) -> None:
         """The step after ``step`` starts here (the data at ``cursor``): record what it starts
@@ -176,7 +172,19 @@ class Keeper:
 
     # -- holding on at the end --------------------------------------------------------------------
 
+    def _take_sigterm(self) -> None:
+        """Handle SIGTERM where nothing else does (its default action is set)."""
+        with contextlib.suppress(ValueError):  # not the main thread: no handler of ours
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, self._on_sigterm)
+                self._installed_sigterm = True
+                _forget_in_children()
+
     def _on_exception(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if os.getpid() == self._pid and not issubclass(kind, KeyboardInterrupt):
+            # A framework's handler may have been taken down with the exception (Lightning's
+            # teardown puts the default back): torchrun's SIGTERM must find the hold's.
+            self._take_sigterm()
         (self._previous_hook or sys.__excepthook__)(kind, value, tb)
         if os.getpid() != self._pid:
             return
