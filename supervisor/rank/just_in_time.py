@@ -37,19 +37,22 @@ import socketserver
 import sys
 import threading
 import time
+import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from babysit.checkpoints.just_in_time import Format
 from babysit.supervisor.contract import just_in_time as contract
 
 Emit = Callable[..., None]
 
+if typing.TYPE_CHECKING:
+    from babysit.checkpoints.just_in_time import Format
 
-class PartWriter(Protocol):
+
+class PartWriter(typing.Protocol):
     """Writes a rank's part of the just-in-time state in a format of its own, in place of
     babysit's: a framework's, which that framework's own resume reads (``rank/integrations``).
 
