@@ -44,15 +44,19 @@ class Sequences(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-class Faults(TrainerCallback):
-    """``--at``: this rank's faults of this attempt (babysit's directive says which)."""
+def faults() -> dict[int, str]:
+    """``--at``: this rank's faults of this attempt, by step (babysit's directive says which
+    attempt this is: read once training runs, as a warm standby's is written at promotion)."""
+    directive = os.environ.get("BABYSIT_DIRECTIVE")
+    attempt = json.loads(Path(directive).read_text())["attempt"] if directive else 0
+    rank = int(os.environ.get("RANK", "0"))
+    return {int(s): what for a, r, s, what in (f.split(":") for f in args.at)
+            if int(a) == attempt and int(r) == rank}
 
-    def __init__(self) -> None:
-        directive = os.environ.get("BABYSIT_DIRECTIVE")
-        attempt = json.loads(Path(directive).read_text())["attempt"] if directive else 0
-        rank = int(os.environ.get("RANK", "0"))
-        self.at = {int(s): what for a, r, s, what in (f.split(":") for f in args.at)
-                   if int(a) == attempt and int(r) == rank}
+
+class Faults(TrainerCallback):
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
+        self.at = faults()
 
     def on_step_begin(self, args, state, control, **kwargs) -> None:
         what = self.at.get(state.global_step + 1)
@@ -70,7 +74,8 @@ training = TrainingArguments(
     learning_rate=1e-2, warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[],
     use_cpu=True, disable_tqdm=True, train_sampling_strategy="sequential", seed=0,
     dataloader_num_workers=0)
-trainer = Trainer(model=model, args=training, train_dataset=Sequences(), callbacks=[Faults()])
+trainer = Trainer(model=model, args=training, train_dataset=Sequences(),
+                  callbacks=[Faults()] if args.at else [])
 if args.babysit:
     from babysit.integrations import hf_train
 

@@ -79,9 +79,10 @@ class Regression(pl.LightningModule):
 
 
 class Faults(pl.Callback):
-    """``--at``: this rank's faults of this attempt (babysit's directive says which)."""
+    """``--at``: this rank's faults of this attempt, by step (babysit's directive says which
+    attempt this is: read once training runs, as a warm standby's is written at promotion)."""
 
-    def __init__(self) -> None:
+    def on_train_start(self, trainer, pl_module) -> None:
         directive = os.environ.get("BABYSIT_DIRECTIVE")
         attempt = json.loads(Path(directive).read_text())["attempt"] if directive else 0
         self.at = {int(s): what for a, r, s, what in (f.split(":") for f in args.at)
@@ -100,7 +101,7 @@ trainer = pl.Trainer(
     accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
     max_steps=args.steps, max_epochs=1, use_distributed_sampler=False, logger=False,
     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    default_root_dir=args.out, callbacks=[Faults()])
+    default_root_dir=args.out, callbacks=[Faults()] if args.at else [])
 if args.babysit:
     from babysit.integrations import lightning_fit
 
