@@ -142,7 +142,10 @@ class BabysitTrainerCallback(TrainerCallback):  # type: ignore[misc]
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         self._last_logged = state.global_step
         trainer = self._trainer
-        if trainer is not None and self._keeper is None:
+        if trainer is None:  # added with add_callback() alone: the Trainer's state is unseen
+            self.run.keep(None, why_not="the callback was added without install() (use "
+                                        "hf_train): it cannot see the Trainer's state")
+        elif self._keeper is None:
             self._writer = hf_state.TrainerStateWriter(trainer)
             self._writer.at_mark()
             self.run.step_count = state.global_step

@@ -140,7 +140,11 @@ def restore_from_mark(checkpoint: str, world_size: int, rank: int) -> bool:
     mark = folder / mark_name(rank)
     if (folder / rng_name(world_size, rank)).exists() or not mark.is_file():
         return False
-    restore_rng(read_mark(mark).rng())
+    try:
+        streams = read_mark(mark).rng()
+    except MarkError:  # hashed at the commit: only a file damaged since; fresh streams then
+        return False
+    restore_rng(streams)
     return True
 
 
