@@ -203,3 +203,23 @@ def test_a_rank_s_mark_becomes_its_stream_file_which_the_trainer_restores(
 
     got = (random.random(), np.random.rand(), torch.rand(1))
     assert got[:2] == want[:2] and torch.equal(got[2], want[2])
+
+
+def test_a_rank_whose_streams_another_node_kept_takes_them_from_its_mark(tmp_path: Path) -> None:
+    """In a multi-node job the writer converts only the marks of its own node; another node's
+    rank finds its mark copied beside the Trainer's files (``mark_<r>.bin``) and no
+    ``rng_state_<r>.pth``: ``hf_train`` restores its streams from the mark instead."""
+    torch.manual_seed(7)
+    writer = mark.MarkWriter(tmp_path / "marks" / "1")
+    writer.write(12, 12, None, 1.0)
+    writer.close()
+    want = torch.rand(1)
+    folder = tmp_path / "step_00000012"
+    folder.mkdir()
+    (folder / just_in_time.mark_name(1)).write_bytes((tmp_path / "marks" / "1").read_bytes())
+    torch.manual_seed(0)
+
+    assert hf_state.restore_from_mark(str(folder), world_size=2, rank=1)
+    assert torch.equal(torch.rand(1), want)
+    (folder / hf_state.rng_name(2, 1)).write_bytes(b"the Trainer's own")
+    assert not hf_state.restore_from_mark(str(folder), world_size=2, rank=1)
