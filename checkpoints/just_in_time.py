@@ -22,6 +22,11 @@ a just-in-time checkpoint, and how it is read back:
 - **Committed** like any checkpoint: a manifest with every file's CRC-32, written last by the
   supervisor (``commit``), with ``origin: just_in_time``. It is pending until the resumed run
   proves it, and never a rollback target for a spike or a NaN (``catalog.py``).
+- **Or in a framework's format.** A rank whose loop a framework owns (the Trainer's,
+  Lightning's: ``supervisor/rank/integrations``) writes the framework's own checkpoint instead,
+  from the same thread and without a collective, and says so (``Format``). The commit then makes
+  it an external checkpoint, as ``register_external`` does a framework's periodic one: the
+  relaunch hands its path to the framework's own resume (``Resume.external``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from babysit.checkpoints.layout import MANIFEST_NAME, rank_state_name, step_dir
 from babysit.checkpoints.manifest import (
     FORMAT_JUST_IN_TIME,
     KIND_DCP,
+    KIND_EXTERNAL,
     ORIGIN_JUST_IN_TIME,
     FileEntry,
     Manifest,
@@ -308,26 +314,58 @@ def reader(path: Path) -> Any:
 
 # -- the supervisor's commit (torch-free) --------------------------------------------------------
 
+@dataclass(frozen=True, slots=True)
+class Format:
+    """A writer's part in a framework's own checkpoint format rather than babysit's (DCP and
+    ``rank_<r>.pt``), as the writer's answer says: ``name`` the format (``"transformers"``,
+    ``"lightning"``), ``resume`` what that framework resumes from: the checkpoint folder itself
+    (``"."``, as the Trainer's ``resume_from_checkpoint`` takes it) or a file directly in it
+    (as Lightning's ``ckpt_path``), so that every file, the marks its node copied too, is
+    named from the folder."""
+
+    name: str
+    resume: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"name": self.name, "resume": self.resume}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Format:
+        resume = str(obj["resume"])
+        if len(Path(resume).parts) > 1 or resume in ("..", "/"):
+            raise ValueError(f"a format resumes from its folder or a file in it, not {resume!r}")
+        return cls(str(obj["name"]), resume)
+
+
 def commit(root: str | Path, the_plan: Plan, files: list[FileEntry], world_size: int,
-           fault: str) -> Path:
+           fault: str, form: Format | None = None) -> Path:
     """Commit the staged just-in-time checkpoint of ``the_plan`` under ``root``: ``files`` are
     every staged file's entry (the writers' parts and the marks copied, each hashed by the node
     that put it there), the manifest is written (the checkpoint now exists, atomically), and
     the folder renamed to its step directory, replacing an uncommitted one of the same step (an
-    asynchronous save of that step the fault interrupted). Returns the step directory."""
+    asynchronous save of that step the fault interrupted). Returns the step directory.
+
+    ``form``: the writers wrote a framework's format; the checkpoint is then an external one
+    whose ``external_path`` is what the framework resumes from, in the step directory."""
     staging = staging_dir(root, the_plan.step)
     entries = list(files)
     names = {e.name for e in entries}
     leftovers = [n for n in list_content_files(staging) if n not in names]
     for name in leftovers:  # a writer's files that no answer listed (it timed out): not ours
         (staging / name).unlink(missing_ok=True)
-    manifest = Manifest(the_plan.step, the_plan.cursor, the_plan.lr_scale, world_size,
-                        tuple(sorted(entries, key=lambda e: e.name)), kind=KIND_DCP,
-                        samples=the_plan.samples, origin=ORIGIN_JUST_IN_TIME,
-                        format_version=FORMAT_JUST_IN_TIME,
-                        just_in_time={"fault": fault, **the_plan.to_json()})
-    write_manifest(staging, manifest)
     final = step_dir(root, the_plan.step)
+    story: dict[str, Any] = {"fault": fault, **the_plan.to_json()}
+    if form is not None:
+        story["format"] = form.name
+    manifest = Manifest(the_plan.step, the_plan.cursor, the_plan.lr_scale, world_size,
+                        tuple(sorted(entries, key=lambda e: e.name)),
+                        kind=KIND_DCP if form is None else KIND_EXTERNAL,
+                        external_path=None if form is None else
+                        os.path.normpath(final.absolute() / form.resume),
+                        external_is_file=form is not None and (staging / form.resume).is_file(),
+                        samples=the_plan.samples, origin=ORIGIN_JUST_IN_TIME,
+                        format_version=FORMAT_JUST_IN_TIME, just_in_time=story)
+    write_manifest(staging, manifest)
     if final.exists():
         uncommit_and_remove(final)
     os.rename(staging, final)

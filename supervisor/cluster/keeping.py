@@ -96,6 +96,8 @@ class OtherNodes:
             out.files += [FileEntry(str(f["name"]), int(f["size"]), int(f["crc32"]))
                           for f in message.files]
             out.failed.update(message.failed)
+            for rank, form in message.formats.items():  # its files came above, hashed there
+                out.answered(rank, {"ok": True, "files": [], "format": form})
         return out
 
     def release(self, attempt: int) -> None:
@@ -141,4 +143,5 @@ def node_write(keepers: Keepers | None, message: KeepWrite,
                                                  for r in the_plan.writers if r in ranks})
     written = keepers.write(message.attempt, the_plan, Path(message.dest),
                             time.monotonic() + message.seconds, ranks.keys())
-    return KeepWritten(message.attempt, [asdict(f) for f in written.files], written.failed)
+    return KeepWritten(message.attempt, [asdict(f) for f in written.files], written.failed,
+                       {r: f.to_json() if f else {} for r, f in written.formats.items()})

@@ -301,6 +301,9 @@ class KeepWritten:
     """The files written, as manifest entries (name, size, crc32)."""
     failed: dict[int, str] = field(default_factory=dict)
     """Why each writer here that failed did."""
+    formats: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """The format each writer here that succeeded wrote: a framework's
+    (``checkpoints.just_in_time.Format``, as JSON), or ``{}`` for babysit's own."""
 
 
 LeaderMessage = Launch | Stop | Control | Refused | Finish | Beat | KeepAsk | KeepWrite | \
@@ -367,7 +370,8 @@ def encode(message: Message) -> dict[str, Any]:
                     "marks": {str(r): s for r, s in message.marks.items()}}
         case KeepWritten():
             body = {"attempt": message.attempt, "files": message.files,
-                    "failed": {str(r): w for r, w in message.failed.items()}}
+                    "failed": {str(r): w for r, w in message.failed.items()},
+                    "formats": {str(r): f for r, f in message.formats.items()}}
     safe: dict[str, Any] = json_safe({"type": message.TYPE, **body})
     return safe
 
@@ -509,7 +513,8 @@ _FROM_FOLLOWER: dict[str, Callable[[_Fields], FollowerMessage]] = {
                                         marks=f.by_rank("marks", int)),
     KeepWritten.TYPE: lambda f: KeepWritten(attempt=f.integer("attempt"),
                                             files=f.objects("files"),
-                                            failed=f.by_rank("failed", str)),
+                                            failed=f.by_rank("failed", str),
+                                            formats=f.by_rank("formats", dict)),
 }
 
 

@@ -97,14 +97,40 @@ class Gathered:
 @dataclass
 class Written:
     """What the writers and mark copies of a part came to: the files in the staging folder (as
-    manifest entries, hashed where they were written) and why each writer that failed did."""
+    manifest entries, hashed where they were written), why each writer that failed did, and the
+    format each one that succeeded wrote (None: babysit's own; else a framework's, as its
+    answer said: ``just_in_time.Format``)."""
 
     files: list[FileEntry] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
+    formats: dict[int, just_in_time.Format | None] = field(default_factory=dict)
 
     def add(self, other: Written) -> None:
         self.files += other.files
         self.failed.update(other.failed)
+        self.formats.update(other.formats)
+
+    def answered(self, rank: int, answer: dict[str, Any] | str) -> None:
+        """A writer's answer to ``WRITE``: its files and format, or why it wrote nothing."""
+        if isinstance(answer, str) or not answer.get("ok"):
+            self.failed[rank] = answer if isinstance(answer, str) else str(answer.get("why"))
+            return
+        try:
+            form = answer.get("format")
+            self.formats[rank] = just_in_time.Format.from_json(form) if form else None
+            self.files += [FileEntry(str(f["name"]), int(f["size"]), int(f["crc32"]))
+                           for f in answer["files"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            self.failed[rank] = f"its answer is malformed ({type(exc).__name__}: {exc})"
+
+    def form(self) -> just_in_time.Format | None:
+        """The one format every writer wrote; raises ``ValueError`` when they differ."""
+        forms = set(self.formats.values())
+        if len(forms) > 1:
+            raise ValueError("the writers wrote different formats (" + ", ".join(
+                f"rank {r}: {f.name if f else 'babysit'}" for r, f in sorted(self.formats.items()))
+                + ")")
+        return next(iter(forms), None)
 
 
 class Part(Protocol):
@@ -194,11 +220,7 @@ class Keepers:
                              lambda rank: {"dir": str(dest), "step": the_plan.step, "model": True},
                              max(0.1, deadline - time.monotonic()))
         for rank, answer in answers.items():
-            if isinstance(answer, dict) and answer.get("ok"):
-                out.files += [FileEntry(str(f["name"]), int(f["size"]), int(f["crc32"]))
-                              for f in answer["files"]]
-            else:
-                out.failed[rank] = answer if isinstance(answer, str) else str(answer.get("why"))
+            out.answered(rank, answer)
         return out
 
     def release(self, attempt: int, ranks: Mapping[int, int]) -> None:
@@ -314,8 +336,9 @@ class Outcome:
         who = f"rank{'s' if len(writers) > 1 else ''} {_ranks(writers)}"
         lost = f" (random streams of rank(s) {_ranks(f['streams_lost'])} lost)" \
             if f["streams_lost"] else ""
-        return (f"just-in-time state of step {f['checkpoint_step']} written by {who} after the "
-                f"{f['fault']} in {f['seconds']:.2f} s{lost}")
+        form = f" as a {f['format']} checkpoint" if f.get("format") else ""
+        return (f"just-in-time state of step {f['checkpoint_step']} written by {who}{form} after "
+                f"the {f['fault']} in {f['seconds']:.2f} s{lost}")
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -374,10 +397,17 @@ def save(parts: Sequence[Part], attempt: int, *, root: Path, world_size: int,
             fields.update(outcome="none", checkpoint_step=got.step,
                           why=f"rank {rank} could not write its part: {why}")
             return Outcome(fields)
+        try:
+            form = written.form()
+        except ValueError as exc:
+            shutil.rmtree(dest, ignore_errors=True)
+            fields.update(outcome="none", checkpoint_step=got.step, why=str(exc))
+            return Outcome(fields)
         got = just_in_time.with_marks(got, {e.name for e in written.files})
-        path = just_in_time.commit(root, got, written.files, world_size, fault)
+        path = just_in_time.commit(root, got, written.files, world_size, fault, form)
         story = got.to_json()
-        fields.update(outcome="saved", path=str(path), checkpoint_step=story.pop("step"), **story)
+        fields.update(outcome="saved", path=str(path), checkpoint_step=story.pop("step"), **story,
+                      **({"format": form.name} if form is not None else {}))
         return Outcome(fields)
     except OSError as exc:
         fields.update(outcome="none", why=f"storage: {exc.strerror or exc}")

@@ -461,7 +461,7 @@ class NodeWorkers:
         return env
 
     def note(self, event: protocol.WorkerEvent) -> None:
-        """Keep what a rank's hello and close say about its process."""
+        """Keep what a rank's hello, keeps and close say about its process."""
         if event.type == "hello":
             pid = event.data.get("pid")
             if isinstance(pid, int) and pid > 0:
@@ -473,6 +473,8 @@ class NodeWorkers:
             local = event.data.get("local_rank")
             if isinstance(local, int) and local >= 0:
                 self.global_rank[local] = event.rank
+        elif event.type == "keeps":  # a keeper started after attach() (run.keep), or not
+            self._keeps(event)
         elif event.type == "close":
             self.closed_ranks.add(event.rank)
         elif event.type == "checkpoint" and not event.data.get("external"):
@@ -483,9 +485,13 @@ class NodeWorkers:
     def _keeps(self, hello: protocol.WorkerEvent) -> None:
         """Whether the rank keeps its last step; the first time one says why it does not (or
         the script never attached: stdout mode, where babysit saves no checkpoint of its own and
-        so keeps none either), journaled once for the run."""
+        so keeps none either), journaled once for the run. A hello that says the rank keeps it
+        later (a framework's loop builds its optimizer after ``attach()``) leaves it to the
+        rank's ``keeps`` event."""
         printed = hello.data.get("source") == SOURCE
         if self.keepers is None and not (printed and self.plan.config.checkpoints.just_in_time):
+            return
+        if hello.data.get("keeps_later") is True:
             return
         keeps = hello.data.get("keeps")
         self.keeping[hello.rank] = keeps is True

@@ -47,7 +47,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from babysit.supervisor.contract import protocol
 from babysit.supervisor.contract.directive import (
@@ -62,6 +62,9 @@ from babysit.supervisor.contract.directive import (
 from babysit.supervisor.rank import elastic_data
 from babysit.supervisor.rank.forward_clock import forward_clock
 from babysit.supervisor.rank.saving import Checkpointer
+
+if TYPE_CHECKING:
+    from babysit.supervisor.rank.just_in_time import Keeper, PartWriter
 
 T = TypeVar("T")
 
@@ -342,6 +345,32 @@ class Run:
         if self.directive.lr_scale != 1.0 or self.directive.lr_ramp:
             self._install_lr_scale(optimizer)
 
+    def keep(self, model: Any, optimizer: Any = None, scheduler: Any = None, *,
+             writer: PartWriter | None = None, why_not: str | None = None) -> Keeper | None:
+        """Start keeping the last completed step (``rank.just_in_time``), for a loop whose
+        optimizer exists only after ``attach()`` (a framework builds it inside ``fit`` or
+        ``train``: ``babysit.integrations``): ``attach(keep_later=True)``, then this once, on
+        every rank, once the optimizer and scheduler exist. Returns the keeper, started, when
+        the run keeps the last step (the caller then marks every step boundary with
+        ``keeper.mark``), else None.
+
+        ``writer``: writes the state in a format of the caller's (a framework's) in place of
+        babysit's. ``why_not``: why this loop's state cannot be kept (a framework's strategy
+        whose state dicts are collectives): nothing starts, and the journal says why
+        (``just_in_time_off``), as the supervisor learns either way from a ``keeps`` event."""
+        keeper: Keeper | None = self._keeper
+        if keeper is not None or not self.directive.just_in_time or self._sock is None:
+            return keeper
+        if why_not is None:
+            keeper = self._keeper = _keeper(self, self.directive, self._token.hex(), model,
+                                            optimizer, scheduler, writer)
+        if keeper is not None:  # the next step starts from the state restored
+            keeper.mark(self.step_count, self.cursor, None, self.lr_scale)
+            self._event("keeps", keeps=True)
+        else:
+            self._event("keeps", keeps=False, keeps_not=why_not or "keep() got no model")
+        return keeper
+
     def _skip_at(self, cursor: int) -> SkipRange | None:
         while self._skips and self._skips[0].end <= cursor:
             self._skips.pop(0)
@@ -585,6 +614,7 @@ def attach(
     flops_per_token: float | None = None,
     param_count: int | None = None,
     peak_flops: float | None = None,
+    keep_later: bool = False,
 ) -> Run:
     """Connect this rank to its babysit supervisor, or return a no-op ``Run`` if there is none.
 
@@ -605,6 +635,9 @@ def attach(
     device's peak FLOP/s at the training precision (989e12 for an H100 SXM in dense BF16). A
     "token" is whatever unit ``tokens`` counts: a vision script passes images and FLOPs per
     image.
+
+    ``keep_later``: the last completed step is kept from ``run.keep(...)`` on, once the loop's
+    optimizer exists (a framework integration), not from here.
     """
     flops_per_token = _flops_per_token(flops_per_token, param_count)
     if peak_flops is not None:
@@ -656,6 +689,8 @@ def attach(
             keeps["keeps_not"] = (
                 "attach() got no model (a framework integration saves through the framework's "
                 "own checkpoints)") if model is None else "the supervisor cannot be reached"
+    if keep_later and run._keeper is None and directive.just_in_time:
+        keeps = {"keeps_later": True}  # run.keep() says whether it does (its "keeps" event)
     run._event("hello", pid=os.getpid(), host=socket.gethostname(), world_size=world_size,
                local_rank=int(os.environ.get("LOCAL_RANK", "0")), step=run.step_count,
                cursor=run.cursor, flops_per_token=flops_per_token, peak_flops=peak_flops,
@@ -724,9 +759,10 @@ def _fingerprinter(every: int, model: Any, rank: int) -> Any:
 
 
 def _keeper(run: Run, directive: Directive, token_hex: str, model: Any, optimizer: Any,
-            scheduler: Any) -> Any:
+            scheduler: Any, writer: PartWriter | None = None) -> Any:
     """The keeper of the last completed step (``rank.just_in_time``), started, when the run
-    keeps one (``checkpoints.just_in_time``) and there is a model to keep; else None."""
+    keeps one (``checkpoints.just_in_time``) and there is a model to keep; else None.
+    ``writer``: its state's format, when not babysit's (``Keeper``)."""
     settings = directive.just_in_time
     if not settings or model is None or run._sock is None:
         return None
@@ -734,7 +770,7 @@ def _keeper(run: Run, directive: Directive, token_hex: str, model: Any, optimize
 
     keeper = Keeper(rank=run.rank, attempt=directive.attempt, token_hex=token_hex,
                     marks=Path(settings["marks"]), hold_s=float(settings["hold_s"]), model=model,
-                    optimizer=optimizer, scheduler=scheduler, emit=run._event)
+                    optimizer=optimizer, scheduler=scheduler, emit=run._event, writer=writer)
     keeper.start()
     return keeper
 

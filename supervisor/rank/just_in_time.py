@@ -19,6 +19,9 @@ written, ``node/just_in_time.py`` who asks):
 - **answers** its node from a thread of its own (``contract/just_in_time.py``), so it writes while
   the main thread sits in a collective that will never finish; on a GPU it copies from a side
   stream once the mark's event completed, never waiting behind the kernel that is stuck.
+- **writes** babysit's own format (``checkpoints.just_in_time.write_part``), or, where a
+  framework owns the loop, that framework's (a ``PartWriter``: ``rank/integrations``), which
+  the framework's own resume reads.
 - **holds on**: a rank that would end (an uncaught exception: a peer's connection reset under
   gloo; a SIGTERM: torchrun stopping the survivors of a crash, or a scheduler's) first tells its
   node (``holding``) and waits, at most ``hold_s``, until the node released it; then it ends as
@@ -38,6 +41,7 @@ import socketserver
 import sys
 import threading
 import time
+import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
@@ -48,6 +52,26 @@ from babysit.checkpoints.just_in_time import shard_of
 from babysit.supervisor.contract import just_in_time as contract
 
 Emit = Callable[..., None]
+
+if typing.TYPE_CHECKING:
+    from babysit.checkpoints.just_in_time import Format
+
+
+class PartWriter(typing.Protocol):
+    """Writes a rank's part of the just-in-time state in a format of its own, in place of
+    babysit's: a framework's, which that framework's own resume reads (``rank/integrations``).
+
+    Called by the keeper (``Keeper.write``) from its own thread, once its state is known to be
+    that of the marked ``step``, while the training thread may sit in a collective that never
+    ends: it must use none (no barrier, no gather, no ``torch.distributed`` call at all). It
+    writes into ``dest`` only, creating it; with ``with_model`` the model and optimizer too, else
+    only what is this rank's own. ``rng``: this rank's random streams as the step started;
+    ``marks``: the folder of this node's ranks' mark files (``checkpoints.mark``, named by
+    global rank), for the other ranks' streams where its format keeps them. Returns the files
+    written (manifest entries, ``checkpoints.manifest.hash_file`` as dicts) and the format."""
+
+    def __call__(self, dest: Path, rank: int, *, rng: dict[str, Any], marks: Path, step: int,
+                 with_model: bool) -> tuple[list[dict[str, Any]], Format]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +95,10 @@ class Keeper:
     """One rank's keeper; ``start()`` after the restore, ``close()`` at ``run.close()``."""
 
     def __init__(self, *, rank: int, attempt: int, token_hex: str, marks: Path, hold_s: float,
-                 model: Any, optimizer: Any, scheduler: Any, emit: Emit) -> None:
+                 model: Any, optimizer: Any, scheduler: Any, emit: Emit,
+                 writer: PartWriter | None = None) -> None:
+        """``writer``: writes this rank's part in a format of its own (a framework's) in place of
+        babysit's (``checkpoints.just_in_time.write_part``)."""
         from babysit.checkpoints.mark import MarkWriter
 
         self.rank, self.hold_s = rank, hold_s
@@ -103,6 +130,7 @@ class Keeper:
         self._pid = os.getpid()
         """The rank's process: a child it forks (a DataLoader worker) inherits the handlers,
         which then do what they would have done without babysit."""
+        self._writer = writer
 
     # -- the training thread ----------------------------------------------------------------------
 
@@ -116,11 +144,7 @@ class Keeper:
             self._hooks.append(self.model.register_forward_pre_hook(self._forwarding))
         self._server = _serve(self._address, self)
         self._previous_hook, sys.excepthook = sys.excepthook, self._on_exception
-        with contextlib.suppress(ValueError):  # not the main thread: no handler of ours
-            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, self._on_sigterm)
-                self._installed_sigterm = True
-                _forget_in_children()
+        self._take_sigterm()
 
     def mark(self, step: int, cursor: int, samples: int | None, lr_scale: float,
              settled: bool = True) -> None:
@@ -191,7 +215,19 @@ class Keeper:
 
     # -- holding on at the end --------------------------------------------------------------------
 
+    def _take_sigterm(self) -> None:
+        """Handle SIGTERM where nothing else does (its default action is set)."""
+        with contextlib.suppress(ValueError):  # not the main thread: no handler of ours
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, self._on_sigterm)
+                self._installed_sigterm = True
+                _forget_in_children()
+
     def _on_exception(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if os.getpid() == self._pid and not issubclass(kind, KeyboardInterrupt):
+            # A framework's handler may have been taken down with the exception (Lightning's
+            # teardown puts the default back): torchrun's SIGTERM must find the hold's.
+            self._take_sigterm()
         (self._previous_hook or sys.__excepthook__)(kind, value, tb)
         if os.getpid() != self._pid:
             return
@@ -269,9 +305,6 @@ class Keeper:
     def write(self, dest: str, step: int, with_model: bool) -> dict[str, Any]:
         """Write this rank's part of the state of ``step`` into ``dest`` (one write at a time);
         the files written, or why not."""
-        from babysit.checkpoints import just_in_time
-        from babysit.checkpoints.mark import read
-
         with self._lock:
             marked = self._marked
             why = self._inconsistent(marked)
@@ -282,17 +315,30 @@ class Keeper:
             started = time.perf_counter()
             try:
                 with self._after_mark():
-                    files = just_in_time.write_part(
-                        Path(dest), self.rank, model=self.model, optimizer=self.optimizer,
-                        scheduler=self.scheduler, rng=read(self._mark_path).rng(),
-                        step=marked.step, cursor=marked.cursor, lr_scale=marked.lr_scale,
-                        with_model=with_model)
+                    files, form = self._write_part(Path(dest), marked, with_model)
             except Exception as exc:  # said to the node, which falls back
                 return {"ok": False, "why": f"{type(exc).__name__}: {exc}"[:2000]}
             moved = self._inconsistent(marked)
             if moved is not None:  # the main thread was not stuck after all
                 return {"ok": False, "why": f"it moved on while writing ({moved})"}
-            return {"ok": True, "files": files, "seconds": round(time.perf_counter() - started, 6)}
+            return {"ok": True, "files": files, "seconds": round(time.perf_counter() - started, 6),
+                    **({"format": form.to_json()} if form is not None else {})}
+
+    def _write_part(self, dest: Path, marked: _Marked, with_model: bool
+                    ) -> tuple[list[dict[str, Any]], Format | None]:
+        """The part of the marked state, in babysit's format or in the writer's (its files,
+        and the format: None for babysit's)."""
+        from babysit.checkpoints import just_in_time
+        from babysit.checkpoints.mark import read
+
+        rng = read(self._mark_path).rng()
+        if self._writer is not None:
+            return self._writer(dest, self.rank, rng=rng, marks=self._mark_path.parent,
+                                step=marked.step, with_model=with_model)
+        return just_in_time.write_part(
+            dest, self.rank, model=self.model, optimizer=self.optimizer,
+            scheduler=self.scheduler, rng=rng, step=marked.step, cursor=marked.cursor,
+            lr_scale=marked.lr_scale, with_model=with_model), None
 
     @contextlib.contextmanager
     def _after_mark(self) -> Iterator[None]:

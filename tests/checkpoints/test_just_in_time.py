@@ -176,3 +176,31 @@ def test_a_mark_no_node_copied_is_a_rank_whose_streams_are_lost() -> None:
     assert done.marks == (1,) and done.streams_lost == (2, 3)
     assert just_in_time.with_marks(plan, {just_in_time.mark_name(1), just_in_time.mark_name(2)}
                                    ) == plan
+
+
+def test_a_framework_format_is_committed_as_an_external_checkpoint_its_framework_resumes(
+        tmp_path: Path) -> None:
+    """A writer that wrote a framework's own checkpoint (Lightning's ``.ckpt`` here) says so:
+    the commit makes it external, its path the one the framework resumes from, so a relaunch
+    hands it to the framework (``Resume.external``) instead of loading it itself."""
+    root = tmp_path / "ckpt"
+    plan = Plan(239, 239, None, 1.0, writers=(0,), marks=(1,), streams_lost=())
+    staged = just_in_time.staging_dir(root, 239)
+    staged.mkdir(parents=True)
+    (staged / "step-239.ckpt").write_bytes(b"lightning's checkpoint")
+    (staged / just_in_time.mark_name(1)).write_bytes(b"rank 1's mark")
+    files = [hash_file(staged, n) for n in ("step-239.ckpt", just_in_time.mark_name(1))]
+    form = just_in_time.Format.from_json({"name": "lightning", "resume": "step-239.ckpt"})
+
+    path = just_in_time.commit(root, plan, files, world_size=2, fault="crash", form=form)
+
+    manifest = read_manifest(path)
+    assert manifest.kind == "external" and manifest.is_just_in_time
+    assert manifest.external_path == str((root / "step_00000239" / "step-239.ckpt").absolute())
+    assert manifest.external_is_file and manifest.data_dir(path) == path.absolute()
+    assert manifest.just_in_time == {"fault": "crash", "format": "lightning", **plan.to_json()}
+    assert verify_manifest(manifest, path, full=True) == []
+    assert Catalog(root).choose_for_rollback(240, allow_pending=True).checkpoint is not None
+    for outside in ("../x.ckpt", "sub/x.ckpt", "/x.ckpt", ".."):
+        with pytest.raises(ValueError, match="its folder or a file in it"):
+            just_in_time.Format.from_json({"name": "lightning", "resume": outside})

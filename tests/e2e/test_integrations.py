@@ -1,7 +1,13 @@
 """The framework integrations end to end: a tiny Hugging Face Trainer job and a tiny Lightning
-job, each with poisoned batches, under real babysit, torchrun and gloo. Each rolls back through
-its callback to a checkpoint the framework saved, skips the poison through the framework's own
-data path, and finishes close to the same job's clean run (plain torchrun, run alongside)."""
+job under real babysit, torchrun and gloo.
+
+- With poisoned batches, each rolls back through its callback to a checkpoint the framework
+  saved, skips the poison through the framework's own data path, and finishes close to the
+  same job's clean run (plain torchrun, run alongside).
+- With a rank SIGKILLed mid-run, the live rank writes the last completed step as the
+  framework's own checkpoint, and the relaunch resumes there through the framework's own resume:
+  the fault costs the step it interrupted, not the steps since the last periodic checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -96,3 +102,73 @@ def test_a_lightning_job_rolls_back_through_its_callback(tmp_path: Path) -> None
         "--poison", "30:42", "--babysit", script=script,
         checkpoints="{every_steps: 10, probation_steps: 5}", policy=NO_RERUN)
     _check_rollback(run_dir, result, clean, 70, rerun=False)
+
+
+# -- just-in-time state ---------------------------------------------------------------------------
+
+KILLED = "{every_steps: 20, probation_steps: 5, keep: 10}"
+"""Periodic saves at 20, 40, 60: a fault before step 30 or 45 would cost 9 or 4 steps without
+the just-in-time state; all kept, to be looked into."""
+
+
+def _kept(run_dir: Path, result: subprocess.CompletedProcess[str], form: str,
+          faults: list[tuple[int, int]]) -> list[dict]:
+    """Each fault ((rank killed, step it was killed before)) was kept: the live rank wrote the
+    step before as the framework's checkpoint, and the next attempt resumed there through the
+    framework's resume (its ``external`` path), reporting from the step after it. Returns the
+    launches' resumes."""
+    assert result.returncode == 0, result.stdout + result.stderr
+    saved = journal(run_dir, "just_in_time")
+    assert [(e["outcome"], e["checkpoint_step"], e["writers"], e.get("format")) for e in saved] == [
+        ("saved", step - 1, [1 - rank], form) for rank, step in faults]
+    resumes = journal(run_dir, "resume")
+    assert [(r["checkpoint_step"], r["just_in_time"]["writers"], r["just_in_time"]["lost_steps"],
+             r["just_in_time"]["periodic_step"]) for r in resumes] == [
+        (step - 1, [1 - rank], 1, step // 20 * 20) for rank, step in faults]
+    launches = [e["directive"]["resume"] for e in journal(run_dir, "launch")][1:]
+    for launch, (_, step) in zip(launches, faults, strict=True):
+        assert launch["external"] and launch["step"] == step - 1 and Path(launch["path"]).exists()
+    firsts: dict[int, dict] = {}
+    for row in read_jsonl(run_dir / "metrics.jsonl"):
+        firsts.setdefault(row["attempt"], row)
+    assert [firsts[a]["step"] for a in range(1, len(faults) + 1)] == [s for _, s in faults]
+    # The framework's resume took the weights: no attempt starts over at a fresh model's loss.
+    assert all(firsts[a]["loss_max"] < firsts[0]["loss_min"] / 2
+               for a in range(1, len(faults) + 1))
+    assert journal(run_dir, "just_in_time_off") == []
+    return launches
+
+
+def test_a_trainer_job_resumes_from_the_trainers_own_checkpoint_of_the_interrupted_step(
+        tmp_path: Path) -> None:
+    """Rank 1 is killed before step 30, then rank 0 before step 45: each time the other rank
+    writes a ``checkpoint-N`` folder of the step before (rank 1's is the Trainer's
+    ``save_pretrained`` on another rank than 0; each dead rank's random streams come from its
+    mark), and ``resume_from_checkpoint`` takes it."""
+    pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+    result, run_dir = babysat(
+        tmp_path, "hf", "--out", str(tmp_path / "out"), "--steps", "60", "--at",
+        "0:1:30:SIGKILL", "--at", "1:0:45:SIGKILL", "--babysit", script=WORKERS / "hf_job.py",
+        checkpoints=KILLED)
+    launches = _kept(run_dir, result, "transformers", [(1, 30), (0, 45)])
+    for launch in launches:  # the Trainer's checkpoint, every rank's streams in its layout
+        names = sorted(p.name for p in Path(launch["path"]).iterdir())
+        assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json",
+                "rng_state_0.pth", "rng_state_1.pth"} <= set(names), names
+        state = json.loads((Path(launch["path"]) / "trainer_state.json").read_text())
+        assert state["global_step"] == launch["step"]
+    assert _final(result.stdout)["step"] == 60
+
+
+def test_a_lightning_job_resumes_from_lightnings_own_checkpoint_of_the_interrupted_step(
+        tmp_path: Path) -> None:
+    """Rank 1 is killed before step 30: rank 0 writes Lightning's ``.ckpt`` of step 29 (its
+    loops' state as it stood at the step's end), and ``fit(ckpt_path=...)`` resumes there."""
+    pytest.importorskip("lightning", reason="needs the lightning extra: pip install -e "
+                                            "'.[lightning]'")
+    result, run_dir = babysat(
+        tmp_path, "lightning", "--out", str(tmp_path / "out"), "--steps", "60", "--at",
+        "0:1:30:SIGKILL", "--babysit", script=WORKERS / "lightning_job.py", checkpoints=KILLED)
+    [launch] = _kept(run_dir, result, "lightning", [(1, 30)])
+    assert launch["path"].endswith("step_00000029/step-29.ckpt")
+    assert _final(result.stdout)["step"] == 60

@@ -4,13 +4,17 @@ With ``--babysit`` it fits through ``lightning_fit(trainer, model)``; without, `
 Global batch ``i`` is a pure function of ``i``; each rank takes its half. The loader is
 resumable (Lightning's ``state_dict``/``load_state_dict``), so a mid-epoch checkpoint resumes
 at the right batch. ``--poison A:B`` multiplies the labels of global batches ``A <= i < B`` by
-40: a loss spike.
+40: a loss spike. ``--at ATTEMPT:RANK:STEP:WHAT`` (repeatable): on that attempt, just before
+that optimizer step (``on_train_batch_start``), that rank sends itself the signal ``WHAT``
+(``SIGKILL``, ``SIGSEGV``...).
 """
 
 import argparse
 import json
 import os
+import signal
 import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -20,6 +24,7 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--steps", type=int, default=70)
 parser.add_argument("--poison", default=None)
 parser.add_argument("--babysit", action="store_true")
+parser.add_argument("--at", action="append", default=[])
 args = parser.parse_args()
 poison = tuple(int(v) for v in args.poison.split(":")) if args.poison else None
 rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -73,13 +78,30 @@ class Regression(pl.LightningModule):
         return Batches(args.steps + 30)  # room for the batches a rollback skips
 
 
+class Faults(pl.Callback):
+    """``--at``: this rank's faults of this attempt, by step (babysit's directive says which
+    attempt this is: read once training runs, as a warm standby's is written at promotion)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        directive = os.environ.get("BABYSIT_DIRECTIVE")
+        attempt = json.loads(Path(directive).read_text())["attempt"] if directive else 0
+        self.at = {int(s): what for a, r, s, what in (f.split(":") for f in args.at)
+                   if int(a) == attempt and int(r) == rank}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        what = self.at.get(trainer.global_step + 1)
+        if what is not None:
+            print(f"rank {rank}: injected {what} at step {trainer.global_step + 1}", flush=True)
+            os.kill(os.getpid(), getattr(signal, what))
+
+
 torch.manual_seed(0)
 model = Regression()
 trainer = pl.Trainer(
     accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
     max_steps=args.steps, max_epochs=1, use_distributed_sampler=False, logger=False,
     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    default_root_dir=args.out)
+    default_root_dir=args.out, callbacks=[Faults()] if args.at else [])
 if args.babysit:
     from babysit.integrations import lightning_fit
 

@@ -18,8 +18,29 @@ Everything goes through Lightning's own machinery:
 - the LR scale a rollback sets: step hooks on every optimizer (schedulers never see it).
 - phases: validation and checkpoint saves are declared, so the hang detector allows for them.
 
-Data position on resume is Lightning's business: exact when the train dataloader is resumable
-(``state_dict``/``load_state_dict``) or a checkpoint ends an epoch; Lightning warns otherwise.
+- just-in-time state (``checkpoints.just_in_time``): once ``fit`` set up its optimizer and
+  schedulers (``on_train_start``), each rank keeps its last completed step, marked at the
+  optimizer step's boundary: ``on_train_batch_end`` of a batch that stepped, which Lightning
+  calls after the optimizer's step and after the step-interval schedulers' step. After a hang
+  or a crash the live ranks write it as Lightning's own ``.ckpt`` (``lightning_state``), and
+  the relaunch resumes from it through ``fit(ckpt_path=...)``: the fault costs the step it
+  interrupted.
+
+What Lightning's own features mean for it:
+
+- gradient accumulation (``accumulate_grad_batches``): the step is the optimizer step; a fault
+  between micro-batches keeps the step before, and the resumed fit draws its micro-batches
+  again.
+- mixed precision: the precision plugin's state (fp16's grad scaler) is in the checkpoint, as
+  in any of Lightning's; bf16 has none.
+- DeepSpeed, FSDP, ModelParallel and XLA strategies, a ``ZeroRedundancyOptimizer``: their
+  state dicts are gathered with collectives, which a rank whose peer died cannot join; manual
+  optimization steps where babysit does not look. Such a run keeps the periodic path, and the
+  journal says why (``just_in_time_off``).
+- data position on resume is Lightning's business, from periodic and just-in-time checkpoints
+  alike: exact when the train dataloader is resumable (``state_dict``/``load_state_dict``) or a
+  checkpoint ends an epoch; Lightning warns otherwise.
+- random streams: Lightning's checkpoints keep none, so a resumed rank draws on from its own.
 
 Calling rules: one ``lightning_fit`` per process, automatic optimization. Under plain torchrun it
 just fits. Needs ``pip install 'babysit[lightning]'``.
@@ -36,13 +57,14 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from babysit.supervisor.rank.api import Run, attach
+from babysit.supervisor.rank.integrations import lightning_state
 
 
 class BabysitLightningCallback(Callback):  # type: ignore[misc]
     """The callback ``lightning_fit`` installs; see the module docstring."""
 
     def __init__(self, run: Run | None = None) -> None:
-        self.run = run if run is not None else attach()
+        self.run = run if run is not None else attach(keep_later=True)
         self.run.framework_loop()  # the framework counts the cursor and saves its checkpoints
         self._skip_end: int | None = None
         self._skipped = False
@@ -51,6 +73,11 @@ class BabysitLightningCallback(Callback):  # type: ignore[misc]
         self._reported = -1
         self._saved = -1
         self._phase: contextlib.ExitStack | None = None
+        self._writer: lightning_state.LightningStateWriter | None = None
+        self._keeper: Any = None
+        """The keeper of the last completed step, from ``on_train_start`` (``Run.keep``)."""
+        self._marked = -1
+        self._updates: lightning_state.UpdateHooks | None = None
 
     def wrap(self, module: LightningModule) -> None:
         """Count the data cursor and skip bad ranges in ``module.training_step``."""
@@ -77,10 +104,22 @@ class BabysitLightningCallback(Callback):  # type: ignore[misc]
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         for optimizer in trainer.optimizers:
             self.run.scale_lr(optimizer)
-        self._reported = self._saved = trainer.global_step
+        self._reported = self._saved = self._marked = trainer.global_step
+        if self._keeper is None:
+            self._writer = lightning_state.LightningStateWriter(trainer)
+            self._writer.at_mark()
+            self.run.step_count = trainer.global_step
+            schedulers = trainer.lr_scheduler_configs
+            if trainer.optimizers:
+                self._updates = lightning_state.UpdateHooks(trainer.optimizers[0])
+            self._keeper = self.run.keep(
+                pl_module, self._updates, schedulers[0].scheduler if schedulers else None,
+                writer=self._writer, why_not=lightning_state.keeps_not(trainer))
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
                                  optimizer: Any) -> None:
+        if self._updates is not None:  # the closure (forward, backward) is done: the update
+            self._updates.updating()
         if self._skipped:  # torch optimizers leave parameters without a gradient untouched
             for p in pl_module.parameters():
                 p.grad = None
@@ -92,6 +131,13 @@ class BabysitLightningCallback(Callback):  # type: ignore[misc]
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
+        if self._updates is not None:
+            self._updates.ended()
+        if step != self._marked and self._keeper is not None and self._writer is not None:
+            # The optimizer and the step-interval schedulers have stepped (Lightning's order).
+            self._marked = step
+            self._writer.at_mark()
+            self._keeper.mark(step, self.run.cursor, None, self.run.lr_scale)
         if self._skipped:
             self._skipped, self._reported = False, step
         if step == self._reported:  # skipped, or accumulating gradients

@@ -104,6 +104,8 @@ FOLLOWER_MESSAGES: list[FollowerMessage] = [
               marks={4: 239, 5: 239}),
     KeepViews(2, []),
     KeepWritten(2, [{"name": "__4_0.distcp", "size": 4096, "crc32": 123}], failed={4: "disk"}),
+    KeepWritten(2, [{"name": "model.safetensors", "size": 4096, "crc32": 123}],
+                formats={4: {"name": "transformers", "resume": "."}, 5: {}}),
 ]
 
 

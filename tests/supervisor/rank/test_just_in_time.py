@@ -146,3 +146,50 @@ def test_a_mark_holds_until_a_stream_moves_or_a_forward_moves_the_buffers(
         assert not keeper.holds(3, 3, None, 1.0)
     finally:
         keeper.close()
+
+
+HOLDS_THROUGH_SIGTERM = """
+import json, signal, sys
+import torch
+from pathlib import Path
+from babysit.supervisor.rank.just_in_time import Keeper
+
+signal.signal(signal.SIGTERM, lambda *a: None)  # a framework's own handler (Lightning's)
+model = torch.nn.Linear(2, 1)
+keeper = Keeper(rank=0, attempt=3, token_hex=sys.argv[1], marks=Path(sys.argv[2]), hold_s=60.0,
+                model=model, optimizer=None, scheduler=None,
+                emit=lambda kind, **data: print(json.dumps([kind, data]), flush=True))
+keeper.start()
+keeper.mark(1, 1, None, 1.0)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)  # its teardown puts the default back
+raise RuntimeError("Connection reset by peer")
+"""
+
+
+def test_a_rank_whose_framework_took_its_sigterm_handler_down_holds_on_through_sigterm(
+        tmp_path: Path) -> None:
+    """Lightning handles SIGTERM itself while it fits, and its teardown at an exception puts the
+    default action back: the keeper takes SIGTERM at the exception, so the SIGTERM torchrun
+    sends the survivors of a crash waits until the node released the rank, which then ends by
+    it as it would have."""
+    import subprocess
+    import sys
+
+    from tests.conftest import babysit_env
+
+    proc = subprocess.Popen([sys.executable, "-c", HOLDS_THROUGH_SIGTERM, TOKEN,
+                             str(tmp_path / "marks")], env=babysit_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith('["holding"'), (line, proc.stderr.read() if proc.stderr else "")
+        proc.send_signal(signal.SIGTERM)
+        address = contract.address(TOKEN, 3, 0)
+        view = contract.ask(address, TOKEN, contract.STATE, timeout=10)  # still there
+        assert view["step"] == 1 and view["consistent"]
+        contract.ask(address, TOKEN, contract.RELEASE, timeout=10)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
