@@ -1,5 +1,8 @@
 """A fault costs one step, on every path a user meets: the matrix.
 
+(FSDP2 rows: where no live rank holds a shard, the newest memory copy does, every 5 steps:
+``checkpoints/memory.py``.)
+
 {one node, two nodes in network namespaces} x {hang, segfault, SIGSTOP, a lost node} x {DDP,
 FSDP2}, each cell a real fault in a real run of ``tests/workers/tiny_train.py`` (dropout, Adam,
 StepLR: a resume is exact only if the weights, the optimizer, the scheduler, every rank's random
@@ -46,7 +49,9 @@ pytestmark = pytest.mark.e2e
 STEPS = 150
 EVERY = 25
 ARGS = ("--steps", str(STEPS), "--eval-every", "50", "--step-sleep", "0.02")
-SAVES = f"{{every_steps: {EVERY}, probation_steps: 5, async_save: true}}"
+MEMORY = 5
+SAVES = (f"{{every_steps: {EVERY}, probation_steps: 5, async_save: true, "
+         f"memory_every_steps: {MEMORY}}}")
 OVERRIDES = "{incidents: {hang: {ladder: [relaunch, relaunch, relaunch, stop]}}}"
 POLICY = f"{{name: {FAST_POLICY}, overrides: {OVERRIDES}}}"
 """Three hangs in a row relaunch: the rows' faults are the point, not the ladder's end."""
@@ -156,7 +161,11 @@ def test_one_node_fsdp2_keeps_the_step_while_every_shard_lives_and_says_why_when
     assert "shard 1 of the sharded state has no live holder (rank 1 is stopped (SIGSTOP)" \
         in stopped["why"]
     assert "inside optimizer.step()" in half["why"]
-    assert _resumes(events) == {1: 29, 2: 50, 3: 75, 4: 100}
+    # No live rank held the step: the newest memory copy did (every 5 steps), each rank's
+    # shard in the node's shared memory.
+    assert _resumes(events) == {1: 29, 2: 55, 3: 85, 4: 115}
+    origins = [e["origin"] for e in journal(run_dir, "resume") if e.get("from")]
+    assert origins == ["just_in_time", "memory", "memory", "memory"]
     assert "no just-in-time state after the hang: shard 1" in result.stdout
     _exact(run_dir, events, clean_fsdp)
 
@@ -241,9 +250,13 @@ def test_two_nodes_fsdp2_keeps_the_step_while_every_shard_lives_and_says_why_whe
     assert f"rank {leader} is dead" in crash["why"]
     assert f"rank {follower} is stopped (SIGSTOP)" in stopped["why"]
     assert f"rank {follower} is on node 1, which was lost" in lost["why"]
-    newest = lost_at // EVERY * EVERY
+    # No live rank held the step: the newest memory copy did, the lost node's shard from the
+    # replica its peer (node 0) kept in its own shared memory.
+    newest = lost_at // MEMORY * MEMORY
     resumed = _resumes(run.journal())
-    assert {a: resumed[a] for a in (1, 2, 3)} == {1: 29, 2: 50, 3: 75}
-    assert resumed[4] in (newest, newest - EVERY)  # the newest one committed by then
+    assert {a: resumed[a] for a in (1, 2, 3)} == {1: 29, 2: 55, 3: 85}
+    assert newest - 2 * MEMORY <= resumed[4] <= lost["checkpoint_step"]
+    assert [e["origin"] for e in run.events("resume") if e.get("from")] == \
+        ["just_in_time", "memory", "memory", "memory"]
     # Every rank's streams were in the periodic checkpoints: the run ends bit-exact.
     _exact(run.run_dir, run.journal(), clean_fsdp)

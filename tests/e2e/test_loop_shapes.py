@@ -75,11 +75,11 @@ def clean_iterator(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, 
 def assert_resumed_at_the_fault(run_dir: Path, clean: tuple[dict[int, Any], float]) -> None:
     """Checkpoints of 100 and 200 saved before the fault; the relaunch resumed at 239 from the
     just-in-time state; the run ended bit for bit as the clean one."""
-    saved = [(e["attempt"], e["step"]) for e in journal(run_dir, "checkpoint_saved")]
+    saved = [(e["attempt"], e["checkpoint_step"]) for e in journal(run_dir, "checkpoint_saved")]
     assert saved[:2] == [(0, 100), (0, 200)], saved
     assert saved[2:] == [(1, 300), (1, 400)], saved  # the last one at run.close()
     kept = journal(run_dir, "just_in_time")
-    assert [(e["fault"], e["outcome"], e["step"], e["writers"], e["marks"])
+    assert [(e["fault"], e["outcome"], e["checkpoint_step"], e["writers"], e["marks"])
             for e in kept] == [("crash", "saved", 239, [0], [1])]
     resumes = [e for e in journal(run_dir, "resume") if e.get("from")]
     assert [(e["checkpoint_step"], e["just_in_time"]["periodic_step"]) for e in resumes] == \
@@ -98,7 +98,7 @@ def test_a_while_loop_drawing_from_the_global_generator_resumes_at_the_fault_bit
     run_dir = run_of(tmp_path, "while", "while", *FAULT)
     assert_resumed_at_the_fault(run_dir, clean_while)
     # The worker side said where each checkpoint was taken: no step saved twice.
-    steps = [e["step"] for e in journal(run_dir, "checkpoint_saved")]
+    steps = [e["checkpoint_step"] for e in journal(run_dir, "checkpoint_saved")]
     assert len(steps) == len(set(steps))
 
 
