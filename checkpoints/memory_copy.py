@@ -92,11 +92,11 @@ class Copier:
             if self.rank == 0:
                 self._emit("memory_copy_skipped", step=step, skipped=self.skipped)
             return
-        started = time.perf_counter()
-        if self._writes_model is None:
+        if self._writes_model is None:  # not what a copy costs: once, at the first
             self._set_up()
             if self.every == 0:
                 return
+        started = time.perf_counter()
         staged, close = None, None
         if self._writes_model:
             stager = _stager()
@@ -175,8 +175,11 @@ class Copier:
     def _write(self, step: int, staged: Any, close: Any, rank_state: bytes,
                fields: dict[str, Any], started: float) -> None:
         """The copier's thread: write, replicate, hash, report, prune."""
+        import warnings
+
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dest = copy_dir(self.root, step)
         try:
             dest.mkdir(parents=True, exist_ok=True)

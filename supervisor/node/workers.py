@@ -301,7 +301,7 @@ class NodeWorkers:
         if resume is not None and resume.memory is not None:
             directive = replace(directive, resume=replace(
                 resume, memory=str(copy_dir(self.memory.root, resume.step))))
-        every = self.plan.config.checkpoints.memory_every_steps
+        every = directive.memory.get("every", self.plan.config.checkpoints.memory_every_steps)
         if self.plan.config.checkpoints.every_steps > 0 and every != 0:
             directive = replace(directive, memory={"root": str(self.memory.root),
                                                    "every": every,

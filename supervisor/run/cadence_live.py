@@ -65,6 +65,9 @@ class LiveCadence:
         """The advised interval the console last showed (``PRINT_CHANGE``)."""
         self._memory_chosen = config.memory_every_steps != "auto"
         """The memory copies' interval is set (the config's), or was chosen (``auto``)."""
+        self.memory_every: int | None = None
+        """The memory copies' interval ``auto`` chose (None: not yet, or not ``auto``): every
+        attempt after it is launched with it."""
 
     @property
     def every_steps(self) -> int:
@@ -133,6 +136,7 @@ class LiveCadence:
                               self.advisor.mtbf_prior_s)
         advice = memory_advice(stall, tau, step_s, self.advisor.every_steps)
         start = self._newest_step() + 1
+        self.memory_every = advice.every_steps
         self._request(memory_every=advice.every_steps, memory_from_step=start)
         self._journal("memory_cadence", from_step=start, summary=advice.summary(),
                       **advice.to_json())

@@ -47,7 +47,8 @@ class Console:
             self._out.write(text + "\n")
             self._out.flush()
 
-    HEARS = ("just_in_time", "just_in_time_off", "resume", "launch")
+    HEARS = ("just_in_time", "just_in_time_off", "resume", "launch", "memory_copy_plan",
+             "memory_copy_off")
     """Journal entries a person watching should read of (``hear``)."""
 
     def hear(self, entry: Mapping[str, Any]) -> None:

@@ -21,6 +21,7 @@ over a dead supervisor's run is ``takeover.take_over``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -295,6 +296,9 @@ class Supervisor:
         restored = found.restored  # the script's own checkpoint put back (stdout mode)
         directive, changes = self.watch.launch(attempt, remedy, found.resume,
                                                self.cadence.every_steps)
+        if self.cadence.memory_every is not None:  # the interval auto chose goes on
+            directive = dataclasses.replace(directive,
+                                            memory={"every": self.cadence.memory_every})
         for event, fields in changes:  # every change of the LR scale is on the record
             self._journal(event, **fields)
             self.console.log(f"babysit: {fields['summary']}")

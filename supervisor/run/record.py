@@ -50,6 +50,7 @@ class Record:
         self._where, self._warn = where, warn
         self.world = world_size
         """The job's ranks, from the hellos (an SDC check waits for every rank's digests)."""
+        self._memory_planned = False
         self.newest_step = 0
         """The newest step any rank reported this attempt (ahead of the merged steps)."""
         self.job_step: int | None = None
@@ -143,8 +144,14 @@ class Record:
                        rank=event.rank, data=data)
         elif kind == "memory_copy":  # one rank's part; committed once every rank's is in
             self.write_all(self.recovery.memory_part(event.rank, data, self.world))
-        elif kind in ("memory_copy_failed", "memory_copy_skipped", "memory_copy_off",
-                      "memory_copy_plan"):
+        elif kind == "memory_copy_plan":  # rank 0's, at each attempt's first copy
+            said = {"summary": _memory_plan(data)} if not self._memory_planned else {}
+            self._memory_planned = True  # the console says it once a run
+            self.write(kind, rank=event.rank, data=data, **said)
+        elif kind == "memory_copy_off":
+            why = str(data.get("why", ""))
+            self.write(kind, rank=event.rank, why=why, summary=f"no memory copies: {why}")
+        elif kind in ("memory_copy_failed", "memory_copy_skipped"):
             self.write(kind, rank=event.rank, data=data)
         elif kind == "checkpoints_off":  # checkpoints asked for, but this run can take none
             why = str(data.get("why", ""))
@@ -175,3 +182,25 @@ class Record:
                            digests=finding.evidence.get("digests") if finding else None)
                 return [finding] if finding is not None else []
         return []
+
+
+def _memory_plan(data: dict[str, Any]) -> str:
+    """The console's line for the memory copies' plan: how often, and the host memory they take
+    on the node that holds the most."""
+    held = [int(b) for b in (data.get("node_bytes") or {}).values()
+            if isinstance(b, int | float)]
+    every = data.get("every")
+    when = (f"from step {every} on, as often as the cost model chooses"
+            if data.get("auto") else f"every {every} steps")
+    most = _size(max(held)) if held else "nothing"
+    return (f"memory copies {when}: up to {most} of shared memory on a node "
+            f"({data.get('copies')} copies of its ranks' state and of the replica it keeps "
+            f"for its peer)")
+
+
+def _size(count: float) -> str:
+    """Bytes as a person reads them: 20 KiB, 3.5 MiB, 1.2 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{int(count)} bytes"

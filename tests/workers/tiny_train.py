@@ -58,7 +58,9 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
                            collective and any phase for SEC seconds (``busySEC``: a slow eval,
                            a GC pause, a CPU-bound loader), or (``spin``, on a GPU) launches a
                            kernel that never ends on the compute stream and waits for it, as a
-                           rank inside an NCCL collective whose peer never came.
+                           rank inside an NCCL collective whose peer never came, or
+                           (``memflip``) flips a byte of its shard in the newest memory copy
+                           of its node once babysit committed that copy.
                            ``optimizer-WHAT`` strikes inside that step's ``optimizer.step()``
                            instead, half-way through its update (the first layer's weights
                            already moved). Repeatable
@@ -96,6 +98,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,10 +111,12 @@ def pair(text: str) -> tuple[int, float]:
     return int(a), float(b)
 
 
-def strike(what: str, rank: int, step: int) -> None:
+def strike(what: str, rank: int, step: int, run: Any = None) -> None:
     """One ``--at`` fault, in this rank, now."""
     print(f"rank {rank}: injected {what} at step {step}", flush=True)
-    if what == "hang":
+    if what == "memflip":
+        flip_memory_copy(run, rank)
+    elif what == "hang":
         time.sleep(3600)
     elif what == "spin":  # a kernel that never ends, and the host waiting for it (NCCL's stand-in)
         torch.cuda._sleep(1 << 42)
@@ -122,6 +127,24 @@ def strike(what: str, rank: int, step: int) -> None:
             sum(i * i for i in range(1000))
     else:
         os.kill(os.getpid(), getattr(signal, what))
+
+
+def flip_memory_copy(run: Any, rank: int) -> None:
+    """Flip one byte of this rank's shard in the newest memory copy its node holds, once the
+    supervisor committed that copy (its manifest in the checkpoint folder): host memory that
+    went bad under a copy babysit trusts. Waits at most 10 s for the commit."""
+    memory = Path(run.directive.memory["root"]) / "memory"
+    newest = max(memory.glob("step_*"), key=lambda p: p.name)
+    manifest = Path(run.directive.checkpoint_dir) / newest.name / "manifest.json"
+    deadline = time.monotonic() + 10
+    while not manifest.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with open(newest / f"__{rank}_0.distcp", "r+b") as f:
+        f.seek(64)
+        byte = f.read(1)
+        f.seek(64)
+        f.write(bytes([byte[0] ^ 0x10]))
+    print(f"rank {rank}: flipped a byte of {newest.name} in shared memory", flush=True)
 
 
 def flip_bit(param: torch.Tensor, bit: int = 16) -> None:
@@ -378,7 +401,7 @@ def main() -> None:
             strike("SIGSEGV", rank, upcoming)
         for at_attempt, at_rank, at_step, what in args.at:
             if (int(at_attempt), int(at_rank), int(at_step)) == (attempt, rank, upcoming):
-                strike(what, rank, upcoming)
+                strike(what, rank, upcoming, run)
         time.sleep(pace(args))
         if args.flood and rank == 0:
             sys.stdout.write(f"flood step {upcoming} " + "x" * 100 + "\n" * 1)
