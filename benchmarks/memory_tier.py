@@ -17,7 +17,8 @@ interleaved within each round:
 - **resume**: ``checkpoints.load`` of the newest memory copy with every file on its node
   (a rank died, its node lives), of the same copy after the second node's folder was wiped
   (a node lost: its rank's files come from the peer over gloo), and of the checkpoint on disk
-  (the run's checkpoint folder, here a local disk).
+  (here a local disk, the page cache emptied first so that it is read from the disk, as a
+  relaunch on a new node reads it; ``--warm-disk`` reads it where its write left it).
 - **host memory** per node: what its shared-memory folder holds (its ranks' copies and its
   peer's, ``checkpoints.memory.KEEP`` of each).
 
@@ -126,6 +127,8 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 1:  # node 1 lost: its folder gone, its rank's files only on node 0 now
         shutil.rmtree(node_root)
     fetched = timed(lambda: checkpoints.load(step_dir, fresh, fresh_opt, memory=here))
+    if rank == 0 and args.cold_disk:
+        _drop_caches()  # the disk's bytes read from the disk, as on a new node
     from_disk = timed(lambda: checkpoints.load(checkpoints.step_dir(disk, args.copies), fresh,
                                                fresh_opt))
     if rank == 0:
@@ -136,6 +139,17 @@ def worker(args: argparse.Namespace) -> None:
             "held": held, "state": copied["files"] and sum(f["size"] for f in copied["files"])
         }), flush=True)
     dist.destroy_process_group()
+
+
+def _drop_caches() -> None:
+    """Empty the page cache (root only): the checkpoint on disk is then read from the disk,
+    not from memory where its write left it."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as exc:
+        print(f"the page cache could not be emptied ({exc.strerror}): the disk's figure is a "
+              "read from memory", file=sys.stderr, flush=True)
 
 
 def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
@@ -149,7 +163,7 @@ def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                    "--master-port", str(29600 + os.getpid() % 300), __file__, "--worker",
                    "--size", size, "--copies", str(args.copies), "--device", args.device,
-                   "--work", str(work)]
+                   "--work", str(work), *(["--cold-disk"] if args.cold_disk else [])]
         # Each rank its own node: torchrun gives both GROUP_RANK 0, and a load's fetch reads
         # it, so the worker sets it from its rank (BABYSIT_BENCH_OWN_NODES).
         done = subprocess.run(command, env={**env, "BABYSIT_BENCH_OWN_NODES": "1"},
@@ -174,6 +188,10 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=6)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--warm-disk", dest="cold_disk", action="store_false",
+                   help="read the checkpoint on disk from the page cache where its write left "
+                        "it (by default the cache is emptied first: root)")
+    p.add_argument("--cold-disk", action="store_true", default=True, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--size", help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)

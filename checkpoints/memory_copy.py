@@ -38,8 +38,9 @@ Emit = Callable[..., None]
 AUTO_FIRST = 10
 """With ``memory_every_steps: auto``, the first copy's step: its measured stall is what the
 supervisor's cost model chooses the interval from."""
-_CHUNK = 64 << 20
-"""A file goes over gloo in pieces of at most 64 MiB: one host buffer of that size per transfer."""
+_CHUNK = 1 << 30
+"""A file goes over gloo in pieces of at most 1 GiB (views of one tensor, no copies): gloo's
+sizes stay well inside 32 bits."""
 
 
 class Copier:
@@ -209,52 +210,43 @@ class Copier:
         send_to, keep_for = self.peers.send_to, self.peers.keep_for
         if send_to is None or keep_for is None:
             return []
-        outgoing = [(f.name, (dest / f.name).read_bytes()) for f in files]
-        incoming = _swap(self._group, send_to, keep_for, outgoing)
-        for name, data in incoming:
-            _write_atomically(dest / name, data)
-        return [hash_file(dest, name) for name, _ in incoming]
+        return _swap(self._group, send_to, keep_for, dest, files)
 
 
-def _swap(group: Any, send_to: int, receive_from: int,
-          outgoing: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
-    """Send ``outgoing`` (names and bytes) to ``send_to`` while receiving ``receive_from``'s:
-    first the names and sizes, then each file in pieces, every exchange a pair of gloo
-    ``isend``/``irecv`` (both directions at once: a ring of blocking sends would wait on
-    itself)."""
+def _swap(group: Any, send_to: int, receive_from: int, folder: Path,
+          files: list[FileEntry]) -> list[FileEntry]:
+    """Send the ``files`` of ``folder`` to ``send_to`` while receiving ``receive_from``'s into
+    ``folder``: first their entries (name, size, CRC-32 as their writer hashed them), then each
+    file, every exchange a pair of gloo ``isend``/``irecv`` (both directions at once: a ring of
+    blocking sends would wait on itself). The bytes go from the file into one tensor and from
+    one tensor into the file, no other copy; TCP carried them, and the resume checks them
+    against their CRC. Returns the entries received."""
     import torch
 
-    header = torch.frombuffer(bytearray(pickle.dumps([(n, len(d)) for n, d in outgoing])),
-                              dtype=torch.uint8)
-    lengths = _pair(group, send_to, receive_from, torch.tensor([header.numel()]),
-                    torch.zeros(1, dtype=torch.int64))
-    theirs = pickle.loads(bytes(_pair(group, send_to, receive_from, header,
-                                      torch.empty(int(lengths.item()), dtype=torch.uint8))
-                                .numpy()))
-    mine = [(n, d) for n, d in outgoing]
-    received: list[tuple[str, bytes]] = []
+    mine = [(f.name, f.size, f.crc32) for f in files]
+    header = _tensor(pickle.dumps(mine))
+    length = _pair(group, send_to, receive_from, torch.tensor([header.numel()]),
+                   torch.zeros(1, dtype=torch.int64))
+    theirs = pickle.loads(_pair(group, send_to, receive_from, header,
+                                torch.empty(int(length.item()), dtype=torch.uint8))
+                          .numpy().tobytes())
     for index in range(max(len(mine), len(theirs))):
-        out = mine[index][1] if index < len(mine) else b""
+        out = _read(folder / mine[index][0]) if index < len(mine) and mine[index][1] else None
         size = int(theirs[index][1]) if index < len(theirs) else 0
-        buf = bytearray(size)
-        for at in range(0, max(len(out), size), _CHUNK):
-            piece_out = out[at:at + _CHUNK]
-            piece_in = min(_CHUNK, max(0, size - at))
-            got = _pair(group, send_to if piece_out else None,
-                        receive_from if piece_in else None,
-                        torch.frombuffer(bytearray(piece_out), dtype=torch.uint8)
-                        if piece_out else None,
-                        torch.empty(piece_in, dtype=torch.uint8) if piece_in else None)
-            if got is not None:
-                buf[at:at + piece_in] = got.numpy().tobytes()
+        into = torch.empty(size, dtype=torch.uint8) if size else None
+        for at in range(0, max(out.numel() if out is not None else 0, size), _CHUNK):
+            _pair(group, send_to, receive_from,
+                  out[at:at + _CHUNK] if out is not None and at < out.numel() else None,
+                  into[at:at + _CHUNK] if into is not None and at < size else None)
         if index < len(theirs):
-            received.append((str(theirs[index][0]), bytes(buf)))
-    return received
+            _write_atomically(folder / str(theirs[index][0]), into)
+    return [FileEntry(str(name), int(size), int(crc)) for name, size, crc in theirs]
 
 
 def _pair(group: Any, send_to: int | None, receive_from: int | None, out: Any,
           into: Any) -> Any:
-    """One ``isend`` of ``out`` and one ``irecv`` into ``into``, together; ``into``."""
+    """One ``isend`` of ``out`` and one ``irecv`` into ``into``, together (either may be
+    None); ``into``."""
     import torch.distributed as dist
 
     ops = []
@@ -267,9 +259,29 @@ def _pair(group: Any, send_to: int | None, receive_from: int | None, out: Any,
     return into
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def _tensor(data: bytes) -> Any:
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _read(path: Path) -> Any:
+    """A file's bytes as one uint8 tensor (one copy, from the file into it)."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+
+
+def _write_atomically(path: Path, data: Any) -> None:
+    """``data`` (bytes, or a uint8 tensor written straight from its memory) into ``path``,
+    whole or not at all."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
+    with open(tmp, "wb") as f:
+        if isinstance(data, bytes | bytearray):
+            f.write(data)
+        elif data is not None:
+            data.numpy().tofile(f)
     os.replace(tmp, path)
 
 
@@ -312,19 +324,17 @@ def fetch(data_dir: Path, manifest: Manifest, needs: Iterable[str], group: Any) 
             "peer are both gone. Resume from an older checkpoint.")
     fetched = []
     for source, dest, name in transfers:
+        size = sizes[name].size
         if rank == source:
-            data = (data_dir / name).read_bytes()
-            for at in range(0, len(data), _CHUNK):
-                dist.send(torch.frombuffer(bytearray(data[at:at + _CHUNK]), dtype=torch.uint8),
-                          dest, group=group)
-        elif rank == dest:
-            size, buf = sizes[name].size, bytearray()
+            data = _read(data_dir / name)
             for at in range(0, size, _CHUNK):
-                piece = torch.empty(min(_CHUNK, size - at), dtype=torch.uint8)
-                dist.recv(piece, source, group=group)
-                buf += piece.numpy().tobytes()
+                dist.send(data[at:at + _CHUNK], dest, group=group)
+        elif rank == dest:
+            into = torch.empty(size, dtype=torch.uint8)
+            for at in range(0, size, _CHUNK):
+                dist.recv(into[at:at + _CHUNK], source, group=group)
             data_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomically(data_dir / name, bytes(buf))
+            _write_atomically(data_dir / name, into)
             fetched.append(name)
     if distributed:
         dist.barrier(group=group)  # this node's fetching rank wrote what its other ranks read

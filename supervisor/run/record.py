@@ -145,7 +145,8 @@ class Record:
         elif kind == "memory_copy":  # one rank's part; committed once every rank's is in
             self.write_all(self.recovery.memory_part(event.rank, data, self.world))
         elif kind == "memory_copy_plan":  # rank 0's, at each attempt's first copy
-            said = {"summary": _memory_plan(data)} if not self._memory_planned else {}
+            said: dict[str, Any] = {"summary": _memory_plan(data)} \
+                if not self._memory_planned else {}
             self._memory_planned = True  # the console says it once a run
             self.write(kind, rank=event.rank, data=data, **said)
         elif kind == "memory_copy_off":
