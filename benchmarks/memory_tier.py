@@ -123,10 +123,14 @@ def worker(args: argparse.Namespace) -> None:
         return time.perf_counter() - started
 
     fresh, fresh_opt = build(size, device)
-    local = timed(lambda: checkpoints.load(step_dir, fresh, fresh_opt, memory=here))
+    # The supervisor checks the files a node holds as it chooses the copy (as it checks a
+    # checkpoint on disk): the ranks check what they fetch.
+    local = timed(lambda: checkpoints.load(step_dir, fresh, fresh_opt, memory=here,
+                                           checked=True))
     if rank == 1:  # node 1 lost: its folder gone, its rank's files only on node 0 now
         shutil.rmtree(node_root)
-    fetched = timed(lambda: checkpoints.load(step_dir, fresh, fresh_opt, memory=here))
+    fetched = timed(lambda: checkpoints.load(step_dir, fresh, fresh_opt, memory=here,
+                                             checked=True))
     if rank == 0 and args.cold_disk:
         _drop_caches()  # the disk's bytes read from the disk, as on a new node
     from_disk = timed(lambda: checkpoints.load(checkpoints.step_dir(disk, args.copies), fresh,

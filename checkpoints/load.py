@@ -33,7 +33,8 @@ class Restored:
 
 
 def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = None, *,
-         reshard: bool = False, memory: str | Path | None = None) -> Restored:
+         reshard: bool = False, memory: str | Path | None = None,
+         checked: bool = False) -> Restored:
     """Restore a checkpoint saved by ``save``; collective.
 
     Calling rules: every rank calls it with the same ``path`` (a step directory), after building
@@ -53,7 +54,8 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
     A memory copy (``checkpoints/memory.py``): ``path`` is its step directory in the checkpoint
     root (its manifest), ``memory`` its folder in this node's shared memory; what the node
     lacks of what this rank reads is fetched from the other nodes first, and each file read is
-    checked against its CRC-32 (``memory_copy.fetch``).
+    checked against its CRC-32 (``memory_copy.fetch``), but those already in the node's folder
+    with ``checked`` (its supervisor checked them as it chose the copy).
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
@@ -98,7 +100,7 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
     if manifest.is_memory:
-        _fetch_memory(data, manifest, state, rank)
+        _fetch_memory(data, manifest, state, rank, checked)
     try:
         if manifest.is_just_in_time or manifest.is_memory:  # the writers' metadata, merged
             dcp_load(state, storage_reader=just_in_time.reader(data))
@@ -140,7 +142,8 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
     )
 
 
-def _fetch_memory(data: Path, manifest: Any, state: dict[str, Any], rank: int) -> None:
+def _fetch_memory(data: Path, manifest: Any, state: dict[str, Any], rank: int,
+                  checked: bool) -> None:
     """Bring what this rank reads of a memory copy into its node's folder ``data``: the
     writers' metadata and its state file first, then the data files its part of ``state``
     lives in (``memory_copy``); collective."""
@@ -150,8 +153,10 @@ def _fetch_memory(data: Path, manifest: Any, state: dict[str, Any], rank: int) -
     group = _writer_group()
     names = {e.name for e in manifest.files}
     own = rank_state_name(rank if rank < manifest.world_size else 0)
-    memory_copy.fetch(data, manifest, [*memory_copy.metadata_files(names), own], group)
-    memory_copy.fetch(data, manifest, memory_copy.needs(data, manifest, state, rank), group)
+    memory_copy.fetch(data, manifest, [*memory_copy.metadata_files(names), own], group,
+                      checked=checked)
+    memory_copy.fetch(data, manifest, memory_copy.needs(data, manifest, state, rank), group,
+                      checked=checked)
 
 
 def _rank_state(path: Path, manifest: Any, rank: int) -> tuple[dict[str, Any], Any]:

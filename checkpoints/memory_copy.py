@@ -298,11 +298,13 @@ def _prune(memory: Path, keep: int) -> None:
 
 # -- loading ---------------------------------------------------------------------------------------
 
-def fetch(data_dir: Path, manifest: Manifest, needs: Iterable[str], group: Any) -> list[str]:
+def fetch(data_dir: Path, manifest: Manifest, needs: Iterable[str], group: Any, *,
+          checked: bool = False) -> list[str]:
     """Make every file of ``needs`` (this rank's load reads them) present in ``data_dir`` (its
     node's folder of the copy), fetching what the node lacks from a rank of a node that has it;
-    collective over ``group`` (gloo). Every file this node got or had of ``needs`` is checked
-    against the manifest's CRC-32. Returns the names fetched. Raises ``CheckpointError`` on
+    collective over ``group`` (gloo). Every file this node got of ``needs``, and every one it
+    had unless ``checked`` (its supervisor checked them), is checked against the manifest's
+    CRC-32. Returns the names fetched. Raises ``CheckpointError`` on
     every rank alike when a needed file is on no node, and on this rank when one is corrupt."""
     import torch
     import torch.distributed as dist
@@ -338,8 +340,9 @@ def fetch(data_dir: Path, manifest: Manifest, needs: Iterable[str], group: Any) 
             fetched.append(name)
     if distributed:
         dist.barrier(group=group)  # this node's fetching rank wrote what its other ranks read
+    unchecked = [n for n in wanted if n in fetched or not (checked and n in have)]
     corrupt = [f"{data_dir / n}: CRC-32 {got.crc32:08x}, the manifest says "
-               f"{sizes[n].crc32:08x}" for n in wanted
+               f"{sizes[n].crc32:08x}" for n in unchecked
                if (got := hash_file(data_dir, n)).crc32 != sizes[n].crc32]
     if corrupt:
         raise CheckpointError(

@@ -102,6 +102,9 @@ class Resume:
     """A memory copy (``checkpoints/memory.py``): ``path`` is its manifest's folder in the
     checkpoint root, and this its folder in the node's shared memory (each node's own,
     written into the directive by the node)."""
+    verified_on: int | None = None
+    """A memory copy's: the node whose supervisor checked the files it holds byte for byte
+    when it chose the copy (its ranks need not check them again as they load)."""
 
 
 @dataclass(frozen=True, slots=True)

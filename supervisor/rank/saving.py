@@ -120,7 +120,9 @@ class Checkpointer:
                 f"{resume.step}), but attach() got no model to restore into. Pass "
                 f"model=..., optimizer=... and scheduler=... to attach().")
         restored = checkpoints.load(resume.path, self.model, self.optimizer, self.scheduler,
-                                    reshard=self.directive.reshard, memory=resume.memory)
+                                    reshard=self.directive.reshard, memory=resume.memory,
+                                    checked=resume.verified_on is not None
+                                    and resume.verified_on == self.directive.memory.get("node"))
         self._last_saved = restored.step
         return restored.step, restored.cursor
 

@@ -269,8 +269,7 @@ class Recovery:
         except OSError:
             return []
 
-    @staticmethod
-    def _chosen(choice: RollbackChoice, entries: list[Entry], *, before: int | None,
+    def _chosen(self, choice: RollbackChoice, entries: list[Entry], *, before: int | None,
                 reached: int | None = None, extra: dict[str, Any] | None = None,
                 listed: list[Checkpoint] | None = None) -> Resume | None:
         """The resume of the catalog's ``choice`` (None: none), its refusals and the choice
@@ -299,8 +298,10 @@ class Recovery:
                                    "before_step": before, **(extra or {}), **jit,
                                    **({"samples": samples} if samples is not None else {})}))
         if chosen.manifest.is_memory:
+            place = self.catalog.memory
             return Resume(path=str(chosen.path), step=chosen.step, cursor=chosen.cursor,
-                          samples=samples, memory=chosen.manifest.external_path)
+                          samples=samples, memory=chosen.manifest.external_path,
+                          verified_on=place.node if place is not None else None)
         external = chosen.manifest.external_path
         return Resume(path=external or str(chosen.path), step=chosen.step, cursor=chosen.cursor,
                       external=external is not None, samples=samples)
