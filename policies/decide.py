@@ -53,9 +53,11 @@ class State(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Progress:
-    """A step was reported."""
+    """Steps were reported: ``step`` the newest, ``first`` the oldest of them (the same when
+    one came; the attempt's first step, when it is starting)."""
 
     step: int
+    first: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +160,8 @@ def _to(m: Machine, state: State, reason: str, **changes: object) -> Machine:
 
 def _progress(m: Machine, e: Progress) -> Outcome:
     if m.state is State.STARTING:
-        return _to(m, State.RUNNING, f"first step {e.step}", step=e.step), []
+        first = e.step if e.first is None else e.first
+        return _to(m, State.RUNNING, f"first step {first}", step=e.step), []
     return dataclasses.replace(m, step=e.step), []
 
 

@@ -97,7 +97,8 @@ class Advice:
             f"tau={duration(self.tau_s)} ({self.tau_source}; {self.interruptions} "
             f"interruption{'' if self.interruptions == 1 else 's'} in "
             f"{duration(self.observed_s)}"
-            + (f", {self.covered} more covered by just-in-time state" if self.covered else "")
+            + (f", {self.covered} more covered by just-in-time state or a memory copy"
+               if self.covered else "")
             + f") -> T*={duration(self.optimal_interval_s)} at "
             f"{duration(self.step_s)}/step; waste {self.waste_configured:.2%} -> "
             f"{self.waste_optimal:.2%}")

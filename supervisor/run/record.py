@@ -104,7 +104,7 @@ class Record:
                 items += self._rank_event(event)
         if got.steps:
             newest = got.steps[-1][0].step
-            items.append(sm.Progress(newest))
+            items.append(sm.Progress(newest, first=got.steps[0][0].step))
             if judging:  # steps gathered while the workers are replaced vouch for nothing
                 self.write_all(self.recovery.on_progress(newest))
         return items + got.findings

@@ -329,7 +329,7 @@ def test_an_interruption_just_in_time_state_covered_is_not_in_tau() -> None:
     assert advisor.covered_count == 2
     advice = advisor.advice()
     assert advice is not None and advice.interruptions == 2 and advice.covered == 2
-    assert "2 more covered by just-in-time state" in advice.summary()
+    assert "2 more covered by just-in-time state or a memory copy" in advice.summary()
     assert advice.tau_s == pytest.approx((advisor.observed_s + DAY) / 3)
 
 

@@ -47,7 +47,7 @@ def test_a_tick_is_recorded_in_order_and_the_listeners_hear_it(tmp_path: Path) -
     items = record.take(got, judging=True)
     record.close()
 
-    assert items == [sm.Progress(2)]
+    assert items == [sm.Progress(2, first=1)]  # two steps in the tick: the first of them said
     assert record.world == 2 and record.newest_step == 3
     journal = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in journal] == ["hang_cleared", "worker_hello", "checkpoint_saved",
