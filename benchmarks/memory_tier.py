@@ -1,7 +1,7 @@
 """Memory copies against checkpoints on disk: the training thread's stall, and the resume.
 
     .venv/bin/python benchmarks/memory_tier.py [--sizes tiny,1g] [--copies 6] [--rounds 3]
-        [--device cuda]           # the model on the GPU (one rank: NCCL is not needed)
+        [--device cuda --ranks 1]   # the model on the GPU: one rank (NCCL), no peer
 
 Each size runs a real ``torchrun`` job of 2 gloo ranks, each rank its own "node" (its own
 folder in shared memory, ``GROUP_RANK`` set apart, so every copy is also sent to the other
@@ -45,8 +45,9 @@ SIZES = {"tiny": 0, "256m": 1 << 28, "1g": 1 << 30}
 """Bytes of state per rank (0: tiny_train's model)."""
 
 
-def build(size: int, device: Any) -> tuple[Any, Any]:
-    """The model and its optimizer: ``size`` bytes of state per rank across 2 FSDP2 ranks."""
+def build(size: int, device: Any, ranks: int = 2) -> tuple[Any, Any]:
+    """The model and its optimizer: ``size`` bytes of state per rank across ``ranks`` FSDP2
+    ranks."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -54,12 +55,12 @@ def build(size: int, device: Any) -> tuple[Any, Any]:
     torch.manual_seed(0)
     if size == 0:
         layers = [torch.nn.Linear(16, 32), torch.nn.Linear(32, 1)]
-    else:  # params + exp_avg + exp_avg_sq, float32, halved across 2 ranks: 6 bytes a param
+    else:  # params + exp_avg + exp_avg_sq, float32, split across the ranks: 12 / ranks bytes
         width = 4096
-        count = max(1, round(size / 6 / (width * width)))
+        count = max(1, round(size * ranks / 12 / (width * width)))
         layers = [torch.nn.Linear(width, width, bias=False) for _ in range(count)]
     model = torch.nn.Sequential(*layers).to(device)
-    mesh = init_device_mesh(device.type, (2,))
+    mesh = init_device_mesh(device.type, (ranks,))
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -80,36 +81,42 @@ def worker(args: argparse.Namespace) -> None:
     from babysit import checkpoints
     from babysit.checkpoints import memory, memory_copy
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
     device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, ranks = dist.get_rank(), dist.get_world_size()
     size = SIZES[args.size]
     work = Path(args.work)
     node_root = work / f"node{rank}"
     disk = work / "disk"
-    model, opt = build(size, device)
+    model, opt = build(size, device, ranks)
     events: list[dict[str, Any]] = []
-    copier = memory_copy.Copier(node_root, rank=rank, world_size=2, local_world_size=1,
+    copier = memory_copy.Copier(node_root, rank=rank, world_size=ranks, local_world_size=1,
                                 node=rank, every=1, model=model, optimizer=opt, scheduler=None,
                                 emit=lambda kind, **f: events.append({"kind": kind, **f}))
     copy_stalls, save_stalls, writes = [], [], []
     for step in range(1, args.copies + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the step's kernels are not the copy's
         started = time.perf_counter()
         copier.copy(step, step, 1.0, None)
         copy_stalls.append(time.perf_counter() - started)
         copier.close()  # the copy's write ends before the save's starts: no overlap
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         started = time.perf_counter()
         handle = checkpoints.save(disk, step, step, 1.0, model, opt, async_save=True)
         save_stalls.append(time.perf_counter() - started)
         handle.wait()
     writes = [e["write_s"] for e in events if e["kind"] == "memory_copy"]
-    parts: list[Any] = [None, None]
+    parts: list[Any] = [None] * ranks
     [copied] = [e for e in events if e["kind"] == "memory_copy" and e["step"] == args.copies]
     dist.all_gather_object(parts, copied)
     catalog = work / "catalog"
     if rank == 0:
         memory.commit(catalog, args.copies, {r: memory.Part.from_event(r, p)
-                                             for r, p in enumerate(parts)}, 2, node_root)
+                                             for r, p in enumerate(parts)}, ranks, node_root)
     dist.barrier()
     held = sum(f.stat().st_size for f in node_root.rglob("*") if f.is_file())
     step_dir = checkpoints.step_dir(catalog, args.copies)
@@ -122,15 +129,17 @@ def worker(args: argparse.Namespace) -> None:
         dist.barrier()
         return time.perf_counter() - started
 
-    fresh, fresh_opt = build(size, device)
+    fresh, fresh_opt = build(size, device, ranks)
     # The supervisor checks the files a node holds as it chooses the copy (as it checks a
     # checkpoint on disk): the ranks check what they fetch.
     local = timed(lambda: checkpoints.load(step_dir, fresh, fresh_opt, memory=here,
                                            checked=True))
-    if rank == 1:  # node 1 lost: its folder gone, its rank's files only on node 0 now
-        shutil.rmtree(node_root)
-    fetched = timed(lambda: checkpoints.load(step_dir, fresh, fresh_opt, memory=here,
-                                             checked=True))
+    fetched = None
+    if ranks > 1:
+        if rank == 1:  # node 1 lost: its folder gone, its rank's files only on node 0 now
+            shutil.rmtree(node_root)
+        fetched = timed(lambda: checkpoints.load(step_dir, fresh, fresh_opt, memory=here,
+                                                 checked=True))
     if rank == 0 and args.cold_disk:
         _drop_caches()  # the disk's bytes read from the disk, as on a new node
     from_disk = timed(lambda: checkpoints.load(checkpoints.step_dir(disk, args.copies), fresh,
@@ -164,7 +173,8 @@ def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
     try:
         (work / "disk").symlink_to(disk)  # the checkpoints on disk, not in shared memory
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                   str(args.ranks),
                    "--master-port", str(29600 + os.getpid() % 300), __file__, "--worker",
                    "--size", size, "--copies", str(args.copies), "--device", args.device,
                    "--work", str(work), *(["--cold-disk"] if args.cold_disk else [])]
@@ -192,6 +202,7 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=6)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--ranks", type=int, default=2, help="2 (each its own node) or 1 (no peer)")
     p.add_argument("--warm-disk", dest="cold_disk", action="store_false",
                    help="read the checkpoint on disk from the page cache where its write left "
                         "it (by default the cache is emptied first: root)")
@@ -211,8 +222,8 @@ def main() -> None:
         for size in sizes:  # interleaved: both sizes meet the machine's noise alike
             got[size].append(run_size(args, size))
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    print(f"\n## Memory copies against checkpoints on disk ({args.device}, 2 FSDP2 ranks, "
-          f"each its own node; medians of {args.rounds} rounds)\n")
+    print(f"\n## Memory copies against checkpoints on disk ({args.device}, {args.ranks} FSDP2 "
+          f"rank(s), each its own node; medians of {args.rounds} rounds)\n")
     print("| state per rank | copy: stall ms | disk save: stall ms | stall ratio | copy: write "
           "ms | resume from memory s | from memory, a node lost s | from disk s | disk / "
           "memory | host memory per node MiB |")
@@ -223,13 +234,14 @@ def main() -> None:
         save = [v for r in runs for v in r["save_stall"]]
         write = [v for r in runs for v in r["write"]]
         local = statistics.median(r["local"] for r in runs)
-        fetched = statistics.median(r["fetched"] for r in runs)
+        lost = [r["fetched"] for r in runs if r["fetched"] is not None]
+        fetched = f"{statistics.median(lost):.3f}" if lost else "(one rank)"
         disk = statistics.median(r["disk"] for r in runs)
         state = statistics.median(r["state"] for r in runs)
         held = statistics.median(r["held"] for r in runs)
         print(f"| {size} ({state / 2**20:.1f} MiB) | {_ms(copy)} | {_ms(save)} | "
               f"{statistics.median(save) / statistics.median(copy):.2f} | {_ms(write)} | "
-              f"{local:.3f} | {fetched:.3f} | {disk:.3f} | {disk / local:.2f} | "
+              f"{local:.3f} | {fetched} | {disk:.3f} | {disk / local:.2f} | "
               f"{held / 2**20:.1f} |")
 
 
