@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/goodput.py [--minutes 2] [--stall-s 30]
                                            [--saves default|sync|async]
                                            [--just-in-time on|off|both] [--repeats N]
+                                           [--fsdp] [--memory 0,auto,5]
                                            [--no-torchrun] [--keep DIR]
 
 The job is ``tests/workers/tiny_train.py``, 2 gloo ranks on this CPU, 0.05 s of sleep per
@@ -36,6 +37,11 @@ process's whole wall time. The gross figures are printed beside it.
 side by side: what the ranks that still hold the last step save of the work since the last
 checkpoint (the hang's and the crash's "lost"; the spike's rollback goes back before its onset
 either way).
+
+``--fsdp`` shards the model with FSDP2 (each rank the only holder of its half): the crash then
+leaves a shard no live rank holds, and ``--memory 0,auto,5`` runs babysit's half with
+``checkpoints.memory_every_steps`` at each value in turn (0: off; ``auto``, the default; a
+number of steps), printing what the crash lost under each, side by side.
 
 torchrun (``python -m torch.distributed.run --standalone``) gets the same faults, all in its
 only attempt. It trains through the spike, then hangs: gloo would wait 30 minutes before its
@@ -117,8 +123,10 @@ def schedule(steps: int) -> dict[str, int]:
             "slow_start": int(0.75 * steps), "slow_end": int(0.85 * steps)}
 
 
-def job(steps: int, at: dict[str, int], hang_attempt: int, crash_attempt: int) -> list[str]:
+def job(steps: int, at: dict[str, int], hang_attempt: int, crash_attempt: int,
+        fsdp: bool = False) -> list[str]:
     return ["--steps", str(steps), "--step-sleep", "0.05", "--loss-every", "10",
+            *(["--fsdp"] if fsdp else []),
             "--spike", f"{at['spike']}:{at['spike'] + 4}",
             "--at", f"{hang_attempt}:1:{at['hang']}:hang",
             "--at", f"{crash_attempt}:0:{at['crash']}:SIGKILL",
@@ -126,7 +134,8 @@ def job(steps: int, at: dict[str, int], hang_attempt: int, crash_attempt: int) -
 
 
 def under_babysit(workdir: Path, steps: int, at: dict[str, int],
-                  saves: str = "default", just_in_time: bool = True) -> dict[str, Any]:
+                  saves: str = "default", just_in_time: bool = True, fsdp: bool = False,
+                  memory: str = "auto") -> dict[str, Any]:
     run_dir = workdir / "babysit"
     if run_dir.exists():  # a repeat: a fresh run, not a takeover of the last one
         import shutil
@@ -135,9 +144,10 @@ def under_babysit(workdir: Path, steps: int, at: dict[str, int],
     config = workdir / "run.yaml"
     how = {"default": "", "sync": ", async_save: false", "async": ", async_save: true"}[saves]
     how += "" if just_in_time else ", just_in_time: false"
+    how += "" if memory == "auto" else f", memory_every_steps: {memory}"
     config.write_text(
         f"launch:\n  script: {WORKER}\n  nproc-per-node: 2\n"
-        f"  args: {json.dumps(job(steps, at, hang_attempt=2, crash_attempt=3))}\n"
+        f"  args: {json.dumps(job(steps, at, hang_attempt=2, crash_attempt=3, fsdp=fsdp))}\n"
         f"run_dir: {run_dir}\ncheckpoints: {{every_steps: 25, probation_steps: 5{how}}}\n")
     started = time.time()
     done = subprocess.run([sys.executable, "-m", "babysit", "run", str(config)], cwd=workdir,
@@ -225,7 +235,7 @@ def report(b: dict[str, Any], job_start_s: float, job_exit_s: float) -> dict[str
           f"process outside the ledger)", flush=True)
     return {"goodput_%": 100 * ledger["goodput"], "own_badput_s": own,
             "own_badput_%": 100 * own / b["wall_s"], "lost_s": sec.get("lost", 0.0),
-            "wall_s": b["wall_s"]}
+            "crash_lost_s": b["lost_by_attempt"].get("3", 0.0), "wall_s": b["wall_s"]}
 
 
 def main() -> None:
@@ -241,6 +251,11 @@ def main() -> None:
                    help="checkpoints.just_in_time: on (the default), off, or both in turn")
     p.add_argument("--repeats", type=int, default=1,
                    help="babysit runs of each setting (medians printed when more than one)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2: the crash leaves a shard no live rank holds")
+    p.add_argument("--memory", default="auto",
+                   help="checkpoints.memory_every_steps, or several comma-separated in turn "
+                        "(0: off, auto: the default, or a number of steps)")
     p.add_argument("--no-torchrun", action="store_true", help="run only the babysit half")
     p.add_argument("--keep", type=Path, metavar="DIR",
                    help="run in DIR and keep it (babysit's run directory: DIR/babysit) instead "
@@ -255,18 +270,24 @@ def main() -> None:
               f"fault-free here); spike at batch {at['spike']}, hang at step {at['hang']}, "
               f"crash at step {at['crash']}, slow loader batches {at['slow_start']}-"
               f"{at['slow_end'] - 1}", flush=True)
-        settings = {"on": [True], "off": [False], "both": [True, False]}[args.just_in_time]
-        figures: dict[bool, list[dict[str, float]]] = {s: [] for s in settings}
+        keeps = {"on": [True], "off": [False], "both": [True, False]}[args.just_in_time]
+        settings = [(k, m) for k in keeps for m in args.memory.split(",")]
+        figures: dict[tuple[bool, str], list[dict[str, float]]] = {s: [] for s in settings}
         for repeat in range(args.repeats):
-            for keeping in settings:
+            for keeping, memory in settings:
                 if len(settings) > 1 or args.repeats > 1:
-                    print(f"-- babysit, just_in_time {'on' if keeping else 'off'}, run "
-                          f"{repeat + 1} of {args.repeats}", flush=True)
-                b = under_babysit(workdir, steps, at, saves=args.saves, just_in_time=keeping)
-                figures[keeping].append(report(b, job_start_s, job_exit_s))
+                    print(f"-- babysit, just_in_time {'on' if keeping else 'off'}, "
+                          f"memory_every_steps {memory}, run {repeat + 1} of {args.repeats}",
+                          flush=True)
+                b = under_babysit(workdir, steps, at, saves=args.saves, just_in_time=keeping,
+                                  fsdp=args.fsdp, memory=memory)
+                figures[(keeping, memory)].append(report(b, job_start_s, job_exit_s))
         if len(settings) > 1 or args.repeats > 1:
-            print(f"\nmedians of {args.repeats} (just_in_time on / off):")
-            for name in ("goodput_%", "own_badput_s", "own_badput_%", "lost_s", "wall_s"):
+            names = " / ".join(f"just_in_time {'on' if k else 'off'}, memory {m}"
+                               for k, m in settings)
+            print(f"\nmedians of {args.repeats} ({names}):")
+            for name in ("goodput_%", "own_badput_s", "own_badput_%", "lost_s", "crash_lost_s",
+                         "wall_s"):
                 cells = " / ".join(
                     f"{statistics.median(f[name] for f in figures[s]):.2f}" for s in settings)
                 print(f"  {name:14s} {cells}")
