@@ -32,9 +32,12 @@ late by turns, about alike): a multi-node leader evicts a node only when they ar
 would name more than half the ranks (a busy host whose every rank is late by turns, long
 sequences landing anywhere) is no one machine's: it is said only when the job was slow in
 ``spread_share`` of the window; if fewer ranks then stand out on their own, as above (a machine
-throttled on a host that was noisy already), they are reported again, by themselves. The
-episode ends when the job was slow in less than half of ``min_share`` of the window; a new one
-is reported again.
+throttled on a host that was noisy already), they are reported again, by themselves. One
+machine still at it is told again (evidence ``again``, the same onset and pace before, its step
+time now) each time it has been at it twice as long as when last told: what it costs depends
+on how long the run goes on, and a multi-node leader that kept it early in the run weighs it
+anew. The episode ends when the job was slow in less than half of ``min_share`` of the window;
+a new one is reported again.
 
 Its evidence also carries what the slow machine costs the job: ``slowdown``, the fraction of
 the job's pace lost, from the job's step time now against its step time before the episode
@@ -179,6 +182,9 @@ class SlowComputeDetector:
         """Who held the job up in the steps since the last mark."""
         self._named: tuple[int, ...] | None = None
         """The ranks this episode's finding named; None: no finding in this episode."""
+        self._episode: tuple[float, float, float | None, int] | None = None
+        """The episode of the one machine named: when it began, when to tell it again, the pace
+        before it (None: none known) and its onset step."""
         self._recent: deque[int | None] = deque(maxlen=CALM)
 
     def observe(self, record: JobStep) -> Finding | None:
@@ -204,13 +210,18 @@ class SlowComputeDetector:
         # Who holds the job up now (the window's last quarter), and since when: a busy host's
         # steady noise from before is not the new slow machine.
         ranks = _dominant(self._weights(since=now - cfg.window_s / 4))
+        again = False
         if self._named is not None:
             if share < cfg.min_share / 2:
-                self._named = None
-            # Told already, unless fewer of the ranks it named now stand out on their own: a
-            # machine standing out of what was everyone's.
-            if self._named is None or len(self._named) == 1 or \
-                    not set(ranks) < set(self._named):
+                self._named = self._episode = None
+            if self._named is None:
+                return None
+            # Told already, unless fewer of the ranks it named now stand out on their own (a
+            # machine standing out of what was everyone's), or the machine it named has been
+            # at it twice as long as when it was last told (what it costs, weighed again).
+            again = self._episode is not None and ranks == self._named \
+                and now >= self._episode[1]
+            if not again and (len(self._named) == 1 or not set(ranks) < set(self._named)):
                 return None
         if _spread(ranks, spread.count):
             if self._named is not None or not self._long(None, cfg.spread_share):
@@ -221,7 +232,7 @@ class SlowComputeDetector:
             if began is None:
                 return None
             since = began
-        finding = self._finding(record.step, now, spread.count, ranks, since)
+        finding = self._finding(record.step, now, spread.count, ranks, since, again)
         self._named = finding.ranks
         return finding
 
@@ -349,9 +360,10 @@ class SlowComputeDetector:
             self._slowest -= self._window.popleft().ranks
 
     def _finding(self, step: int, now: float, count: int, ranks: tuple[int, ...],
-                 since: float) -> Finding:
+                 since: float, again: bool) -> Finding:
         """The finding naming ``ranks`` at ``now``, with how long they held the job up in the
-        window's slices from ``since`` on (those it names them for)."""
+        window's slices from ``since`` on (those it names them for); ``again``: the episode's
+        machine, told before, still at it (the pace before is the one it was told with)."""
         window = self._window
         slices = self._slices(since)
         held_since, total = self._held_since(since)
@@ -369,8 +381,17 @@ class SlowComputeDetector:
             sum(b.times for b in slices) / timed if timed else None
         # Where the episode began: where their share rose (the slices named for), unless that
         # is as far back as the window goes, and the marks say how much further back.
-        began = slices[0].start if slices[0] is not window[0] else self._began(ranks)
-        base = self._pace_without(ranks, began - self.config.window_s / 4, began)
+        onset = next(b.first_slow for b in slices if b.first_slow is not None)
+        if again and self._episode is not None:
+            began, _, base, onset = self._episode
+        else:
+            began = slices[0].start if slices[0] is not window[0] else self._began(ranks)
+            base = self._pace_without(ranks, began - self.config.window_s / 4, began)
+            if not math.isfinite(began):
+                began = window[0].start
+        # One machine is told again each time it has been at it twice as long: a leader weighs
+        # its cost anew, against a run that has gone on (an early "keep" is not the last word).
+        self._episode = None if _spread(ranks, count) else (began, 2 * now - began, base, onset)
         if now_s is not None and base is not None and now_s > 0:
             slowdown, source = max(0.0, 1.0 - base / now_s), "step times before"
         elif now_s:
@@ -379,7 +400,6 @@ class SlowComputeDetector:
             slowdown, source = None, None
         weights = self._weights()
         top = max(ranks, key=lambda r: weights.get(r, 0.0), default=counts.most_common(1)[0][0])
-        onset = next(b.first_slow for b in slices if b.first_slow is not None)
         span = now - slices[0].start
         return Finding(
             incident=Incident.STRAGGLER, detector=self.name, severity=Severity.WARNING,
@@ -389,6 +409,7 @@ class SlowComputeDetector:
                      f"median {median:.3g}s, holding the job up {share:.0%} of the last "
                      f"{span:.0f}s"
                      + (f"; the job runs {slowdown:.0%} slower for it" if slowdown else "")
+                     + (f"; still, {now - began:.0f}s after it began" if again else "")
                      + (f"; {len(ranks)} of {count} ranks were the slowest by turns: no one "
                         "machine" if _spread(ranks, count) else "")),
             evidence={"signal": self.signal,
@@ -399,7 +420,7 @@ class SlowComputeDetector:
                       "step_time_s": r4(now_s) if now_s is not None else None,
                       "baseline_step_time_s": r4(base) if base is not None else None,
                       "slowdown": r4(slowdown) if slowdown is not None else None,
-                      "slowdown_from": source})
+                      "slowdown_from": source, "again": again})
 
     def _pace(self, slowest: int | None, step_time: float | None) -> int | None:
         """File the step's time under the rank holding the job up lately (the slowest of more
@@ -463,6 +484,7 @@ class SlowComputeDetector:
                 "held": list(self._held.items()),
                 "reported": self._named is not None,
                 "named": list(self._named) if self._named is not None else None,
+                "episode": list(self._episode) if self._episode is not None else None,
                 "recent": list(self._recent)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -477,6 +499,9 @@ class SlowComputeDetector:
         self._held = _held(d.get("held", ()))
         named = d.get("named")
         self._named = tuple(named) if named is not None else (() if d["reported"] else None)
+        episode = d.get("episode")
+        self._episode = (float(episode[0]), float(episode[1]), episode[2], int(episode[3])) \
+            if episode is not None else None
         self._recent = deque(d.get("recent", ()), maxlen=CALM)
 
 

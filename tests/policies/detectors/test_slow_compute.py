@@ -28,9 +28,13 @@ def record(step: int, forwards: dict[int, float], step_time: float = 0.5,
     return StepRecord(step=step, time=now, ranks=ranks, world_size=WORLD)
 
 
-def run(records: list[StepRecord], config: SlowComputeConfig | None = None) -> list[Finding]:
+def run(records: list[StepRecord], config: SlowComputeConfig | None = None,
+        again: bool = False) -> list[Finding]:
+    """The findings on ``records``: each episode's first (``again``: the machine told again
+    as it goes on, too)."""
     detector = SlowComputeDetector(config)
-    return [f for r in records if (f := detector.observe(r)) is not None]
+    return [f for r in records if (f := detector.observe(r)) is not None
+            and (again or not f.evidence["again"])]
 
 
 def test_a_rank_slow_for_minutes_is_named_once_with_what_it_costs() -> None:
@@ -49,6 +53,25 @@ def test_a_rank_slow_for_minutes_is_named_once_with_what_it_costs() -> None:
     assert ev["slowdown"] == round(1 - 0.5 / 0.7, 4) and ev["slowdown_from"] == "step times before"
     assert "rank 4's forward 0.3s vs median 0.1s" in finding.message
     assert "holding the job up 100% of the last 60s" in finding.message
+
+
+def test_a_machine_still_at_it_is_told_again_each_time_it_has_been_at_it_twice_as_long(
+        ) -> None:
+    """What a slow machine costs depends on how long the run goes on: a leader that kept it
+    early weighs it again. Rank 4, slow from step 61, named a minute on (step 121), is told
+    again at two and four minutes, against the same pace before; once it has recovered, no
+    more."""
+    healthy = [record(s, {}) for s in range(1, 61)]
+    slow = [record(s, {4: 0.3}, step_time=0.7) for s in range(61, 400)]
+    after = [record(s, {}) for s in range(400, 1000)]
+    first, *again = run(healthy + slow + after, again=True)
+    assert first.step == 121 and not first.evidence["again"]
+    assert [f.step for f in again] == [181, 301]
+    for f in again:
+        assert f.ranks == (4,) and f.evidence["again"] and f.onset_step == 61
+        assert f.evidence["baseline_step_time_s"] == 0.5
+        assert f.evidence["slowdown"] == round(1 - 0.5 / 0.7, 4)
+    assert "still, 120s after it began" in again[0].message
 
 
 def test_slow_from_the_first_step_costs_at_least_the_forwards_excess() -> None:
@@ -125,7 +148,8 @@ def test_the_merged_summaries_of_two_nodes_give_the_same_verdict() -> None:
                     else 0.7) for s in range(1, 300)]
     [whole] = run(steps)
     detector = SlowComputeDetector()
-    [summarised] = [f for r in steps if (f := detector.observe(merged(r))) is not None]
+    [summarised] = [f for r in steps if (f := detector.observe(merged(r))) is not None
+                    and not f.evidence["again"]]
     assert whole.ranks == summarised.ranks == (5,)
     assert whole.step == summarised.step
     assert summarised.evidence["slowdown"] == whole.evidence["slowdown"]
@@ -141,7 +165,8 @@ def test_its_state_survives_a_json_round_trip_mid_stream() -> None:
     second = SlowComputeDetector()
     second.load_state_dict(json.loads(json.dumps(first.state_dict())))
     found = [f.step for r in steps[40:] if (f := second.observe(r)) is not None]
-    assert found == [61]  # every step slow, from the first: a minute of it
+    # Every step slow, from the first: a minute of it; told again at two and four minutes.
+    assert found == [61, 121, 241]
 
 
 def test_steps_held_up_in_the_backward_do_not_move_the_pace_before() -> None:
@@ -211,8 +236,9 @@ def test_where_the_episode_began_survives_a_json_round_trip() -> None:
         assert first.observe(r) is None
     second = SlowComputeDetector()
     second.load_state_dict(json.loads(json.dumps(first.state_dict())))
-    [finding] = [f for r in steps[230:] if (f := second.observe(r)) is not None]
+    finding, *again = [f for r in steps[230:] if (f := second.observe(r)) is not None]
     assert finding.step == 261 and finding.evidence["baseline_step_time_s"] == 0.5
+    assert [f.step for f in again] == [331, 461, 721]  # each time at it twice as long
 
 
 RECORDED = Path(__file__).parent / "recorded"
@@ -229,7 +255,8 @@ def replay(name: str, window_s: float = 8) -> list[Finding]:
                              if r["forward_max"] and r["forward_p50"] else None)
              for r in rows(name)]
     detector = SlowComputeDetector(SlowComputeConfig(window_s=window_s))
-    return [f for r in steps if (f := detector.observe(r)) is not None]  # type: ignore[arg-type]
+    return [f for r in steps if (f := detector.observe(r)) is not None  # type: ignore[arg-type]
+            and not f.evidence["again"]]
 
 
 def rows(name: str) -> list[dict[str, Any]]:
