@@ -14,19 +14,18 @@ A step is *slow* when the slowest forward exceeds ``factor`` x the median by at 
 draws new data, and a long sequence or a large image slows one step, not minutes of them):
 since where their share rose above ``min_share`` (the start from which on their time holding
 the job up exceeds ``min_share`` of the steps' time by the most), and in the last eighth of the
-window too.
-How long they have been at it, not how many seconds they were seen holding the job up: the
-forward clock sees a throttled machine in only some of its steps (a CPU quota lets a forward
-through at full speed when it has not run out, and the throttle then lands in the backward,
-where every rank waits for it in the all-reduce), so a count of the seconds seen waits longer
-the less the clock sees, and a share of the whole window is diluted by the steps from before.
-Shares are of time, each step weighed by its step time, not by steps: a machine that slows the
-job makes fewer steps a minute, and counted by steps the quick ones from before it would
-outvote it. Which ranks: those that held the job up at least a quarter as long as the rank that
-held it up longest, in the window's last quarter (who holds it up now: a healthy rank a busy
-moment made the slowest of a few steps is left out, and so is a busy host's steady noise from
-before; how often each was the slowest, in the evidence), each of them, over the stretch, on
-average at least four times as long as each other rank (one machine: a busy host's ranks are
+window too. How long they have been at it, not how many seconds they were seen holding the job
+up: the forward clock sees a throttled machine in only some of its steps (a CPU quota lets a
+forward through at full speed when it has not run out, and the throttle then lands in the
+backward, where every rank waits for it in the all-reduce), so a count of the seconds seen
+waits longer the less the clock sees, and a share of the whole window is diluted by the steps
+from before. Shares are of time, each step weighed by its step time, not by steps: a machine
+that slows the job makes fewer steps a minute, and counted by steps the quick ones from before
+it would outvote it. Which ranks: those that held the job up at least a quarter as long as the
+rank that held it up longest, in the window's last quarter (who holds it up now: a healthy rank
+a busy moment made the slowest of a few steps is left out, and so is a busy host's steady noise
+from before; how often each was the slowest, in the evidence), each of them, over the stretch,
+on average at least four times as long as each other rank (one machine: a busy host's ranks are
 late by turns, about alike): a multi-node leader evicts a node only when they are all on it
 (``cluster.eviction``), and a slowness that follows the data names many ranks. A finding that
 would name more than half the ranks (a busy host whose every rank is late by turns, long
@@ -34,29 +33,29 @@ sequences landing anywhere) is no one machine's: it is said only when the job wa
 ``spread_share`` of the window; if fewer ranks then stand out on their own, as above (a machine
 throttled on a host that was noisy already), they are reported again, by themselves. One
 machine still at it is told again (evidence ``again``, the same onset and pace before, its step
-time now) each time it has been at it twice as long as when last told: what it costs depends
-on how long the run goes on, and a multi-node leader that kept it early in the run weighs it
-anew. The episode ends when the job was slow in less than half of ``min_share`` of the window;
-a new one is reported again.
+time now) each time it has been at it twice as long as when last told: what it costs depends on
+how long the run goes on, and a multi-node leader that kept it early in the run weighs it anew.
+The episode ends when the job was slow in less than half of ``min_share`` of the window; a new
+one is reported again.
 
 Its evidence also carries what the slow machine costs the job: ``slowdown``, the fraction of
 the job's pace lost, from the job's step time now against its step time before the episode
 (``baseline_step_time_s``: the median of the last steps the named ranks did not hold up:
 neither the slowest of that step nor of more than 2 of the 10 before it; a busy host whose
-leader node is often a little slow still has a pace to compare with), as it stood a quarter
-of ``window_s`` before the episode began (a signal can lag the slowdown: a slow link's round
-trip climbs as its queue fills, and the job's steps are slow before it crosses the line; the
-paces are marked every twelfth of ``window_s``, the oldest mark standing in when none is that
-old), or, with no such step seen yet, from the forward's excess over the median alone (a lower
-bound: the backward's excess is not counted). The episode began where the named ranks' share
-of the time rose above ``min_share`` (the start of the slices they are named for), not at the
-window's first slow step; where those reach as far back as the window does (ranks named long
-after the slowdown began, after a finding that named no one machine), the marks say how much
-further: each also counts who held the job up since the one before, and the episode began at
-the start of the stretch of marks in which the named ranks held it up in the most steps more
-than in half of them (marks reach three windows back). A busy start (a job warming up on busy
-cores) can make a rank the slowest of half the steps from the first mark on, so the marks
-alone would leave no pace before.
+leader node is often a little slow still has a pace to compare with), as it stood a quarter of
+``window_s`` before the episode began (a signal can lag the slowdown: a slow link's round trip
+climbs as its queue fills, and the job's steps are slow before it crosses the line; the paces
+are marked every twelfth of ``window_s``; when none is that old, the last before the episode,
+not the run's first, its warm-up's), or, with no such step seen yet, from the forward's excess
+over the median alone (a lower bound: the backward's excess is not counted). The episode began
+where the named ranks' share of the time rose above ``min_share`` (the start of the slices they
+are named for), not at the window's first slow step; where those reach as far back as the
+window does (ranks named long after the slowdown began, after a finding that named no one
+machine), the marks say how much further: each also counts who held the job up since the one
+before, and the episode began at the start of the stretch of marks in which the named ranks
+held it up in the most steps more than in half of them (marks reach three windows back). A busy
+start (a job warming up on busy cores) can make a rank the slowest of half the steps from the
+first mark on, so the marks alone would leave no pace before.
 
 Calling rules: one ``observe`` per merged step (any ``JobStep``); steps without forward times
 (a script that passes no model to ``attach()``) are ignored. Units: seconds.
@@ -462,11 +461,15 @@ class SlowComputeDetector:
 
     def _pace_without(self, ranks: tuple[int, ...], before: float,
                       began: float) -> float | None:
-        """The latest pace the named ranks did not hold up, as marked last at ``before`` (or
-        the oldest mark, when none is that old), or None. A mark made before the episode
-        ``began`` with only the named ranks' pace (a noisy host made one of them the slowest of
-        a few steps then) still gives that pace: it was the job's before they slowed it."""
+        """The latest pace the named ranks did not hold up, as marked last at ``before``, or
+        None. When no mark is that old, the last one before the episode ``began`` stands in
+        (the run's first mark is of its first steps, the slowest of all while it warms up: a
+        2-minute benchmark took 73-97 ms for the pace of its 65 ms steps), or else the oldest
+        mark. A mark made before the episode ``began`` with only the named ranks' pace (a noisy
+        host made one of them the slowest of a few steps then) still gives that pace: it was
+        the job's before they slowed it."""
         marks = [(t, paces) for t, paces, _ in self._marks if t <= before] or \
+            [(t, paces) for t, paces, _ in self._marks if t < began][-1:] or \
             [(t, paces) for t, paces, _ in list(self._marks)[:1]]
         if not marks:
             return None

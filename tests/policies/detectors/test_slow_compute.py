@@ -315,7 +315,7 @@ def test_a_node_the_forward_clock_sees_in_half_its_steps_is_named_a_minute_after
     assert 55 < time_at(name, finding.step) - time_at(name, 364) < 70  # 59 s
     assert 0.45 < finding.evidence["share"] < 0.65  # of the minute it is named for
     assert finding.evidence["slowdown_from"] == "step times before"
-    assert 0.25 < finding.evidence["slowdown"] < 0.4  # 0.078 s a step before, 0.115 after
+    assert 0.3 < finding.evidence["slowdown"] < 0.45  # 0.068 s a step before, 0.115 after
 
 
 def test_a_real_noisy_host_names_the_throttled_node_alone() -> None:
@@ -329,15 +329,17 @@ def test_a_real_noisy_host_names_the_throttled_node_alone() -> None:
     assert finding.evidence["slowdown"] > 0.5  # 0.085 s a step before, 0.19 after
 
 
-def test_a_pace_marked_under_the_slow_rank_before_it_slowed_is_the_pace_before() -> None:
-    """Another run: before the limit the noise made rank 2 the slowest of a few steps, so the
-    only pace of the oldest mark is filed under rank 2. Marked before its episode began, it is
-    still the job's pace before (0.10 s), not "no pace" (the forward's excess gave 9%)."""
+def test_the_pace_before_is_the_last_marked_before_the_episode_not_the_runs_first() -> None:
+    """Another run, named 4 s after the limit, in the run's eighth second: no mark is a quarter
+    window (2 s) older than the episode. The run's first mark holds one pace, of the single
+    step 11 filed under rank 2 (0.10 s); the job stepped at about 0.13 s until the limit. The
+    last mark before the episode began says so (the run's first marks are of its warm-up, and
+    once wrongly of one step)."""
     [finding] = replay("cpu_limit_pace_held_by_the_slow_rank.jsonl")
     assert finding.ranks == (2,)
-    assert finding.evidence["baseline_step_time_s"] == 0.1025
+    assert finding.evidence["baseline_step_time_s"] == 0.1319
     assert finding.evidence["slowdown_from"] == "step times before"
-    assert finding.evidence["slowdown"] > 0.5
+    assert 0.3 < finding.evidence["slowdown"] < 0.45  # 0.21 s a step after
 
 
 def test_a_node_that_was_the_noisy_one_at_the_start_is_measured_against_the_pace_before() -> None:
