@@ -3,7 +3,8 @@ or one node's link slowed.
 
     sudo .venv/bin/python benchmarks/slow_node.py [--minutes 5] [--cause cpu|link]
                                                   [--quota 0.1] [--rate 1mbit] [--at 0.2]
-                                                  [--runs clean,kept,evicted] [--keep DIR]
+                                                  [--runs clean,kept,evicted] [--repeat 1]
+                                                  [--keep DIR]
 
 Root is needed for the CPU limit (a cgroup's CFS quota, ``tests/cpulimit.py``) and for the
 network namespaces of ``--cause link`` (``tests/netns.py``: every node on its own address, and
@@ -21,6 +22,12 @@ after the other, with babysit's default policy and a checkpoint every 25 steps:
 - ``evicted``: the same limit under the default settings: named, its cost weighed, evicted for
   the spare at the attempt's next checkpoint.
 
+``--repeat N`` makes the runs N times, interleaved (clean, kept, evicted, clean, ...: each
+round sees the machine as it is then), and prints each run, then the distribution: in how
+many runs the slowed node was named and evicted before the job ended, how long after the
+limit (median and range), and in how many clean runs nobody was named (no ``slow_compute``
+or ``slow_link`` finding at all).
+
 babysit's ledger counts a slow rank's forward excess as straggler time, a lower bound (its
 backward's excess is not seen, and a slow link not at all), so the figure that shows what a
 slow node costs is the wall time for the same steps; ``pace goodput`` is the steps at the clean
@@ -33,6 +40,7 @@ import argparse
 import contextlib
 import json
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -145,11 +153,14 @@ def _run(workdir: Path, name: str, run_dir: Path, config: Path, steps: int,
     journal = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     costs = [e for e in journal if e["event"] == "slow_node_cost"]
     evicted = [e for e in journal if e["event"] == "node_evicted"]
+    named = [e["finding"]["ranks"] for e in journal if e["event"] == "finding"
+             and e["finding"]["detector"] in ("slow_compute", "slow_link")]
     return {"codes": codes, "ledger": snap["goodput"], "step": snap["step"], "loss": snap["loss"],
             "named_after_s": costs[0]["time"] - limited_at if costs and limited_at else None,
-            "cost": costs[0] if costs else None,
+            "cost": costs[0] if costs else None, "named": named,
             "evicted_after_s": evicted[0]["time"] - limited_at if evicted and limited_at
-            else None}
+            else None,
+            "launches": [sorted(e["nodes"]) for e in journal if e["event"] == "launch"]}
 
 
 def main() -> None:
@@ -166,6 +177,8 @@ def main() -> None:
                    help="which of the runs to make, comma-separated (clean comes first)")
     p.add_argument("--at", type=float, default=0.2,
                    help="the fraction of the steps at which the limit starts")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="make the runs N times, interleaved, and print their distribution")
     p.add_argument("--keep", type=Path, metavar="DIR", help="run in DIR and keep it")
     args = p.parse_args()
     names = [n for n in ("clean", "kept", "evicted") if n in args.runs.split(",")]
@@ -184,25 +197,64 @@ def main() -> None:
         print(f"job: {steps} steps of {1000 * step_s:.1f} ms (~{args.minutes:g} min fault-free "
               f"here) on {NODES} nodes and {SPARES} spare; node 2's {slowed} from step {at}",
               flush=True)
-        runs = {name: one_run(workdir, name, steps, None if name == "clean" else at, args,
-                              evict=name != "kept") for name in names}
-        clean_step = runs["clean"]["ledger"]["seconds"]["productive"] / steps
-        print(f"\n{'run':8} {'wall s':>8} {'pace goodput':>13} {'ledger goodput':>15} "
+        runs: list[tuple[str, dict[str, Any]]] = []
+        for i in range(args.repeat):
+            for name in names:
+                label = name if args.repeat == 1 else f"{name}-{i + 1}"
+                runs.append((name, one_run(workdir, label, steps,
+                                           None if name == "clean" else at, args,
+                                           evict=name != "kept")))
+        clean_step = statistics.median(r["ledger"]["seconds"]["productive"]
+                                       for name, r in runs if name == "clean") / steps
+        print(f"\n{'run':10} {'wall s':>8} {'pace goodput':>13} {'ledger goodput':>15} "
               f"{'step':>6} {'loss':>8}  exits / slow node")
-        for name, r in runs.items():
-            ledger = r["ledger"]
-            pace = steps * clean_step / ledger["wall_s"]
-            note = ""
-            if r["cost"]:
-                c = r["cost"]
-                note = (f"named {r['named_after_s']:.0f} s after the limit, {c['slowdown']:.0%} "
-                        f"slower, keep ~{c['keep_s']:.0f} s vs evict ~{c['evict_s']:.0f} s: "
-                        f"{c['verdict']}")
-                if r["evicted_after_s"] is not None:
-                    note += f", evicted {r['evicted_after_s']:.0f} s after the limit"
-            print(f"{name:8} {ledger['wall_s']:8.1f} {100 * pace:12.1f}% "
-                  f"{100 * ledger['goodput']:14.1f}% {r['step']:6} {r['loss']:8.4f}  "
-                  f"{r['codes']} {note}", flush=True)
+        for i, (name, r) in enumerate(runs):
+            label = name if args.repeat == 1 else f"{name}-{i // len(names) + 1}"
+            print(f"{label:10} {_row(r, steps, clean_step)}", flush=True)
+        if args.repeat > 1:
+            print(f"\ndistribution over {args.repeat} runs of each:")
+            for name in names:
+                print(f"  {name:8} {_distribution([r for n, r in runs if n == name], name)}")
+
+
+def _row(r: dict[str, Any], steps: int, clean_step: float) -> str:
+    """One run's line: its times, goodput, and what became of the slow node."""
+    ledger = r["ledger"]
+    pace = steps * clean_step / ledger["wall_s"]
+    note = ""
+    if r["cost"]:
+        c = r["cost"]
+        note = (f"named {r['named_after_s']:.0f} s after the limit, {c['slowdown']:.0%} "
+                f"slower, keep ~{c['keep_s']:.0f} s vs evict ~{c['evict_s']:.0f} s: "
+                f"{c['verdict']}")
+        if r["evicted_after_s"] is not None:
+            note += f", evicted {r['evicted_after_s']:.0f} s after the limit"
+    elif r["named"]:
+        note = f"named ranks {r['named']} on no one node"
+    return (f"{ledger['wall_s']:8.1f} {100 * pace:12.1f}% {100 * ledger['goodput']:14.1f}% "
+            f"{r['step']:6} {r['loss']:8.4f}  {r['codes']} {note}")
+
+
+def _distribution(runs: list[dict[str, Any]], name: str) -> str:
+    """How the runs of one kind went: nobody named (clean), or the slow node named (and, in
+    ``evicted``, evicted for the spare) before the job ended, and how long after the limit."""
+    n = len(runs)
+    if name == "clean":
+        quiet = sum(1 for r in runs if not r["named"])
+        return f"nobody named in {quiet} of {n}"
+    named = [r["named_after_s"] for r in runs if r["named_after_s"] is not None]
+    said = f"named in {len(named)} of {n}" + (f", after {_spread(named)}" if named else "")
+    if name == "kept":
+        return said
+    spare = [r["evicted_after_s"] for r in runs if r["evicted_after_s"] is not None
+             and r["launches"][-1] == [0, 1, NODES]]
+    return said + f"; evicted for the spare in {len(spare)} of {n}" + \
+        (f", after {_spread(spare)}" if spare else "")
+
+
+def _spread(seconds: list[float]) -> str:
+    return (f"median {statistics.median(seconds):.0f} s ({min(seconds):.0f}-"
+            f"{max(seconds):.0f} s)")
 
 
 if __name__ == "__main__":

@@ -9,37 +9,53 @@ so a whole slow node is seen against the others.
 
 A step is *slow* when the slowest forward exceeds ``factor`` x the median by at least
 ``min_excess_s``; its slowest rank *held the job up* for the step's time. The ranks are named
-(one WARNING) once they held the job up in at least ``min_share`` of the last ``window_s``
-seconds (most of them: for minutes, and so across many batches; each step draws new data, and
-a long sequence or a large image slows one step, not minutes of them). The window is weighed
-by time, each step by its step time, not by steps: a machine that slows the job makes fewer
-steps a minute, and counted by steps the quick ones from before it would outvote it for longer
-than the window. Which ranks: those that held the job up at least a quarter as long as the
-rank that held it up longest, in the window's last quarter (who holds it up now: a healthy
-rank a busy moment made the slowest of a few steps is left out, and so is a busy host's steady
-noise from before; how often each was the slowest, in the evidence): a multi-node leader
-evicts a node only when they are all on it (``cluster.eviction``), and a slowness that follows
-the data names many ranks. A finding that would name more than half the ranks (a busy host
-whose every rank is late by turns, long sequences landing anywhere) is no one machine's: it is
-said only when the job was slow in ``spread_share`` of the window; if fewer ranks then stand
-out, holding the job up in ``min_share`` of it on their own (a machine throttled on a host that
-was noisy already), they are reported again, by themselves. The episode ends when the job was
-slow in less than half of ``min_share`` of the window; a new one is reported again.
+(one WARNING) once they have held the job up in at least ``min_share`` of the time for
+``window_s / 2`` seconds, and still do (for minutes, and so across many batches; each step
+draws new data, and a long sequence or a large image slows one step, not minutes of them):
+since where their share rose above ``min_share`` (the start from which on their time holding
+the job up exceeds ``min_share`` of the steps' time by the most), and in the last eighth of the
+window too. How long they have been at it, not how many seconds they were seen holding the job
+up: the forward clock sees a throttled machine in only some of its steps (a CPU quota lets a
+forward through at full speed when it has not run out, and the throttle then lands in the
+backward, where every rank waits for it in the all-reduce), so a count of the seconds seen
+waits longer the less the clock sees, and a share of the whole window is diluted by the steps
+from before. Shares are of time, each step weighed by its step time, not by steps: a machine
+that slows the job makes fewer steps a minute, and counted by steps the quick ones from before
+it would outvote it. Which ranks: those that held the job up at least a quarter as long as the
+rank that held it up longest, in the window's last quarter (who holds it up now: a healthy rank
+a busy moment made the slowest of a few steps is left out, and so is a busy host's steady noise
+from before; how often each was the slowest, in the evidence), each of them, over the stretch,
+on average at least four times as long as each other rank (one machine: a busy host's ranks are
+late by turns, about alike): a multi-node leader evicts a node only when they are all on it
+(``cluster.eviction``), and a slowness that follows the data names many ranks. A finding that
+would name more than half the ranks (a busy host whose every rank is late by turns, long
+sequences landing anywhere) is no one machine's: it is said only when the job was slow in
+``spread_share`` of the window; if fewer ranks then stand out on their own, as above (a machine
+throttled on a host that was noisy already), they are reported again, by themselves. One
+machine still at it is told again (evidence ``again``, the same onset and pace before, its step
+time now) each time it has been at it twice as long as when last told: what it costs depends on
+how long the run goes on, and a multi-node leader that kept it early in the run weighs it anew.
+The episode ends when the job was slow in less than half of ``min_share`` of the window; a new
+one is reported again.
 
 Its evidence also carries what the slow machine costs the job: ``slowdown``, the fraction of
 the job's pace lost, from the job's step time now against its step time before the episode
 (``baseline_step_time_s``: the median of the last steps the named ranks did not hold up:
 neither the slowest of that step nor of more than 2 of the 10 before it; a busy host whose
-leader node is often a little slow still has a pace to compare with), as it stood a quarter
-of ``window_s`` before the episode began (a signal can lag the slowdown: a slow link's round
-trip climbs as its queue fills, and the job's steps are slow before it crosses the line; the
-paces are marked every twelfth of ``window_s``, the oldest mark standing in when none is that
-old), or, with no such step seen yet, from the forward's excess over the median alone (a lower
-bound: the backward's excess is not counted). The episode began where the named ranks began
-holding the job up in most steps (each mark also counts who held it up since the one before;
-the start of the stretch whose tally leads the most), not at the window's first slow step: a
-machine throttled in bursts can take minutes to hold the job up in ``min_share`` of a window,
-and by then the window starts long after the slowdown did.
+leader node is often a little slow still has a pace to compare with), as it stood a quarter of
+``window_s`` before the episode began (a signal can lag the slowdown: a slow link's round trip
+climbs as its queue fills, and the job's steps are slow before it crosses the line; the paces
+are marked every twelfth of ``window_s``; when none is that old, the last before the episode,
+not the run's first, its warm-up's), or, with no such step seen yet, from the forward's excess
+over the median alone (a lower bound: the backward's excess is not counted). The episode began
+where the named ranks' share of the time rose above ``min_share`` (the start of the slices they
+are named for), not at the window's first slow step; where those reach as far back as the
+window does (ranks named long after the slowdown began, after a finding that named no one
+machine), the marks say how much further: each also counts who held the job up since the one
+before, and the episode began at the start of the stretch of marks in which the named ranks
+held it up in the most steps more than in half of them (marks reach three windows back). A busy
+start (a job warming up on busy cores) can make a rank the slowest of half the steps from the
+first mark on, so the marks alone would leave no pace before.
 
 Calling rules: one ``observe`` per merged step (any ``JobStep``); steps without forward times
 (a script that passes no model to ``attach()``) are ignored. Units: seconds.
@@ -78,12 +94,15 @@ class SlowComputeConfig(DetectorConfig):
     min_excess_s: float = Field(default=0.002, ge=0.0)
     """...and above it by at least this many seconds (millisecond jitter is no machine)."""
     window_s: float = Field(default=120.0, gt=0.0)
-    """How long the steps must have been slow: minutes, so across many batches."""
-    min_share: float = Field(default=0.5, gt=0.0, le=1.0)
-    """The share of the window's time in which the named ranks must have held the job up: most
-    of it. A rank a tenth as fast as its peers holds it up in 55-95% (a throttle in bursts lets
-    some of its forwards through at full speed); a healthy one on a busy host, by turns with
-    the others, in a third at most."""
+    """The steps judged, in seconds: ranks are named once they held the job up for half of it
+    (minutes, so across many batches)."""
+    min_share: float = Field(default=0.4, gt=0.0, le=1.0)
+    """The share of the time in which the named ranks must have held the job up, for
+    ``window_s / 2`` and still. A rank at a tenth of a core holds it up in 50-90% of the time on
+    a 2-core VM (a CPU quota lets some of its forwards through at full speed, the throttle
+    landing in its backward, where the forward clock does not see it: the lighter the forward,
+    the more often); a healthy one on a busy host, by turns with the others, in under a quarter
+    there. A third of the steps or less is a busy host's noise, even on one rank."""
     spread_share: float = Field(default=0.8, gt=0.0, le=1.0)
     """For a finding that names no one machine (more than half the ranks, slow by turns): the
     share of the window's time that must be slow. A busy host is late by turns in many steps;
@@ -162,6 +181,9 @@ class SlowComputeDetector:
         """Who held the job up in the steps since the last mark."""
         self._named: tuple[int, ...] | None = None
         """The ranks this episode's finding named; None: no finding in this episode."""
+        self._episode: tuple[float, float, float | None, int] | None = None
+        """The episode of the one machine named: when it began, when to tell it again, the pace
+        before it (None: none known) and its onset step."""
         self._recent: deque[int | None] = deque(maxlen=CALM)
 
     def observe(self, record: JobStep) -> Finding | None:
@@ -184,35 +206,79 @@ class SlowComputeDetector:
                                       for held, pace in self._paces.items() if pace],
                                 self._held))
             self._held = Counter()
-        # Who holds the job up now (the window's last quarter), and whether they did for most
-        # of the window: a busy host's steady noise from before is not the new slow machine.
+        # Who holds the job up now (the window's last quarter), and since when: a busy host's
+        # steady noise from before is not the new slow machine.
         ranks = _dominant(self._weights(since=now - cfg.window_s / 4))
+        again = False
         if self._named is not None:
             if share < cfg.min_share / 2:
-                self._named = None
-            # Told already, unless fewer of the ranks it named now stand out on their own: a
-            # machine standing out of what was everyone's.
-            if self._named is None or len(self._named) == 1 or \
-                    not set(ranks) < set(self._named) or not self._machine(ranks, spread.count):
+                self._named = self._episode = None
+            if self._named is None:
                 return None
-        elif not (self._long(None, cfg.spread_share) if _spread(ranks, spread.count) else
-                  self._machine(ranks, spread.count)):
-            return None
-        finding = self._finding(record.step, self._share(ranks), spread.count, ranks)
+            # Told already, unless fewer of the ranks it named now stand out on their own (a
+            # machine standing out of what was everyone's), or the machine it named has been
+            # at it twice as long as when it was last told (what it costs, weighed again).
+            again = self._episode is not None and ranks == self._named \
+                and now >= self._episode[1]
+            if not again and (len(self._named) == 1 or not set(ranks) < set(self._named)):
+                return None
+        if _spread(ranks, spread.count):
+            if self._named is not None or not self._long(None, cfg.spread_share):
+                return None
+            since = -math.inf
+        else:
+            began = self._machine(ranks, spread.count, now)
+            if began is None:
+                return None
+            since = began
+        finding = self._finding(record.step, now, spread.count, ranks, since, again)
         self._named = finding.ranks
         return finding
 
-    def _machine(self, ranks: tuple[int, ...], count: int) -> bool:
-        """``ranks`` are one machine's that slows the job: no more than half the ``count``
-        ranks compared, they held the job up in ``min_share`` of the window, and each of them
-        on average at least four times as long as each of the others did (as a rank is named
-        beside the slowest only when it held the job up a quarter as long: a slowness that
-        follows the data holds it up on every rank alike, and any half of them hold it up
-        half the time)."""
-        if not ranks or _spread(ranks, count) or not self._long(ranks, self.config.min_share):
-            return False
-        share, rest = self._share(ranks), max(1, count - len(ranks))
-        return share / len(ranks) >= 4 * (self._share() - share) / rest
+    def _machine(self, ranks: tuple[int, ...], count: int, now: float) -> float | None:
+        """When ``ranks``, one machine's, began slowing the job (``_began_at``: the start of
+        the window's slices they are named for), or None while they are not that yet. One
+        machine's: no more than half the ``count`` ranks compared, each of them on average at
+        least four times as long the slowest as each of the others (as a rank is named beside
+        the slowest only when it held the job up a quarter as long: a slowness that follows the
+        data holds it up on every rank alike, and any half of them hold it up half the time).
+        Slowing the job: they held it up in ``min_share`` of the time for ``window_s / 2`` or
+        more (minutes, and so across many batches), and still do, in the last eighth of the
+        window (a burst that ended is not named for its quiet tail).
+
+        How long they have been at it, not how long they held the job up in all: the forward
+        clock sees a throttled machine in only part of its steps (in the others its throttle
+        lands in its backward, where every rank waits for it in the all-reduce), and counting
+        the seconds it was seen would wait longer for a machine the clock sees less of; nor
+        the whole window's share, which the steps from before it dilute."""
+        cfg = self.config
+        if not ranks or _spread(ranks, count):
+            return None
+        began = self._began_at(ranks)
+        if began is None or now - began < cfg.window_s / 2:
+            return None
+        recent, total = self._held_since(now - cfg.window_s / 8)
+        if sum(recent.get(r, 0.0) for r in ranks) < cfg.min_share * total:
+            return None
+        held, _ = self._held_since(began)
+        mine = sum(held.get(r, 0.0) for r in ranks)
+        rest = max(1, count - len(ranks))
+        return began if mine / len(ranks) >= 4 * (sum(held.values()) - mine) / rest else None
+
+    def _began_at(self, ranks: tuple[int, ...]) -> float | None:
+        """Where ``ranks`` began holding the job up in more than ``min_share`` of the time: the
+        start of the window's slice from which on their time holding it up exceeds
+        ``min_share`` of the steps' time by the most (where their share rose above it), or
+        None when it exceeds it from none."""
+        timed = any(b.weight > 0 for b in self._window)
+        excess, best, began = 0.0, 0.0, None
+        for b in reversed(self._window):
+            held = b.held if timed else b.ranks
+            excess += sum(held.get(r, 0) for r in ranks) \
+                - self.config.min_share * (b.weight if timed else b.n)
+            if excess > best:
+                best, began = excess, b.start
+        return began
 
     def _long(self, ranks: tuple[int, ...] | None, share: float) -> bool:
         """``ranks`` (None: anyone) held the job up in ``share`` of the window's time, and so
@@ -245,13 +311,24 @@ class SlowComputeDetector:
         """How long each rank held the job up in the window's slices from ``since`` on
         (seconds of the slow steps it was the slowest of; how many of them where no step said
         its time)."""
+        return self._held_since(since)[0]
+
+    def _held_since(self, since: float) -> tuple[dict[int, float], float]:
+        """``_weights(since)``, and the time of all the steps of those slices (seconds, or
+        steps where no step said its time)."""
         held: dict[int, float] = {}
+        total = 0.0
         timed = any(b.weight > 0 for b in self._window)
-        for b in self._window:
-            if b.start + self.config.window_s / BUCKETS > since:
-                for r, w in (b.held.items() if timed else b.ranks.items()):
-                    held[r] = held.get(r, 0.0) + w
-        return held
+        for b in self._slices(since):
+            total += b.weight if timed else b.n
+            for r, w in (b.held.items() if timed else b.ranks.items()):
+                held[r] = held.get(r, 0.0) + w
+        return held, total
+
+    def _slices(self, since: float) -> list[_Bucket]:
+        """The window's slices from ``since`` on (each that ends after it)."""
+        width = self.config.window_s / BUCKETS
+        return [b for b in self._window if b.start + width > since]
 
     def _counts(self) -> Counter[int]:
         """How often each rank was the slowest of a slow step in the window."""
@@ -281,23 +358,39 @@ class SlowComputeDetector:
         while self._window[0].start + width <= now - self.config.window_s:
             self._slowest -= self._window.popleft().ranks
 
-    def _finding(self, step: int, share: float, count: int, ranks: tuple[int, ...]
-                 ) -> Finding:
-        """The finding naming ``ranks``, which held the job up in ``share`` of the window."""
+    def _finding(self, step: int, now: float, count: int, ranks: tuple[int, ...],
+                 since: float, again: bool) -> Finding:
+        """The finding naming ``ranks`` at ``now``, with how long they held the job up in the
+        window's slices from ``since`` on (those it names them for); ``again``: the episode's
+        machine, told before, still at it (the pace before is the one it was told with)."""
         window = self._window
-        slow = sum(b.slow for b in window)
+        slices = self._slices(since)
+        held_since, total = self._held_since(since)
+        share = sum(held_since.get(r, 0.0) for r in ranks) / total if total else 0.0
+        slow = sum(b.slow for b in slices)
         counts = self._counts()
-        forward = sum(b.forward for b in window) / slow
-        median = sum(b.median for b in window) / slow
-        # The job's step time now: of the steps the named ranks held up (not of the slow steps
-        # the others held up, a busy host's noise from before them).
-        held_s = sum(b.held.get(r, 0.0) for b in window for r in ranks)
-        held_n = sum(b.ranks.get(r, 0) for b in window for r in ranks)
-        timed = sum(b.timed for b in window)
+        forward = sum(b.forward for b in slices) / slow
+        median = sum(b.median for b in slices) / slow
+        # The job's step time now: of the steps the named ranks held up since they began to
+        # (not of the slow steps the others held up, a busy host's noise from before them).
+        held_s = sum(b.held.get(r, 0.0) for b in slices for r in ranks)
+        held_n = sum(b.ranks.get(r, 0) for b in slices for r in ranks)
+        timed = sum(b.timed for b in slices)
         now_s = held_s / held_n if held_s > 0 and held_n else \
-            sum(b.times for b in window) / timed if timed else None
-        began = self._began(ranks)
-        base = self._pace_without(ranks, began - self.config.window_s / 4, began)
+            sum(b.times for b in slices) / timed if timed else None
+        # Where the episode began: where their share rose (the slices named for), unless that
+        # is as far back as the window goes, and the marks say how much further back.
+        onset = next(b.first_slow for b in slices if b.first_slow is not None)
+        if again and self._episode is not None:
+            began, _, base, onset = self._episode
+        else:
+            began = slices[0].start if slices[0] is not window[0] else self._began(ranks)
+            base = self._pace_without(ranks, began - self.config.window_s / 4, began)
+            if not math.isfinite(began):
+                began = window[0].start
+        # One machine is told again each time it has been at it twice as long: a leader weighs
+        # its cost anew, against a run that has gone on (an early "keep" is not the last word).
+        self._episode = None if _spread(ranks, count) else (began, 2 * now - began, base, onset)
         if now_s is not None and base is not None and now_s > 0:
             slowdown, source = max(0.0, 1.0 - base / now_s), "step times before"
         elif now_s:
@@ -306,8 +399,7 @@ class SlowComputeDetector:
             slowdown, source = None, None
         weights = self._weights()
         top = max(ranks, key=lambda r: weights.get(r, 0.0), default=counts.most_common(1)[0][0])
-        onset = next(b.first_slow for b in window if b.first_slow is not None)
-        span = window[-1].start - window[0].start
+        span = now - slices[0].start
         return Finding(
             incident=Incident.STRAGGLER, detector=self.name, severity=Severity.WARNING,
             step=step, onset_step=onset, ranks=ranks,
@@ -316,6 +408,7 @@ class SlowComputeDetector:
                      f"median {median:.3g}s, holding the job up {share:.0%} of the last "
                      f"{span:.0f}s"
                      + (f"; the job runs {slowdown:.0%} slower for it" if slowdown else "")
+                     + (f"; still, {now - began:.0f}s after it began" if again else "")
                      + (f"; {len(ranks)} of {count} ranks were the slowest by turns: no one "
                         "machine" if _spread(ranks, count) else "")),
             evidence={"signal": self.signal,
@@ -326,7 +419,7 @@ class SlowComputeDetector:
                       "step_time_s": r4(now_s) if now_s is not None else None,
                       "baseline_step_time_s": r4(base) if base is not None else None,
                       "slowdown": r4(slowdown) if slowdown is not None else None,
-                      "slowdown_from": source})
+                      "slowdown_from": source, "again": again})
 
     def _pace(self, slowest: int | None, step_time: float | None) -> int | None:
         """File the step's time under the rank holding the job up lately (the slowest of more
@@ -368,11 +461,15 @@ class SlowComputeDetector:
 
     def _pace_without(self, ranks: tuple[int, ...], before: float,
                       began: float) -> float | None:
-        """The latest pace the named ranks did not hold up, as marked last at ``before`` (or
-        the oldest mark, when none is that old), or None. A mark made before the episode
-        ``began`` with only the named ranks' pace (a noisy host made one of them the slowest of
-        a few steps then) still gives that pace: it was the job's before they slowed it."""
+        """The latest pace the named ranks did not hold up, as marked last at ``before``, or
+        None. When no mark is that old, the last one before the episode ``began`` stands in
+        (the run's first mark is of its first steps, the slowest of all while it warms up: a
+        2-minute benchmark took 73-97 ms for the pace of its 65 ms steps), or else the oldest
+        mark. A mark made before the episode ``began`` with only the named ranks' pace (a noisy
+        host made one of them the slowest of a few steps then) still gives that pace: it was
+        the job's before they slowed it."""
         marks = [(t, paces) for t, paces, _ in self._marks if t <= before] or \
+            [(t, paces) for t, paces, _ in self._marks if t < began][-1:] or \
             [(t, paces) for t, paces, _ in list(self._marks)[:1]]
         if not marks:
             return None
@@ -390,6 +487,7 @@ class SlowComputeDetector:
                 "held": list(self._held.items()),
                 "reported": self._named is not None,
                 "named": list(self._named) if self._named is not None else None,
+                "episode": list(self._episode) if self._episode is not None else None,
                 "recent": list(self._recent)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -404,6 +502,9 @@ class SlowComputeDetector:
         self._held = _held(d.get("held", ()))
         named = d.get("named")
         self._named = tuple(named) if named is not None else (() if d["reported"] else None)
+        episode = d.get("episode")
+        self._episode = (float(episode[0]), float(episode[1]), episode[2], int(episode[3])) \
+            if episode is not None else None
         self._recent = deque(d.get("recent", ()), maxlen=CALM)
 
 

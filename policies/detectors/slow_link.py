@@ -7,9 +7,9 @@ the round trip of each follower's connection as it carries that babysitter's sum
 heartbeats (TCP's smoothed RTT, ``wire.Peer.rtt``); the leader puts the slowest node's against
 the median of the others on each merged step (``SummaryRecord.slowest_link``, named by the
 node's lowest rank), and this detector judges that spread exactly as ``slow_compute`` judges
-the ranks' forwards: slow in ``min_share`` of the steps of the last ``window_s``, named with
-what it costs the job (its step time now against before), and on a multi-node leader weighed
-for eviction (``cluster.eviction.SlowCost``).
+the ranks' forwards: holding the job up in ``min_share`` of the time for half of ``window_s``
+and still, named with what it costs the job (its step time now against before), and on a
+multi-node leader weighed for eviction (``cluster.eviction.SlowCost``).
 
 What it cannot see: the babysitters' path is the collectives' path only when both use the same
 interface (gloo, or NCCL over sockets); a slow InfiniBand or NVLink path beside a healthy

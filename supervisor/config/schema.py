@@ -323,7 +323,8 @@ class NodesConfig(DashedSection):
     run_left_s: float | None = Field(None, gt=0)
     """How much longer the run will train, in seconds, for the slow-node cost. None: as long
     as it has run so far (of runs that have lasted that long, half last at least as long
-    again)."""
+    again); a node kept for it is weighed again each time the detector tells it again (once it
+    has been slow twice as long as when last told), against the run's time by then."""
     spares: int = Field(0, ge=0)
     """Hot spares: babysitters beyond the job's size (the MAX of ``launch.nnodes``), at node
     ranks MAX to MAX+spares-1. They join the leader and wait, running nothing; when a node is

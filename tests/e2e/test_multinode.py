@@ -697,10 +697,10 @@ def test_a_node_slowed_by_a_cpu_limit_is_named_and_evicted_for_a_spare_when_it_p
     busy with other jobs, the healthy ranks' forwards read late by turns in most steps (72% of
     them over 1.5x in one run), and the throttled one was the slowest in as few as 55% of the
     steps after the limit (its throttle lets some forwards through at full speed): a finding
-    naming several ranks may come first; node 2 alone is named once it held the job up in
-    most of the window. How much slower the job runs depends on how busy the host already
-    was (0.10 s steps before the limit on a quiet one, 0.18 s on a busy one; about 0.22 s after
-    on either): the cost's slowdown is measured, not assumed."""
+    naming several ranks may come first; node 2 alone is named once it has held the job up in
+    40% of the time for half the window (4 s). How much slower the job runs depends on how
+    busy the host already was (0.10 s steps before the limit on a quiet one, 0.18 s on a busy
+    one; about 0.22 s after on either): the cost's slowdown is measured, not assumed."""
     run = Nodes(tmp_path, "--fsdp", "--forward-work", "40", nnodes="3", steps=120, net=net4,
                 nproc=1,
                 nodes=", spares: 1, run_left_s: 600",

@@ -15,7 +15,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from babysit.policies.detectors import (
@@ -24,6 +24,8 @@ from babysit.policies.detectors import (
     HangDetector,
     LossSpikeDetector,
     NonFiniteDetector,
+    SlowComputeConfig,
+    SlowComputeDetector,
     StragglerDetector,
     ThroughputDetector,
 )
@@ -314,3 +316,101 @@ def test_hang_round_trip_mid_stream_changes_nothing(seed: int, data: st.DataObje
     second.load_state_dict(json.loads(json.dumps(first.state_dict())))
     got += run(second, events[cut:], steps)
     assert got == expected
+
+
+# -- a slow machine (slow_compute) --------------------------------------------------------------
+
+
+def machine_steps(seed: int, world: int, step_s: float, seconds: float, late: float,
+                  slow_at: float | None = None, seen: float = 1.0,
+                  scale: float = 1.0) -> list[StepRecord]:
+    """``seconds`` of a job of ``world`` ranks stepping every ``step_s`` (+-5%), each rank's
+    forward a quarter of that (x ``scale``), with a bias of its own (up to 10% slower) and
+    jitter (+-15%); in a share ``late`` of the steps one rank, any, by turns, is 1.5-2.5x late
+    (a busy host). From ``slow_at`` on the last rank's machine is slow: the job steps 40%
+    slower, and that rank's forward is 3x in a share ``seen`` of its steps (a CPU quota lets
+    the others through, its throttle landing in the backward, where the forward clock does not
+    see it)."""
+    rng = random.Random(seed)
+    forward = scale * step_s / 4
+    bias = [1 + rng.uniform(0, 0.1) for _ in range(world)]
+    out: list[StepRecord] = []
+    now, step = 0.0, 0
+    while now < seconds:
+        step += 1
+        slow = slow_at is not None and now >= slow_at
+        took = step_s * (1.4 if slow else 1.0) * rng.uniform(0.95, 1.05)
+        now += took
+        forwards = [forward * bias[r] * rng.uniform(0.85, 1.15) for r in range(world)]
+        if rng.random() < late:
+            forwards[rng.randrange(world)] *= rng.uniform(1.5, 2.5)
+        if slow and rng.random() < seen:
+            forwards[-1] = 3 * forward
+        out.append(StepRecord(step=step, time=now, world_size=world, ranks=tuple(
+            RankStep(rank=r, step=step, time=now, step_time=took, forward_time=forwards[r])
+            for r in range(world))))
+    return out
+
+
+def slow_machine_findings(records: list[StepRecord], scale: float = 1.0
+                          ) -> list[tuple[int, tuple[int, ...], float]]:
+    det = SlowComputeDetector(SlowComputeConfig(min_excess_s=0.002 * scale))
+    return [(f.step, f.ranks, records[f.step - 1].time) for r in records
+            if (f := det.observe(r)) is not None]
+
+
+machine = {"seed": st.integers(0, 2**32 - 1), "world": st.integers(3, 8),
+           "step_s": st.floats(min_value=0.05, max_value=0.5)}
+
+
+@settings(max_examples=15)
+@given(**machine, late=st.floats(min_value=0.0, max_value=0.5))
+def test_slow_compute_a_busy_hosts_ranks_late_by_turns_never_fire(
+        seed: int, world: int, step_s: float, late: float) -> None:
+    """Up to half the steps slow, by turns: no one machine, and not slow enough of the time to
+    be said as no one machine's either."""
+    assert slow_machine_findings(machine_steps(seed, world, step_s, 400.0, late)) == []
+
+
+@settings(max_examples=15)
+@given(**machine, late=st.floats(min_value=0.0, max_value=0.3),
+       slow_at=st.floats(min_value=0.0, max_value=200.0),
+       seen=st.floats(min_value=0.6, max_value=1.0))
+@example(seed=0, world=3, step_s=0.1, late=0.2, slow_at=30.0, seen=0.5)
+def test_slow_compute_a_slow_machine_is_named_about_a_minute_after_it_slowed(
+        seed: int, world: int, step_s: float, late: float, slow_at: float,
+        seen: float) -> None:
+    """A machine the forward clock sees slow in most of its steps is named, alone, about
+    ``window_s / 2`` (a minute) after it slowed, whatever the others' noise: within a minute
+    and a half (the time it began is an estimate, from fewer steps the slower the job). Named
+    only once its forward had been seen holding the job up for a minute in all, a machine seen
+    in 60% of its steps waited 100 s, one seen in half of them (here: the other ranks' noise
+    raising the median hides some more) two minutes, or never: the 2-minute benchmark's
+    slowed node was named after the job's end."""
+    records = machine_steps(seed, world, step_s, slow_at + 150.0, late, slow_at, seen)
+    found = slow_machine_findings(records)
+    assert found, "never named"
+    _, ranks, at = found[0]
+    assert ranks == (world - 1,)
+    assert 55.0 <= at - slow_at <= 90.0
+
+
+@settings(max_examples=10)
+@given(**machine, late=st.floats(min_value=0.0, max_value=0.3),
+       seen=st.floats(min_value=0.3, max_value=1.0), scale=scales)
+def test_slow_compute_scaling_the_forwards_changes_no_verdict(
+        seed: int, world: int, step_s: float, late: float, seen: float, scale: float) -> None:
+    # The forwards and the absolute floor together: only their ratios to each other may matter.
+    def run(c: float) -> list[tuple[int, tuple[int, ...], float]]:
+        return slow_machine_findings(
+            machine_steps(seed, world, step_s, 250.0, late, 60.0, seen, c), c)
+
+    assert run(1.0) == run(scale)
+
+
+@settings(max_examples=10)
+@given(**machine, seen=st.floats(min_value=0.3, max_value=1.0), data=st.data())
+def test_slow_compute_round_trip_mid_stream_changes_nothing(
+        seed: int, world: int, step_s: float, seen: float, data: st.DataObject) -> None:
+    records = machine_steps(seed, world, step_s, 250.0, 0.2, 60.0, seen)
+    roundtrip_equal(SlowComputeDetector, records, data.draw(st.integers(0, len(records))))

@@ -1375,6 +1375,34 @@ def test_a_slow_node_is_evicted_at_the_next_checkpoint_when_the_cost_says_so(
         assert evicted["node"] == 1 and what in evicted["why"]
 
 
+def test_a_slow_node_kept_early_is_evicted_when_it_is_told_again_later(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--nnodes 1:2`, 100 s into the run, a relaunch measured at 50 s: node 1 at 60% slower
+    costs 60 s over the ~100 s the run may still go (as long as it has), against 100 s for a
+    relaunch and half the work: kept. The detector tells it again each time it has been at it
+    twice as long; 1,100 s in, the same 60% costs 660 s against 600 s: evicted."""
+    with leading(tmp_path, monkeypatch, "1:2") as members:
+        said = Said()
+        join(members, said)
+        members.launch(0, Directive(), time.monotonic())
+        members.cluster.rank_node.update({0: 0, 1: 0, 2: 1, 3: 1})
+        members._began -= 100.0
+        members._starts = [50.0]
+        assert "kept: it costs less" in members.locate(slow((2, 3), 0.6)).message
+        members._began -= 1000.0
+        again = dataclasses.replace(slow((2, 3), 0.6, step=900), evidence={
+            **slow((2, 3), 0.6).evidence, "again": True})
+        assert "evicting it at the next checkpoint" in members.locate(again).message
+        out = Gathered()
+        members._rank_event(0, WorkerEvent(type="checkpoint", rank=0, time=0.0,
+                                           data={"step": 925}), out)
+        [finding] = out.findings
+        assert finding.incident is Incident.SLOW_NODE and finding.evidence["node"] == 1
+        costs = [f for event, f in said.journal if event == "slow_node_cost"]
+        assert [(c["verdict"], c["detected_step"]) for c in costs] == [("keep", 200),
+                                                                        ("evict", 900)]
+
+
 def test_a_slow_node_the_run_cannot_do_without_is_kept(members: ClusterMembers) -> None:
     """A fixed two-node run: however slow node 1 is, one node would be below the minimum."""
     said = Said()
