@@ -117,18 +117,23 @@ class Copier:
             self._future = None
 
     def _set_up(self) -> None:
-        """At the first copy, every rank together: the copier's gloo group; which ranks write
-        the state they hold (one per shard: under DDP rank 0 alone); with ``every`` "auto",
-        whether any shard has a single holder (else the just-in-time state already covers a lost
-        rank, and the copies are off); and whether each node's copies fit in half its free host
-        memory (``KEEP`` copies of its writers' state and of those it keeps a replica of). Off
-        for any reason on any rank: off on every rank, said once by rank 0."""
+        """At the first copy, every rank alike: with ``every`` "auto", whether any shard has a
+        single holder (else the just-in-time state already covers a lost rank, and the copies
+        are off: every rank sees it in its own model, no collective, no group made); then,
+        together, the copier's gloo group, which ranks write the state they hold (one per
+        shard: under DDP rank 0 alone), and whether each node's copies fit in half its free
+        host memory (``KEEP`` copies of its writers' state and of those it keeps a replica of).
+        Off for any reason on any rank: off on every rank, said once by rank 0."""
         import psutil
         import torch.distributed as dist
 
         from babysit.checkpoints.save import state_bytes
 
-        shard = just_in_time.shard_of(self.model, self.rank)[0]
+        shard, shards = just_in_time.shard_of(self.model, self.rank)
+        if self.auto and shards < self.world_size:
+            self._off("every shard of the state has live replicas (DDP)" if shards == 1 else
+                      "every shard of the state has several holders", bytes_=None)
+            return
         mine = (shard, self.node, state_bytes(self.model, self.optimizer),
                 psutil.virtual_memory().available)
         if dist.is_available() and dist.is_initialized():
@@ -137,9 +142,9 @@ class Copier:
             dist.all_gather_object(everyone, mine, group=self._group)
         else:
             everyone = [mine]
-        shards = [e[0] for e in everyone]
-        self._writes_model = shards.index(shard) == self.rank
-        writers = [r for r, s in enumerate(shards) if shards.index(s) == r]
+        holders = [e[0] for e in everyone]
+        self._writes_model = holders.index(shard) == self.rank
+        writers = [r for r, s in enumerate(holders) if holders.index(s) == r]
         need: dict[int, int] = {}
         for r in writers:
             need[everyone[r][1]] = need.get(everyone[r][1], 0) + KEEP * everyone[r][2]
@@ -148,28 +153,25 @@ class Copier:
                 need[everyone[peer][1]] = need.get(everyone[peer][1], 0) + KEEP * everyone[r][2]
         free = {e[1]: e[3] for e in everyone}
         short = sorted(n for n, b in need.items() if b > free[n] / 2)
-        why = None
-        if self.auto and len(set(shards)) == len(shards) == 1:
-            why = ("every shard of the state has live replicas (DDP): the just-in-time state "
-                   "already keeps the step of a lost rank")
-        elif self.auto and all(shards.count(s) > 1 for s in shards):
-            why = ("every shard of the state has several holders: the just-in-time state "
-                   "already keeps the step of a lost rank")
-        elif short:
+        if short:
             node = short[0]
-            why = (f"the copies need about {need[node] / 2**30:.1f} GiB of host memory on node "
-                   f"{node} ({KEEP} copies of its ranks' state and of its peer's), more than "
-                   f"half the {free[node] / 2**30:.1f} GiB free there: free host memory, or "
-                   "set checkpoints.memory_every_steps: 0")
-        self.every = 0 if why is not None else self.every
+            self._off(f"the copies need about {need[node] / 2**30:.1f} GiB of host memory on "
+                      f"node {node} ({KEEP} copies of its ranks' state and of its peer's), more "
+                      f"than half the {free[node] / 2**30:.1f} GiB free there: free host memory, "
+                      "or set checkpoints.memory_every_steps: 0", bytes_=need)
+            return
         if self.rank == 0:
-            if why is not None:
-                self._emit("memory_copy_off", why=why)
-            else:
-                self._emit("memory_copy_plan", every=self.every, auto=self.auto,
-                           node_bytes={str(n): b for n, b in sorted(need.items())},
-                           copies=KEEP)
+            self._emit("memory_copy_plan", every=self.every, auto=self.auto,
+                       node_bytes={str(n): b for n, b in sorted(need.items())}, copies=KEEP)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="babysit-memory-copy")
+
+    def _off(self, why: str, bytes_: dict[int, int] | None) -> None:
+        """No memory copies in this attempt, and why (said once, by rank 0)."""
+        self.every, self._writes_model = 0, False
+        if self.rank == 0:
+            if bytes_ is None and self.auto:
+                why += ": the just-in-time state already keeps the step of a lost rank"
+            self._emit("memory_copy_off", why=why)
 
     def _write(self, step: int, staged: Any, close: Any, rank_state: bytes,
                fields: dict[str, Any], started: float) -> None:

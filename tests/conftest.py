@@ -50,7 +50,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Host memory is a training node's scarcest: no run of the session may leave a folder in
-    /dev/shm behind (``supervisor/node/shm.py``). A leftover fails the session."""
+    /dev/shm behind (``supervisor/node/shm.py``). A leftover fails the session (checked where
+    the whole session ends: not in a worker of ``pytest -n``, whose peers may still run)."""
+    if hasattr(session.config, "workerinput"):
+        return
     left = sorted(_shm_folders() - _SHM_BEFORE)
     if left:
         print(f"\nbabysit left {len(left)} folder(s) in {_SHM}: {', '.join(left[:8])}")
