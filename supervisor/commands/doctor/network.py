@@ -11,6 +11,7 @@ answer at all. A node that never comes is the leader's to say (``nodes.join_time
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from urllib.parse import urlsplit
 
@@ -151,7 +152,10 @@ def holder(port: int) -> str | None:
         if conn.pid is None:
             continue
         try:
-            command = " ".join(" ".join(psutil.Process(conn.pid).cmdline()).split())
+            argv = psutil.Process(conn.pid).cmdline()
+            # the program by its name, not its path: a venv's path would fill the line
+            command = " ".join(" ".join([os.path.basename(argv[0]), *argv[1:]]).split()) \
+                if argv else ""
         except psutil.Error:
             command = ""
         if len(command) > 80:

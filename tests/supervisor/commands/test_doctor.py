@@ -336,7 +336,7 @@ def test_on_node_0_a_port_another_process_holds_warns_naming_that_process(
     pid, port = held_port
     result = rdzv(tmp_path, f"nnodes: 2, node_rank: 0, rdzv_endpoint: '127.0.0.1:{port}'")
     assert result.status is Status.WARN, result
-    assert result.summary.startswith(f"pid {pid} (") and "socket.create_server" in \
+    assert result.summary.startswith(f"pid {pid} (python") and "socket.create_server" in \
         result.summary, result
     assert result.summary.endswith(f") holds port {port} on this node, where its torchrun "
                                    f"opens the rendezvous store (127.0.0.1:{port})")
