@@ -165,6 +165,18 @@ def any_alive(pids: Iterable[int]) -> bool:
     return False
 
 
+def any_exist(pids: Iterable[int]) -> bool:
+    """Some rank process is still in the process table: alive, or a zombie its parent has not
+    reaped."""
+    for pid in pids:
+        try:
+            psutil.Process(pid)
+        except psutil.Error:
+            continue
+        return True
+    return False
+
+
 def sample(pids: Mapping[int, int], window_s: float = WINDOW_S) -> dict[int, RankProcess]:
     """Each rank's state and CPU use over ``window_s`` seconds (``pids``: rank -> pid)."""
     return Sample(pids).finish(window_s)

@@ -39,7 +39,8 @@ class Teardown:
     than ``IDLE_CPU`` of a core over ``idle_s`` seconds since the last look, which a script
     still working after ``run.close()`` (saving a model, an upload, an eval) does not.
 
-    Or once every rank's process has exited and torchrun is still up ``linger_s`` later: on
+    Or once every rank's process has exited, torchrun reaped them, and it is still up
+    ``linger_s`` later (not reaped: ``idle_s``, as a torchrun too loaded to look is no wait): on
     several nodes its agent waits in its exit barrier for every other node's, and one whose
     rank aborted in gloo's teardown never comes (the barrier's own timeout is minutes). Nothing
     is left on this node to finish: ``exited`` says which way it was judged. On one node
@@ -71,6 +72,7 @@ class Teardown:
         self.exited = False
         """Judged stuck because every rank's process had exited and torchrun had not."""
         self._exited_at: float | None = None
+        self._reaped_at: float | None = None
 
     def stuck(self, now: float, others_up: bool = False) -> bool:
         """``others_up``: other nodes' torchruns still run and need this one's (it hosts their
@@ -78,10 +80,17 @@ class Teardown:
         that says they are gone."""
         if not stall.any_alive(self.pids.values()):
             if others_up:
-                self._exited_at = None
+                self._exited_at = self._reaped_at = None
                 return False
             self._exited_at = now if self._exited_at is None else self._exited_at
-            if now - self._exited_at >= self.linger_s:
+            # torchrun waits on its exit barrier only after it reaped its ranks: a zombie left
+            # means it has not looked yet (a loaded machine), not that it waits for another node
+            if stall.any_exist(self.pids.values()):
+                waited, limit = now - self._exited_at, max(self.linger_s, self.idle_s)
+            else:
+                self._reaped_at = now if self._reaped_at is None else self._reaped_at
+                waited, limit = now - self._reaped_at, self.linger_s
+            if waited >= limit:
                 self.exited = True
                 self.seen = stall.Sample(self.pids).finish(0.0)
                 return True

@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+import psutil
 import pytest
 
 from babysit.supervisor.node.teardown import Teardown
@@ -25,6 +26,19 @@ def procs() -> Iterator[dict[str, subprocess.Popen[bytes]]]:
     for p in started.values():
         p.kill()
         p.wait()
+
+
+@pytest.fixture
+def zombie() -> Iterator[subprocess.Popen[bytes]]:
+    """A rank process that exited and that its parent (this test, standing for torchrun) has
+    not reaped yet."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and \
+            psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.02)
+    yield proc
+    proc.wait()
 
 
 def test_a_rank_blocked_with_no_cpu_for_idle_s_is_stuck_and_one_working_is_not(
@@ -51,6 +65,25 @@ def test_torchrun_outliving_its_exited_ranks_is_stuck_after_a_few_seconds_not_id
     one_left = Teardown({0: procs["exited"].pid, 1: procs["blocked"].pid}, now=0.0,
                         idle_s=30.0)
     assert not one_left.stuck(Teardown.EXITED_S + 0.1) and not one_left.exited
+
+
+def test_ranks_torchrun_has_not_reaped_yet_are_no_wait_on_its_exit_barrier(
+        zombie: subprocess.Popen[bytes]) -> None:
+    """A rank that exited but is still a zombie: its torchrun has not looked yet (a loaded
+    machine), so it is not waiting on its exit barrier. Given ``idle_s``, not ``EXITED_S``;
+    once reaped, ``EXITED_S`` from then."""
+    unreaped = Teardown({0: zombie.pid}, now=0.0, idle_s=30.0)
+    assert not unreaped.stuck(0.0) and not unreaped.stuck(Teardown.EXITED_S + 1)
+    zombie.wait()  # torchrun looks: reaped
+    assert not unreaped.stuck(20.0) and not unreaped.stuck(20.0 + Teardown.EXITED_S - 0.5)
+    assert unreaped.stuck(20.0 + Teardown.EXITED_S) and unreaped.exited
+
+
+def test_a_torchrun_that_never_reaps_its_ranks_is_stuck_after_idle_s(
+        zombie: subprocess.Popen[bytes]) -> None:
+    unreaped = Teardown({0: zombie.pid}, now=0.0, idle_s=30.0)
+    assert not unreaped.stuck(0.0) and not unreaped.stuck(29.0)
+    assert unreaped.stuck(30.0) and unreaped.exited
 
 
 def test_on_several_nodes_torchrun_is_waited_for_as_long_as_another_node_may_still_come(
