@@ -368,10 +368,11 @@ def test_a_lost_node_that_does_not_come_back_requeues_the_job_without_it(
     assert lost not in resumed["hosts"].values() and len(resumed["hosts"]) == 2, resumed
     # The newest step saved before the run ended: a periodic checkpoint, or the state of the
     # last completed step that node 0's ranks wrote once node 1 was lost (just-in-time).
+    # (before the requeued run's launch: a save may be journaled as the first run ends)
     saved = [e["checkpoint_step"] for e in job.events("checkpoint_saved")
-             if e["time"] < first["time"]]
+             if e["time"] < resumed["time"]]
     saved += [e["checkpoint_step"] for e in job.events("just_in_time")
-              if e["outcome"] == "saved" and e["time"] < first["time"]]
+              if e["outcome"] == "saved" and e["time"] < resumed["time"]]
     assert resumed["directive"]["resume"]["step"] == max(saved), resumed
     assert then["state"] == "succeeded" and then["step"] == DOOMED_STEPS, then
     assert job.events("supervisor_takeover")  # the run goes on, its record kept

@@ -97,9 +97,7 @@ def test_real_hang_names_the_rank_outside_the_collective(hung_job: dict[int, int
     # within a step (20 ms), so poll briefly rather than sleep a guessed time.
     deadline = time.monotonic() + 20
     while True:
-        start = time.monotonic()
         dumps, verdict = diagnose(hung_job)
-        elapsed = time.monotonic() - start
         if verdict.waiting or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -110,7 +108,6 @@ def test_real_hang_names_the_rank_outside_the_collective(hung_job: dict[int, int
     assert verdict.evidence[1][0].startswith("main (tiny_train.py:")
     # Rank 0 waits in the gradient all-reduce: a Python all_reduce frame, or (DDP) C++ c10d.
     assert "all_reduce (torch/distributed/" in dumps[0].raw or "c10d::" in dumps[0].raw
-    assert elapsed < 10, f"diagnosing two ranks took {elapsed:.1f} s"
     hang = Finding(Incident.HANG, "hang", Severity.CRITICAL, 5, 5,
                    "no rank made progress for 12.0 s (limit 10.0 s)")
     folder = write_incident(tmp_path / "run", 0, hang,
