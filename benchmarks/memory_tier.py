@@ -221,6 +221,9 @@ def main() -> None:
     for round_ in range(args.rounds):
         for size in sizes:  # interleaved: both sizes meet the machine's noise alike
             got[size].append(run_size(args, size))
+            # each run's raw figures as they come: a later size that fails keeps these
+            print(json.dumps({"round": round_ + 1, "size": size, **got[size][-1]}),
+                  file=sys.stderr, flush=True)
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     print(f"\n## Memory copies against checkpoints on disk ({args.device}, {args.ranks} FSDP2 "
           f"rank(s), each its own node; medians of {args.rounds} rounds)\n")

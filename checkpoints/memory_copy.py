@@ -182,6 +182,7 @@ class Copier:
 
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dest = copy_dir(self.root, step)
+        _prune(self.root / MEMORY_DIR, KEEP, writing=step)
         try:
             dest.mkdir(parents=True, exist_ok=True)
             names = [rank_state_name(self.rank)]
@@ -311,13 +312,17 @@ def _write_atomically(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _prune(memory: Path, keep: int) -> None:
+def _prune(memory: Path, keep: int, writing: int | None = None) -> None:
     """Drop this node's copies older than the newest ``keep`` (every rank of the node prunes
-    the same ones; a copy another rank is still writing is among the newest)."""
+    the same ones; a copy another rank is still writing is among the newest). ``writing``: the
+    step about to be written, counted among the ``keep`` before it exists, so that the node
+    never holds more than ``keep`` copies (what the memory-fit check counted)."""
     try:
         steps = sorted(s for n in os.listdir(memory) if (s := parse_step_dir(n)) is not None)
     except OSError:
         return
+    if writing is not None:
+        steps, keep = [s for s in steps if s < writing], keep - 1
     for step in steps[:-keep] if keep else steps:
         shutil.rmtree(copy_dir(memory.parent, step), ignore_errors=True)
 

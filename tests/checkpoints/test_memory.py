@@ -10,7 +10,7 @@ from pathlib import Path
 from babysit.checkpoints import Catalog, Verdict, memory
 from babysit.checkpoints.manifest import FileEntry, Manifest, hash_file, write_manifest
 from babysit.checkpoints.memory import Part, Place, copy_dir, peers
-from babysit.checkpoints.memory_copy import _transfers
+from babysit.checkpoints.memory_copy import _prune, _transfers
 
 
 def test_a_ranks_copy_goes_to_the_same_local_rank_of_the_next_node() -> None:
@@ -113,3 +113,18 @@ def test_a_load_fetches_once_per_node_from_the_lowest_rank_that_holds_a_file() -
     transfers, lost = _transfers(everyone)  # type: ignore[arg-type]
     assert transfers == [(0, 2, "a"), (0, 2, "b"), (0, 2, "m")]
     assert lost == ["lost"]
+
+
+def test_a_node_never_holds_more_copies_than_the_fit_check_counted(tmp_path: Path) -> None:
+    """Before a copy is written the older ones are pruned so that it makes ``KEEP`` with them
+    (the newest two committed and the one being written), not ``KEEP`` + 1 at the peak; a copy
+    another rank of the node already started is kept."""
+    for step in (5, 10, 15):
+        copy_dir(tmp_path, step).mkdir(parents=True)
+    _prune(tmp_path / memory.MEMORY_DIR, memory.KEEP, writing=20)
+    assert sorted(p.name for p in (tmp_path / memory.MEMORY_DIR).iterdir()) == [
+        copy_dir(tmp_path, s).name for s in (10, 15)]
+    copy_dir(tmp_path, 20).mkdir()  # another rank of the node is writing it already
+    _prune(tmp_path / memory.MEMORY_DIR, memory.KEEP, writing=20)
+    assert sorted(p.name for p in (tmp_path / memory.MEMORY_DIR).iterdir()) == [
+        copy_dir(tmp_path, s).name for s in (10, 15, 20)]
