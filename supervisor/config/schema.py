@@ -91,7 +91,9 @@ class LaunchConfig(DashedSection):
     progress before babysit calls the teardown stuck (a rank hung in gloo's teardown, say),
     stops torchrun and counts the attempt finished. A script still working after
     ``run.close()`` (saving, uploading) uses CPU and is waited for. Once every rank's process
-    has exited, torchrun gets 3 s to exit too (it takes about 0.5 s), whatever this says; on
+    has exited and torchrun has reaped them, it gets 3 s to exit too (it takes about 0.5 s),
+    whatever this says (before it has reaped them, a loaded machine's torchrun that has not
+    looked yet, this long); on
     several nodes its exit barrier waits for the other nodes' (minutes for a node whose rank
     aborted), so a follower's gets this long more, and the leader's, which hosts the rendezvous
     store the others shut down on, as long as another node's torchrun runs, then 3 s."""
