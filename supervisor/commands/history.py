@@ -63,6 +63,10 @@ as in the journal)::
     checkpoint_dir              the checkpoint root looked at (str)
     checkpoints                 [{step, cursor, verdict, reason, path, origin}], oldest first
                                 (origin: periodic or just_in_time)
+    memory_copies               the memory tier as the journal tells it: {every (steps, the
+                                newest plan or cost-model choice), copies (committed), newest
+                                (its step), off (why none are made, or null), failed}; null
+                                when the run never spoke of it
     goodput                     the goodput ledger (``babysit.supervisor.services.goodput``):
                                 {wall_s, goodput (0..1, productive / wall), seconds: {category:
                                 s} for productive, startup, checkpoint, restore, detection,
@@ -342,6 +346,32 @@ def checkpoints(h: History) -> list[dict[str, Any]]:
     return [found[s] for s in sorted(found)]
 
 
+def memory_copies(h: History) -> dict[str, Any] | None:
+    """The memory tier as the journal tells it (``memory_copy_plan``, ``memory_cadence``, each
+    committed ``memory_copy``, ``memory_copy_off``, ``memory_copy_failed``); None when the run
+    never spoke of it (copies asked for nowhere, stdout mode, a journal from before them)."""
+    said = {"memory_copy", "memory_copy_plan", "memory_cadence", "memory_copy_off",
+            "memory_copy_failed"}
+    entries = [e for e in h.events if e.get("event") in said]
+    if not entries:
+        return None
+    out: dict[str, Any] = {"every": None, "copies": 0, "newest": None, "off": None, "failed": 0}
+    for e in entries:
+        kind = e["event"]
+        if kind == "memory_copy":
+            out["copies"] += 1
+            out["newest"] = journal_mod.checkpoint_step(e)
+        elif kind == "memory_copy_plan":
+            out["every"], out["off"] = _dict(e.get("data")).get("every"), None
+        elif kind == "memory_cadence":
+            out["every"] = e.get("every_steps")
+        elif kind == "memory_copy_off":
+            out["off"] = e.get("why") or e.get("summary")
+        else:
+            out["failed"] += 1
+    return out
+
+
 def sdc_disagreement(entry: dict[str, Any]) -> bool:
     """An ``sdc_check`` entry where ranks disagreed and were named (a check that repeats an
     already named disagreement, ``repeat``, is not a new one)."""
@@ -484,6 +514,7 @@ def snapshot(run_dir: str | Path, now: float | None = None) -> dict[str, Any]:
         "incidents": [i.to_json() for i in h.incidents[-RECENT_INCIDENTS:]],
         "attempt_history": [a.to_json() for a in h.attempts],
         "checkpoint_dir": str(h.checkpoint_root), "checkpoints": checkpoints(h),
+        "memory_copies": memory_copies(h),
         "goodput": goodput(h, now if live else None),
     }
 

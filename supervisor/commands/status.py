@@ -35,6 +35,18 @@ def _fmt(v: Any, spec: str = ".4g") -> str:
     return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
 
+def describe_memory(m: dict[str, Any]) -> str:
+    """One line: the memory tier (a ``memory_copies`` snapshot entry)."""
+    if m["off"]:
+        return f"no copies: {m['off']}"
+    told = [f"copies every {m['every']} steps" if m["every"] else "copies on",
+            f"{m['copies']} made" + (f", newest of step {m['newest']}" if m["newest"] is not None
+                                     else "")]
+    if m["failed"]:
+        told.append(f"{m['failed']} failed (the journal's memory_copy_failed says why)")
+    return ", ".join(told)
+
+
 def describe_attempt(a: dict[str, Any], why: bool = True) -> str:
     """One line: what attempt ``a`` (an ``attempt_history`` entry) was told and, with ``why``,
     what made babysit launch it."""
@@ -46,6 +58,8 @@ def describe_attempt(a: dict[str, Any], why: bool = True) -> str:
         told[0] += f" ({note.split(':')[0]})"  # the gist: "no usable checkpoint"
     elif note.startswith("resumed from the just-in-time state"):
         told[0] += " (just-in-time state)"  # the whole story is the journal's resume entry
+    elif note.startswith("resumed from the memory copy"):
+        told[0] += " (memory copy)"
     told += [f"skip batches {r[0]}-{r[1] - 1}"
              + (f" (samples {r[2]}-{r[3] - 1})" if len(r) == 4 else "") for r in a["skip"]]
     ramp = a.get("lr_ramp")
@@ -153,6 +167,9 @@ def render(s: dict[str, Any], now: float | None = None) -> str:
         why = f"  ({c['reason']})" if c["reason"] and c["verdict"] != "good" else ""
         kept = "  just-in-time" if c.get("origin") == "just_in_time" else ""
         lines.append(f"    step {_fmt(c['step']):>7}  {c['verdict']:<8}{kept}{why}")
+    memory = s.get("memory_copies")
+    if memory is not None:
+        row("memory", describe_memory(memory))
     row("journal", s["journal"])
     return "\n".join(line.rstrip() for line in lines) + "\n"
 

@@ -9,10 +9,13 @@ replica the other node kept) is ``test_just_in_time.py``'s matrix.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
 
+from babysit.supervisor.commands.report import write_report
+from babysit.supervisor.commands.status import status_main
 from tests.conftest import FAST_POLICY, babysat, journal, read_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -76,3 +79,15 @@ def test_a_dead_fsdp2_rank_resumes_from_the_newest_good_copy_in_memory(
     losses, clean_losses = _losses(run_dir), _losses(clean_dir)
     assert all(losses[s] == clean_losses[s] for s in clean_losses)
     assert _eval(run_dir) == _eval(clean_dir)
+    # `babysit status` says it: the tier's line, and the attempt resumed from a copy.
+    out = io.StringIO()
+    assert status_main(str(run_dir), False, out) == 0
+    made = sum(e["event"] == "memory_copy" for e in events)
+    newest = [e["checkpoint_step"] for e in events if e["event"] == "memory_copy"][-1]
+    assert (f"  memory      copies every {chosen['every_steps']} steps, {made} made, "
+            f"newest of step {newest}") in out.getvalue()
+    assert f"resume step {before[-2]} (memory copy)" in out.getvalue()
+    # ... and so does the report, in its Checkpoints section.
+    page = write_report(run_dir).read_text()
+    assert (f"In memory (each node's shared memory and its peer's): copies every "
+            f"{chosen['every_steps']} steps, {made} made") in page

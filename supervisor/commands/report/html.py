@@ -21,13 +21,19 @@ from babysit.supervisor.commands.history import sdc_disagreement
 from babysit.supervisor.commands.metrics_file import to_float
 from babysit.supervisor.commands.report import ledger
 from babysit.supervisor.commands.report.data import RunData
-from babysit.supervisor.commands.status import describe_attempt, duration, goodput_line
+from babysit.supervisor.commands.status import (
+    describe_attempt,
+    describe_memory,
+    duration,
+    goodput_line,
+)
 
 # The journal events the report already shows in its own sections; others are listed raw.
 KNOWN_EVENTS = {"run_started", "launch", "worker_hello", "worker_close", "worker_skip", "state",
                 "finding", "alert", "stop_workers", "workers_stopped", "backoff", "run_finished",
                 "finding_set_aside", "incident", "resume", "sdc_check", "cadence_advice",
-                "cadence_adopted", "goodput", "rerun"}
+                "cadence_adopted", "goodput", "rerun", "memory_copy", "memory_copy_plan",
+                "memory_cadence", "memory_copy_off"}
 SHOWN = 20  # newest SDC disagreements and cadence changes listed; older ones are counted
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1240px; color: #222; }
@@ -224,11 +230,14 @@ def _incidents(data: RunData, page: Path) -> str:
 
 
 def _checkpoints(s: dict[str, Any]) -> str:
+    memory = s.get("memory_copies")
+    tier = (f"<p>In memory (each node's shared memory and its peer's): "
+            f"{_e(describe_memory(memory))}.</p>" if memory is not None else "")
     if not s["checkpoints"]:
-        return f"<p class='muted'>None in <code>{_e(s['checkpoint_dir'])}</code>.</p>"
+        return f"<p class='muted'>None in <code>{_e(s['checkpoint_dir'])}</code>.</p>" + tier
     rows = [[_e(c["step"]), _e(c["cursor"]), f"<b>{_e(c['verdict'])}</b>", _e(c["reason"]),
              f"<code>{_e(c['path'])}</code>"] for c in s["checkpoints"]]
-    return _table(["step", "cursor", "verdict", "reason", "path"], rows)
+    return _table(["step", "cursor", "verdict", "reason", "path"], rows) + tier
 
 
 def _other_events(data: RunData) -> str:
