@@ -40,7 +40,9 @@ from tests.conftest import (
 )
 from tests.test_recipes import elastic_step, slurm_script
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+"""serial: Slurm's own clocks (KillWait, srun's wait for a step's tasks, the credential's
+expiry) run against this module's jobs; beside another test's load they ran out (README)."""
 
 NO_SLURM = slurm.available()
 STEPS = 240

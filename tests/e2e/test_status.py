@@ -32,7 +32,7 @@ STATUS_KEYS = {
     "supervisor_pid", "started", "finished", "elapsed_s", "last_update", "attempt", "attempts",
     "step", "loss", "steps_per_s", "tokens_per_s", "incident_count", "ignored_findings",
     "incidents", "attempt_history", "checkpoint_dir", "checkpoints", "mfu", "loss_spread", "sdc",
-    "cadence", "nodes", "goodput", "reruns", "slurm",
+    "cadence", "nodes", "goodput", "reruns", "slurm", "memory_copies",
 }
 
 
@@ -121,7 +121,9 @@ def test_human_view_says_the_same_compactly(run_dir: Path) -> None:
     assert lines[0] == f"babysit status: demo_train  ({run_dir})"
     labels = [line[2:14].strip() for line in lines[1:] if line.startswith("  ") and line[2] != " "]
     assert labels == ["state", "time", "progress", "speed", "rank loss", "cadence", "goodput",
-                      "rerun", "incidents", "attempts", "checkpoints", "journal"]
+                      "rerun", "incidents", "attempts", "checkpoints", "memory", "journal"]
+    # DDP: every shard has a live replica, so memory copies are off by default, and why.
+    assert "  memory      no copies: every shard of the state has live replicas (DDP)" in out
     assert re.search(r"  goodput     \d+\.\d% of [0-9.]+ s productive; badput .*lost", out)
     assert "  state       succeeded (workers finished), exit code 0" in lines
     assert "attempt 2 (3 launched), step 60, loss " in out
