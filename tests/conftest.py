@@ -44,6 +44,25 @@ def _shm_folders() -> set[str]:
         return set()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files that launch real jobs first, those with the most tests first among them, then
+    the rest in their order: the two processes of ``-n 2 --dist loadfile
+    --no-loadscope-reorder`` (the README's command) take files one at a time as they run out, so
+    the long files start early and the short unit files fill in at the end, and both processes
+    end together. (xdist's own order, by test count alone, leaves the one-test end-to-end files,
+    a minute or more each, for the end.)"""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def heavy(group: list[pytest.Item]) -> bool:
+        return any(item.get_closest_marker("e2e") is not None for item in group)
+
+    ordered = sorted(files.values(), key=lambda group: (not heavy(group),
+                                                         -len(group) if heavy(group) else 0))
+    items[:] = [item for group in ordered for item in group]
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     _SHM_BEFORE.update(_shm_folders())
 
