@@ -154,27 +154,21 @@ def all_alive(pids: Iterable[int]) -> bool:
     return True
 
 
+def statuses(pids: Iterable[int]) -> list[str]:
+    """The psutil status of each rank process still in the process table (a zombie its parent
+    has not reaped included; one gone left out)."""
+    found: list[str] = []
+    for pid in pids:
+        try:
+            found.append(psutil.Process(pid).status())
+        except psutil.Error:
+            continue
+    return found
+
+
 def any_alive(pids: Iterable[int]) -> bool:
     """Some rank process still lives (a zombie does not)."""
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.Error:
-            continue
-    return False
-
-
-def any_exist(pids: Iterable[int]) -> bool:
-    """Some rank process is still in the process table: alive, or a zombie its parent has not
-    reaped."""
-    for pid in pids:
-        try:
-            psutil.Process(pid)
-        except psutil.Error:
-            continue
-        return True
-    return False
+    return any(s != psutil.STATUS_ZOMBIE for s in statuses(pids))
 
 
 def sample(pids: Mapping[int, int], window_s: float = WINDOW_S) -> dict[int, RankProcess]:

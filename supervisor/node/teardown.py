@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+import psutil
+
 from babysit.policies.detectors import CrashClass, classify
 from babysit.supervisor.node import launcher, stall
 
@@ -78,14 +80,15 @@ class Teardown:
         """``others_up``: other nodes' torchruns still run and need this one's (it hosts their
         rendezvous store): its lingering is waited out, and ``linger_s`` counts from the tick
         that says they are gone."""
-        if not stall.any_alive(self.pids.values()):
+        present = stall.statuses(self.pids.values())
+        if all(s == psutil.STATUS_ZOMBIE for s in present):
             if others_up:
                 self._exited_at = self._reaped_at = None
                 return False
             self._exited_at = now if self._exited_at is None else self._exited_at
             # torchrun waits on its exit barrier only after it reaped its ranks: a zombie left
             # means it has not looked yet (a loaded machine), not that it waits for another node
-            if stall.any_exist(self.pids.values()):
+            if present:
                 waited, limit = now - self._exited_at, max(self.linger_s, self.idle_s)
             else:
                 self._reaped_at = now if self._reaped_at is None else self._reaped_at
