@@ -55,11 +55,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
 
-    def heavy(group: list[pytest.Item]) -> bool:
-        return any(item.get_closest_marker("e2e") is not None for item in group)
+    def order(group: list[pytest.Item]) -> tuple[int, int]:
+        heavy = any(item.get_closest_marker("e2e") is not None for item in group)
+        return (0, -len(group)) if heavy else (1, 0)
 
-    ordered = sorted(files.values(), key=lambda group: (not heavy(group),
-                                                         -len(group) if heavy(group) else 0))
+    ordered = sorted(files.values(), key=order)
     items[:] = [item for group in ordered for item in group]
 
 

@@ -1331,6 +1331,21 @@ def test_the_leader_puts_its_slowest_followers_link_against_the_others(
     assert cluster.links() is None  # one link alone cannot say which end is slow
 
 
+@contextlib.contextmanager
+def slow_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ran_s: float,
+             relaunch_s: float) -> Iterator[tuple[ClusterMembers, Said]]:
+    """A `--nnodes 1:2` leader and a follower, 2 ranks each, launched: the run has gone on
+    ``ran_s`` and a relaunch was measured at ``relaunch_s`` (what a slow node's cost weighs)."""
+    with leading(tmp_path, monkeypatch, "1:2") as members:
+        said = Said()
+        join(members, said)
+        members.launch(0, Directive(), time.monotonic())
+        members.cluster.rank_node.update({0: 0, 1: 0, 2: 1, 3: 1})
+        members._began -= ran_s
+        members._starts = [relaunch_s]
+        yield members, said
+
+
 @pytest.mark.parametrize(("detector", "what"), [
     ("slow_compute", "its compute is 3.0x the others'"),
     ("slow_link", "its link's round trip is 50 ms against the others' 0.1 ms")])
@@ -1340,13 +1355,7 @@ def test_a_slow_node_is_evicted_at_the_next_checkpoint_when_the_cost_says_so(
     300 s kept against 505 s evicted (5 s and half the work for the 1,000 s left): kept, and
     said. At 60% (600 s) it goes: at the attempt's next checkpoint, a ``slow_node`` finding,
     and the next launch evicts it. Its compute or its link alike."""
-    with leading(tmp_path, monkeypatch, "1:2") as members:
-        said = Said()
-        join(members, said)
-        members.launch(0, Directive(), time.monotonic())
-        members.cluster.rank_node.update({0: 0, 1: 0, 2: 1, 3: 1})
-        members._began -= 1000.0
-        members._starts = [5.0]
+    with slow_job(tmp_path, monkeypatch, ran_s=1000.0, relaunch_s=5.0) as (members, said):
 
         kept = members.locate(slow((2, 3), 0.3, detector=detector))
         assert kept.evidence["node"] == 1 and kept.evidence["cost"]["evict"] is False
@@ -1381,13 +1390,7 @@ def test_a_slow_node_kept_early_is_evicted_when_it_is_told_again_later(
     costs 60 s over the ~100 s the run may still go (as long as it has), against 100 s for a
     relaunch and half the work: kept. The detector tells it again each time it has been at it
     twice as long; 1,100 s in, the same 60% costs 660 s against 600 s: evicted."""
-    with leading(tmp_path, monkeypatch, "1:2") as members:
-        said = Said()
-        join(members, said)
-        members.launch(0, Directive(), time.monotonic())
-        members.cluster.rank_node.update({0: 0, 1: 0, 2: 1, 3: 1})
-        members._began -= 100.0
-        members._starts = [50.0]
+    with slow_job(tmp_path, monkeypatch, ran_s=100.0, relaunch_s=50.0) as (members, said):
         assert "kept: it costs less" in members.locate(slow((2, 3), 0.6)).message
         members._began -= 1000.0
         again = dataclasses.replace(slow((2, 3), 0.6, step=900), evidence={
