@@ -316,14 +316,20 @@ def _prune(memory: Path, keep: int, writing: int | None = None) -> None:
     """Drop this node's copies older than the newest ``keep`` (every rank of the node prunes
     the same ones; a copy another rank is still writing is among the newest). ``writing``: the
     step about to be written, counted among the ``keep`` before it exists, so that the node
-    never holds more than ``keep`` copies (what the memory-fit check counted)."""
+    never holds more than ``keep`` copies (what the memory-fit check counted). A copy at a
+    later step than ``writing`` goes too: the ranks copy at the same steps, in step order, so
+    it is of a timeline a rollback left (this attempt resumed before it), and kept as "the
+    newest" it would push out the copies of the run as it now goes."""
     try:
         steps = sorted(s for n in os.listdir(memory) if (s := parse_step_dir(n)) is not None)
     except OSError:
         return
+    drop: list[int] = []
     if writing is not None:
+        drop = [s for s in steps if s > writing]
         steps, keep = [s for s in steps if s < writing], keep - 1
-    for step in steps[:-keep] if keep else steps:
+    drop += steps[:-keep] if keep else steps
+    for step in drop:
         shutil.rmtree(copy_dir(memory.parent, step), ignore_errors=True)
 
 

@@ -128,3 +128,18 @@ def test_a_node_never_holds_more_copies_than_the_fit_check_counted(tmp_path: Pat
     _prune(tmp_path / memory.MEMORY_DIR, memory.KEEP, writing=20)
     assert sorted(p.name for p in (tmp_path / memory.MEMORY_DIR).iterdir()) == [
         copy_dir(tmp_path, s).name for s in (10, 15, 20)]
+
+
+def test_the_copies_of_a_timeline_a_rollback_left_never_push_out_the_runs_own(
+        tmp_path: Path) -> None:
+    """Copies at steps 10, 20 and 30, then a rollback to the checkpoint of step 5 on disk, and
+    the relaunch's copies every 7 steps: the first, of step 7, finds the abandoned 10, 20, 30
+    and drops them (kept as "the newest", they would push out 7 and 14 as soon as written)."""
+    for step in (10, 20, 30):
+        copy_dir(tmp_path, step).mkdir(parents=True)
+    for step in (7, 14):
+        _prune(tmp_path / memory.MEMORY_DIR, memory.KEEP, writing=step)
+        copy_dir(tmp_path, step).mkdir()
+        _prune(tmp_path / memory.MEMORY_DIR, memory.KEEP)
+    assert sorted(p.name for p in (tmp_path / memory.MEMORY_DIR).iterdir()) == [
+        copy_dir(tmp_path, s).name for s in (7, 14)]
