@@ -8,8 +8,17 @@ default ``slurm.conf``, and why (everything else is Slurm's default, ``KillWait`
 ``SlurmdTimeout`` 300 s included)::
 
     SlurmUser=root, SlurmdUser=root     the tests run as root; jobs run as root
-    AuthInfo=...,cred_expire=5          a requeued job may start again cred_expire + 1 s after
-                                        its requeue (default 120: two minutes per requeue)
+    AuthInfo=...,cred_expire=40         a requeued job may start again cred_expire + 1 s after
+                                        its requeue (default 120: two minutes per requeue), and
+                                        must not start sooner than KillWait + 2 s (below)
+
+A requeued job keeps its id, and its first step is again step 0. The old incarnation's ``srun``,
+SIGTERMed by the requeue while a task of its step is on a dead node, waits ``KillWait + 2`` s
+(32) for that task, then sends SIGKILL to "step 0 of the job" once more: a requeued job started
+by then loses its step to it ("srun: error: Timed out waiting for job step to complete" in the
+new incarnation's output, and its tasks Killed). Slurm's default credential lifetime (120 s)
+keeps a real cluster clear of it; a shorter one must stay above 32 s plus the slack of a busy
+machine.
     SchedulerParameters=sched_interval=2  a requeued job waits for the main scheduling pass
                                         (default every 60 s); a new one is scheduled at once
     ProctrackType=proctrack/linuxproc   no cgroup delegation needed: a step's processes are
@@ -36,6 +45,10 @@ from pathlib import Path
 
 from tests import netns
 from tests.netns import Network
+
+CRED_EXPIRE_S = 40
+"""How long a job credential lives: a requeued job starts again after it, 1 s and the next
+scheduling pass (module docstring: above KillWait + 2 s, with room for a busy machine)."""
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel")
 
@@ -121,7 +134,7 @@ class Cluster:
             f"SlurmctldHost={socket.gethostname()}({self.net.hub_address})\n"
             f"SlurmUser=root\nSlurmdUser=root\n"
             f"AuthType=auth/munge\nCredType=cred/munge\n"
-            f"AuthInfo=socket={r / 'munge.sock'},cred_expire=5\n"
+            f"AuthInfo=socket={r / 'munge.sock'},cred_expire={CRED_EXPIRE_S}\n"
             f"StateSaveLocation={r / 'state'}\n"
             f"SlurmdSpoolDir={r / 'spool'}/%n\n"
             f"SlurmctldPidFile={r / 'slurmctld.pid'}\nSlurmdPidFile={r}/slurmd-%n.pid\n"

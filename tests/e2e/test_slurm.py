@@ -40,9 +40,7 @@ from tests.conftest import (
 )
 from tests.test_recipes import elastic_step, slurm_script
 
-pytestmark = [pytest.mark.e2e, pytest.mark.serial]
-"""serial: Slurm's own clocks (KillWait, srun's wait for a step's tasks, the credential's
-expiry) run against this module's jobs; beside another test's load they ran out (README)."""
+pytestmark = pytest.mark.e2e
 
 NO_SLURM = slurm.available()
 STEPS = 240
@@ -370,11 +368,14 @@ def test_a_lost_node_that_does_not_come_back_requeues_the_job_without_it(
     assert lost not in resumed["hosts"].values() and len(resumed["hosts"]) == 2, resumed
     # The newest step saved before the run ended: a periodic checkpoint, or the state of the
     # last completed step that node 0's ranks wrote once node 1 was lost (just-in-time).
-    # (before the requeued run's launch: a save may be journaled as the first run ends)
+    # (before the requeued run's launch: a save may be journaled as the first run ends; and
+    # a periodic save at the very step node 1 was lost may reach the disk but not the
+    # journal, its rank's report dropped with the attempt: the just-in-time entry then says
+    # that step "is saved already", outcome "nothing")
     saved = [e["checkpoint_step"] for e in job.events("checkpoint_saved")
              if e["time"] < resumed["time"]]
     saved += [e["checkpoint_step"] for e in job.events("just_in_time")
-              if e["outcome"] == "saved" and e["time"] < resumed["time"]]
+              if e["outcome"] in ("saved", "nothing") and e["time"] < resumed["time"]]
     assert resumed["directive"]["resume"]["step"] == max(saved), resumed
     assert then["state"] == "succeeded" and then["step"] == DOOMED_STEPS, then
     assert job.events("supervisor_takeover")  # the run goes on, its record kept
