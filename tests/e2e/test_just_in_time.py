@@ -256,7 +256,9 @@ def test_two_nodes_fsdp2_keeps_the_step_while_every_shard_lives_and_says_why_whe
     resumed = _resumes(run.journal())
     assert {a: resumed[a] for a in (1, 2, 3)} == {1: 29, 2: 55, 3: 85}
     assert newest - 2 * MEMORY <= resumed[4] <= lost["checkpoint_step"]
+    # (A periodic save is made in place of the copy at its steps: a node lost just after one
+    # resumes from that step on disk, the same state.)
     assert [e["origin"] for e in run.events("resume") if e.get("from")] == \
-        ["just_in_time", "memory", "memory", "memory"]
+        ["just_in_time", "memory", "memory", "periodic" if resumed[4] % EVERY == 0 else "memory"]
     # Every rank's streams were in the periodic checkpoints: the run ends bit-exact.
     _exact(run.run_dir, run.journal(), clean_fsdp)
