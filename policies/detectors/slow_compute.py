@@ -66,6 +66,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter, deque
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import Field
@@ -130,6 +131,15 @@ class _Bucket:
         self.forward = self.median = self.times = 0.0
         self.timed = 0
         self.first_slow: int | None = None
+
+    def held_by(self, timed: bool) -> Mapping[int, float]:
+        """How long each rank held the job up in this slice: seconds where the window's steps
+        said their time (``timed``), else how many slow steps it was the slowest of."""
+        return self.held if timed else self.ranks
+
+    def total(self, timed: bool) -> float:
+        """This slice's steps' time, in the unit of ``held_by``."""
+        return self.weight if timed else self.n
 
     def to_json(self) -> list[Any]:
         return [self.start, self.n, self.slow, {str(k): v for k, v in self.ranks.items()},
@@ -273,9 +283,8 @@ class SlowComputeDetector:
         timed = any(b.weight > 0 for b in self._window)
         excess, best, began = 0.0, 0.0, None
         for b in reversed(self._window):
-            held = b.held if timed else b.ranks
-            excess += sum(held.get(r, 0) for r in ranks) \
-                - self.config.min_share * (b.weight if timed else b.n)
+            held = b.held_by(timed)
+            excess += sum(held.get(r, 0) for r in ranks) - self.config.min_share * b.total(timed)
             if excess > best:
                 best, began = excess, b.start
         return began
@@ -320,8 +329,8 @@ class SlowComputeDetector:
         total = 0.0
         timed = any(b.weight > 0 for b in self._window)
         for b in self._slices(since):
-            total += b.weight if timed else b.n
-            for r, w in (b.held.items() if timed else b.ranks.items()):
+            total += b.total(timed)
+            for r, w in b.held_by(timed).items():
                 held[r] = held.get(r, 0.0) + w
         return held, total
 
