@@ -52,6 +52,9 @@ class Teardown:
     rendezvous store (the leader's) waits as long as any other node's torchrun runs
     (``stuck(now, others_up=True)``), since stopping it takes the store from under their exit
     barrier and shutdown (a traceback on every one of them), and ``EXITED_S`` after the last.
+    A torchrun (``launcher``) still working then, running or using ``IDLE_CPU`` of a core, is
+    not waiting on a barrier: it is shutting down on a loaded machine (it took over 3 s on CI's
+    2 busy cores), and is looked at again ``linger_s`` later.
     """
 
     EXITED_S = 3.0
@@ -63,8 +66,11 @@ class Teardown:
     uses about 0; any work at all (TLS, serialization, a loop) uses more."""
 
     def __init__(self, pids: Mapping[int, int], now: float, idle_s: float = 30.0,
-                 linger_s: float = EXITED_S) -> None:
+                 linger_s: float = EXITED_S, launcher: int | None = None) -> None:
         self.pids = dict(pids)
+        self.launcher = launcher
+        """torchrun's pid, if known: whether it still works once its ranks are gone."""
+        self._launcher: stall.Sample | None = None
         self.idle_s = idle_s
         self.linger_s = linger_s
         self._since = now
@@ -91,8 +97,12 @@ class Teardown:
             if present:
                 waited, limit = now - self._exited_at, max(self.linger_s, self.idle_s)
             else:
-                self._reaped_at = now if self._reaped_at is None else self._reaped_at
+                if self._reaped_at is None:
+                    self._reaped_at, self._launcher = now, self._sample_launcher()
                 waited, limit = now - self._reaped_at, self.linger_s
+                if waited >= limit and self._launcher_works():
+                    self._reaped_at, self._launcher = now, self._sample_launcher()
+                    return False  # shutting down, slowly: looked at again linger_s later
             if waited >= limit:
                 self.exited = True
                 self.seen = stall.Sample(self.pids).finish(0.0)
@@ -105,3 +115,14 @@ class Teardown:
             return True
         self._since, self._sample = now, stall.Sample(self.pids)  # working: look again later
         return False
+
+    def _sample_launcher(self) -> stall.Sample | None:
+        return None if self.launcher is None else stall.Sample({-1: self.launcher})
+
+    def _launcher_works(self) -> bool:
+        """torchrun ran, or used ``IDLE_CPU`` of a core, since the ranks were reaped (or the
+        last look): a torchrun waiting on its exit barrier sleeps on a socket."""
+        if self._launcher is None:
+            return False
+        seen = self._launcher.finish(0.0)[-1]
+        return seen.state == psutil.STATUS_RUNNING or seen.cpu >= self.IDLE_CPU

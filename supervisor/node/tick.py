@@ -213,9 +213,11 @@ class OwnNode(Generic[Out]):
                 # A follower's torchrun waits in its exit barrier for the other nodes, whose
                 # teardowns their own babysitters give idle_s; the leader's, while they run.
                 several = launch.multinode and self.others_up is None
+                group = self.workers.group
                 self._teardown = teardown.Teardown(
                     self.workers.rank_pids, now, idle_s,
-                    idle_s + teardown.Teardown.EXITED_S if several else teardown.Teardown.EXITED_S)
+                    idle_s + teardown.Teardown.EXITED_S if several else teardown.Teardown.EXITED_S,
+                    launcher=group.pid if group is not None else None)
             elif self._teardown.stuck(now, self.others_up is not None and self.others_up()):
                 seen = {str(r): p.to_json() for r, p in self._teardown.seen.items()}
                 stopped = self.workers.end_now()  # nothing in it is left to wait for

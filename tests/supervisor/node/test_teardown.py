@@ -102,3 +102,23 @@ def test_on_several_nodes_torchrun_is_waited_for_as_long_as_another_node_may_sti
     assert not leader.stuck(100.0, others_up=True)  # another node still tears down
     assert not leader.stuck(101.0) and not leader.stuck(101.0 + Teardown.EXITED_S - 0.5)
     assert leader.stuck(101.0 + Teardown.EXITED_S) and leader.exited
+
+
+def test_a_torchrun_still_working_after_its_ranks_are_gone_is_shutting_down_not_waiting(
+        procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    """Every rank's process is gone; torchrun is still up ``EXITED_S`` later. One that sleeps
+    (on its exit barrier's socket) is stuck; one that runs is shutting down on a loaded machine
+    and is looked at again ``EXITED_S`` later (a CI run counted a clean end as a hung teardown
+    when torchrun took over 3 s there)."""
+    ranks = {0: procs["exited"].pid}
+    waiting = Teardown(ranks, now=0.0, idle_s=30.0, launcher=procs["blocked"].pid)
+    working = Teardown(ranks, now=0.0, idle_s=30.0, launcher=procs["working"].pid)
+    assert not waiting.stuck(0.0) and not working.stuck(0.0)
+    time.sleep(0.3)  # real time for the CPU each uses
+    assert waiting.stuck(Teardown.EXITED_S) and waiting.exited
+    assert not working.stuck(Teardown.EXITED_S) and not working.exited
+    time.sleep(0.3)
+    assert not working.stuck(2 * Teardown.EXITED_S)  # still at it
+    procs["working"].kill()
+    procs["working"].wait()
+    assert working.stuck(3 * Teardown.EXITED_S) and working.exited
