@@ -3,7 +3,6 @@ torchrun with real gloo workers; nothing in the process path is faked."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -46,67 +45,22 @@ def _shm_folders() -> set[str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The files that mostly wait first (``waits``: the Slurm cluster's), then those that
-    launch real jobs, the most tests first among them, then the rest in their order: the
-    processes of ``-n 3 --dist loadfile --no-loadscope-reorder`` (the README's command) take
-    files one at a time as they run out, so the long files start early, the waiting ones beside
-    the computing ones from the start, and the short unit files fill in at the end. (xdist's own
-    order, by test count alone, leaves the one-test end-to-end files, a minute or more each,
-    for the end.)"""
+    """The files that launch real jobs first, those with the most tests first among them, then
+    the rest in their order: the two processes of ``-n 2 --dist loadfile
+    --no-loadscope-reorder`` (the README's command) take files one at a time as they run out, so
+    the long files start early and the short unit files fill in at the end, and both processes
+    end together. (xdist's own order, by test count alone, leaves the one-test end-to-end files,
+    a minute or more each, for the end.)"""
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
 
     def order(group: list[pytest.Item]) -> tuple[int, int]:
-        if any(item.get_closest_marker("waits") is not None for item in group):
-            return (0, 0)
         heavy = any(item.get_closest_marker("e2e") is not None for item in group)
-        return (1, -len(group)) if heavy else (2, 0)
+        return (0, -len(group)) if heavy else (1, 0)
 
     ordered = sorted(files.values(), key=order)
     items[:] = [item for group in ordered for item in group]
-
-
-def _computing_slots() -> int:
-    """How many of this session's processes may run an end-to-end file that computes at once:
-    all but one where xdist runs three or more (the last runs what waits, and unit files,
-    beside them), else no limit (0)."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    return workers - 1 if workers >= 3 else 0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _computing_slot(request: pytest.FixtureRequest,
-                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """An end-to-end file that computes (marked ``e2e``, not ``waits``) holds one of the
-    session's computing slots from its first fixture to its last test: on 2 cores two such
-    files at once keep them busy (`-n 3` without the slots failed two tests within its first
-    minutes), while a file that waits or a unit file can run beside them. A process that draws
-    such a file while every slot is held waits for one (a file lock per slot, shared by xdist's
-    processes)."""
-    module = request.node
-    slots = _computing_slots()
-    if (slots == 0 or module.get_closest_marker("e2e") is None
-            or module.get_closest_marker("waits") is not None):
-        yield
-        return
-    # The session's temporary root, shared by its processes (each has a folder in it).
-    folder = tmp_path_factory.getbasetemp().parent / "computing-slots"
-    folder.mkdir(exist_ok=True)
-    while True:
-        for slot in range(slots):
-            handle = open(folder / f"slot{slot}", "w")  # noqa: SIM115 - held across the yield
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.close()
-                continue
-            try:
-                yield
-            finally:
-                handle.close()  # closing the file releases its lock
-            return
-        time.sleep(0.2)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

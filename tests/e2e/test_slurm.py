@@ -40,9 +40,7 @@ from tests.conftest import (
 )
 from tests.test_recipes import elastic_step, slurm_script
 
-pytestmark = [pytest.mark.e2e, pytest.mark.waits]
-"""waits: its jobs pace slowly until what they wait for comes (Slurm's 30-second checks, the
-credential's expiry): it runs first, beside the files that compute (tests/conftest.py)."""
+pytestmark = pytest.mark.e2e
 
 NO_SLURM = slurm.available()
 STEPS = 240
