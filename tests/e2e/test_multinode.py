@@ -260,8 +260,14 @@ def clean_fsdp(tmp_path_factory: pytest.TempPathFactory) -> float:
     done, run_dir = babysat(tmp, "clean", "--fsdp", "--steps", str(STEPS), "--step-sleep",
                             "0.05", "--eval-every", "10", "--global-batch", "12", nproc=3,
                             launch_extra="  warm_standby: false\n")  # it never relaunches
-    assert noise(done.stdout + done.stderr) == []  # a clean run, clean on the console
-    return final_eval(read_jsonl(run_dir / "events.jsonl"), STEPS)
+    events = read_jsonl(run_dir / "events.jsonl")
+    # A clean run, clean on the console; unless gloo in torch 2.13 aborted a rank in its
+    # teardown after every rank closed ("terminate called without an active exception"):
+    # torchrun then stops the others, and babysit journals it and counts the run finished.
+    torn = [e for e in events if e["event"] == "teardown_crash"]
+    assert torn or noise(done.stdout + done.stderr) == []
+    assert done.returncode == 0 and all(e["closed_ranks"] == [0, 1, 2] for e in torn), torn
+    return final_eval(events, STEPS)
 
 
 def test_an_fsdp2_job_that_loses_a_node_goes_on_resharded_and_grows_back_when_it_returns(
