@@ -386,8 +386,20 @@ class WorkerGroup:
 
     def pause(self, paused: bool) -> None:
         """Stop (SIGSTOP) or continue (SIGCONT) every process of the tree. ``stop`` continues a
-        paused tree by itself."""
-        self._signal_all(signal.SIGSTOP if paused else signal.SIGCONT)
+        paused tree by itself.
+
+        A process that torchrun (or a rank) started between the listing and the signal, in a
+        session of its own, would miss it and go on importing torch beside the pause: the tree
+        is listed again after each signal until nothing new is in it (once its parents are
+        stopped they start nothing more)."""
+        sig = signal.SIGSTOP if paused else signal.SIGCONT
+        done: set[int] = set()
+        for _ in range(5):
+            new = [p for p in self.processes() if p.pid not in done]
+            if not new:
+                return
+            signal_groups(new, sig)
+            done.update(p.pid for p in new)
 
     def _signal_all(self, sig: signal.Signals) -> None:
         signal_groups(self.processes(), sig)
