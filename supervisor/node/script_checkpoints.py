@@ -5,12 +5,18 @@ place) and resumes when told to (``--init_from=resume``). Its folder therefore h
 newest checkpoint, which after a loss spike is usually already poisoned. babysit keeps its own
 copies: each time the folder changes and then holds still for one poll (a save in progress keeps
 changing sizes), it is copied whole into ``<run_dir>/script_checkpoints/step-<N>``, ``N`` being
-the newest step the script had printed when the change was first seen. A ``torch.save`` file
-(a zip archive) cut short is never copied: one whose writer paused longer than a poll is copied
-once it is whole, and one whose writer was killed mid-save (a crash, a stop) never is, so a
-rollback puts back the copy before it rather than a file the script cannot load. A rollback
-puts back the newest copy from before the spike's onset; what the folder held is moved aside,
-never deleted.
+the newest step the script had printed when the change was last seen. A copy is never named
+earlier than what it holds: a rollback to before a spike's onset takes the newest copy named
+before it, and one named early could hold the poisoned state. So where the folder changed again
+before it held still (a slow save, or on a loaded machine two saves between polls: ``ckpt.pt``
+overwritten at step 20, then 30 and 40), the copy is named by the newest sighting, and a slow
+save's copy is named a little late (the safe side: a rollback may pass over it).
+
+A ``torch.save`` file (a zip archive) cut short is never copied: one whose writer paused longer
+than a poll is copied once it is whole, and one whose writer was killed mid-save (a crash, a
+stop) never is, so a rollback puts back the copy before it rather than a file the script cannot
+load. A rollback puts back the newest copy from before the spike's onset; what the folder held
+is moved aside, never deleted.
 
 Copies are plain file copies (a checkpoint written in place would corrupt a hard link) made on
 the supervisor's thread: fine for the checkpoints of the jobs stdout mode is for, slow for
@@ -111,8 +117,8 @@ class ScriptCheckpoints:
             self._changing = None
             return None
         if self._changing is None or self._changing[0] != current:
-            # Keep the step of the first sighting: the save began before it.
-            self._changing = (current, self._changing[1] if self._changing else step)
+            # Named by this sighting: what the folder holds once still was written after it.
+            self._changing = (current, step)
             return None
         if torn(self.folder):  # a writer paused mid-file (or died there): not a checkpoint yet
             return None
@@ -135,12 +141,14 @@ class ScriptCheckpoints:
     def settle(self, step: int) -> Snapshot | None:
         """The workers are stopped, so nothing writes the folder any more: a change no poll has
         copied yet (a save seen once, or made since the last look) is copied now, under the
-        step of its first sighting, else ``step`` (the newest printed: never earlier than the
-        save, so a rollback never takes it for older than it is)."""
+        step of its last sighting if it has not changed since, else ``step`` (the newest printed:
+        never earlier than the save, so a rollback never takes it for older than it is)."""
         current = fingerprint(self.folder)
         if not current or current == self._seen or torn(self.folder):
             return None  # nothing new, or a save the stopped writer never finished
-        return self._copy(current, self._changing[1] if self._changing is not None else step)
+        changing = self._changing
+        return self._copy(current, changing[1] if changing is not None and changing[0] == current
+                          else step)
 
     def restore(self, before: int | None, aside: Path) -> Snapshot | None:
         """Put back the newest copy from strictly before step ``before`` (None: the newest

@@ -108,6 +108,29 @@ def test_script_checkpoints_are_copied_once_still_and_put_back_before_the_onset(
     assert ckpts.restore(before=20, aside=tmp_path / "aside2") is None
 
 
+def test_saves_the_polls_did_not_see_apart_are_one_copy_named_by_the_newest_sighting(
+        tmp_path: Path) -> None:
+    """On a loaded machine ``ckpt.pt`` was overwritten at 20, 30 and 40 with no poll between
+    saves seeing it hold still (a CI run's babysitter: first seen at step 21, copied at 43). The
+    copy holds step 40's state: named 21 it would pass for older than the onset of a spike at
+    30, and a rollback would put the poisoned state back."""
+    folder, store = tmp_path / "out", tmp_path / "run" / "script_checkpoints"
+    ckpts = ScriptCheckpoints(folder, store, keep=3)
+    ckpts.start()
+    for step, content in [(20, b"20"), (30, b"30"), (40, b"40")]:
+        _save(folder, content, step)
+        assert ckpts.poll(step / 10 * POLL_S, step + 1) is None  # changed again: not still
+    copy = ckpts.poll(5 * POLL_S, 43)
+    assert copy is not None and copy.step == 41 and (copy.path / "ckpt.pt").read_bytes() == b"40"
+    assert ckpts.restore(before=35, aside=tmp_path / "aside") is None
+    # Stopped while still changing: named by the newest sighting too, or the newest step.
+    _save(folder, b"50", 50)
+    assert ckpts.poll(6 * POLL_S, 51) is None
+    _save(folder, b"60", 60)
+    late = ckpts.settle(62)
+    assert late is not None and late.step == 62 and (late.path / "ckpt.pt").read_bytes() == b"60"
+
+
 def test_a_save_no_poll_copied_yet_is_copied_once_the_workers_stopped(tmp_path: Path) -> None:
     folder, store = tmp_path / "out", tmp_path / "run" / "script_checkpoints"
     ckpts = ScriptCheckpoints(folder, store, keep=3)
