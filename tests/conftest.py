@@ -138,6 +138,19 @@ def noise(console: str, alerts: bool = True) -> list[str]:
             if pattern.search(line) and not any(known in line for known in NOT_BABYSITS)]
 
 
+def console_noise(console: str, journal: list[dict[str, Any]], ranks: list[int],
+                  alerts: bool = True) -> list[str]:
+    """``noise`` of a run's console, where the run was clean; none where gloo in torch 2.13
+    aborted a rank in its own teardown after every rank had closed its run ("terminate called
+    without an active exception"): torchrun then stops the others and fails, babysit journals
+    ``teardown_crash`` with every rank in ``closed_ranks``, warns and counts the run finished.
+    Nothing of babysit's could prevent that; anything else on the console still counts."""
+    torn = [e for e in journal if e["event"] == "teardown_crash"]
+    if torn and all(e["closed_ranks"] == ranks for e in torn):
+        return []
+    return noise(console, alerts=alerts)
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -31,6 +31,7 @@ from tests.conftest import (
     WORKERS,
     babysat,
     babysit_env,
+    console_noise,
     final_eval,
     kept_indices,
     noise,
@@ -261,12 +262,9 @@ def clean_fsdp(tmp_path_factory: pytest.TempPathFactory) -> float:
                             "0.05", "--eval-every", "10", "--global-batch", "12", nproc=3,
                             launch_extra="  warm_standby: false\n")  # it never relaunches
     events = read_jsonl(run_dir / "events.jsonl")
-    # A clean run, clean on the console; unless gloo in torch 2.13 aborted a rank in its
-    # teardown after every rank closed ("terminate called without an active exception"):
-    # torchrun then stops the others, and babysit journals it and counts the run finished.
-    torn = [e for e in events if e["event"] == "teardown_crash"]
-    assert torn or noise(done.stdout + done.stderr) == []
-    assert done.returncode == 0 and all(e["closed_ranks"] == [0, 1, 2] for e in torn), torn
+    # A clean run, clean on the console (but for gloo's abort in a rank's teardown).
+    assert console_noise(done.stdout + done.stderr, events, [0, 1, 2]) == []
+    assert done.returncode == 0
     return final_eval(events, STEPS)
 
 

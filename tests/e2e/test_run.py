@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import ROOT, WORKERS, babysit_env, noise, read_jsonl, run_babysit
+from tests.conftest import ROOT, WORKERS, babysit_env, console_noise, read_jsonl, run_babysit
 
 pytestmark = pytest.mark.e2e
 
@@ -51,7 +51,7 @@ def test_config_run_to_completion(tmp_path: Path, write_config) -> None:
     assert (run_dir / "config.yaml").exists()
     # A clean run's console carries no warning or traceback babysit could have prevented (the
     # flight recorder's settings under the names torch 2.13 reads, not the deprecated ones).
-    assert noise(result.stdout + result.stderr) == []
+    assert console_noise(result.stdout + result.stderr, journal, [0, 1]) == []
 
 
 def test_torchrun_style_with_a_script_that_ignores_babysit(tmp_path: Path) -> None:
