@@ -62,7 +62,7 @@ def once(tmp: Path, beats: tuple[float, float], net: netns.Network | None,
     config = tmp / "run.yaml"
     config.write_text(
         f"launch:\n  script: {WORKER}\n  nproc-per-node: 2\n  nnodes: '1:2'\n{where}"
-        f"  args: ['--steps', '400', '--step-sleep', '0.05']\n"
+        f"  args: ['--steps', '400', '--step-sleep', '0.05', '--ddp']\n"
         f"run_dir: {run_dir}\ncheckpoints: {{every_steps: 5}}\n"
         f"nodes: {{{leader}heartbeat_s: {heartbeat}, lost_after_s: {lost_after}}}\n")
     env = {**os.environ, "BABYSIT_SECRET": SECRET, "PYTHONPATH": str(ROOT),

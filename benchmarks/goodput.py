@@ -77,7 +77,8 @@ def env() -> dict[str, str]:
             "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
 
 
-def calibrate(workdir: Path, nproc: int = 2, job: tuple[str, ...] = ("--step-sleep", "0.05")
+def calibrate(workdir: Path, nproc: int = 2,
+              job: tuple[str, ...] = ("--step-sleep", "0.05", "--ddp")
               ) -> tuple[float, float, float]:
     """The job's fault-free step time on this machine (``nproc`` ranks of the tiny job with
     ``job`` as its arguments: 0.05 s of sleep, the compute, the collectives): the median of
@@ -126,7 +127,7 @@ def schedule(steps: int) -> dict[str, int]:
 def job(steps: int, at: dict[str, int], hang_attempt: int, crash_attempt: int,
         fsdp: bool = False) -> list[str]:
     return ["--steps", str(steps), "--step-sleep", "0.05", "--loss-every", "10",
-            *(["--fsdp"] if fsdp else []),
+            *(["--fsdp"] if fsdp else ["--ddp"]),
             "--spike", f"{at['spike']}:{at['spike'] + 4}",
             "--at", f"{hang_attempt}:1:{at['hang']}:hang",
             "--at", f"{crash_attempt}:0:{at['crash']}:SIGKILL",

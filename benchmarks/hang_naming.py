@@ -39,7 +39,7 @@ def one(workdir: Path, ranks: int, at: int, what: str) -> dict[str, float]:
     """One run: the seconds from rank 0's last step to the diagnosis, and its split."""
     log = workdir / "steps.log"
     config = workdir / "run.yaml"
-    args = ["--steps", str(at + 40), "--step-sleep", "0.05",
+    args = ["--steps", str(at + 40), "--step-sleep", "0.05", "--ddp",
             "--at", f"0:{ranks - 3 if ranks > 2 else 1}:{at}:{what}", "--step-log", str(log)]
     config.write_text(f"launch:\n  script: {WORKER}\n  nproc-per-node: {ranks}\n"
                       f"  args: {json.dumps(args)}\n"

@@ -63,7 +63,7 @@ STEPS_AFTER_HANG = 20
 def job(hang_step: int = 300, device: str = "cpu") -> list[str]:
     """The worker's arguments: rank 1 hangs at ``hang_step`` of the first attempt."""
     return ["--steps", str(hang_step + STEPS_AFTER_HANG), "--step-sleep", "0.05",
-            "--at", f"0:1:{hang_step}:hang", "--device", device]
+            "--at", f"0:1:{hang_step}:hang", "--device", device, "--ddp"]
 NVRX = "nvidia-resiliency-ext==0.4.1"
 HEARTBEAT_S = 5.0
 

@@ -56,7 +56,7 @@ from tests import cpulimit, netns  # noqa: E402
 
 WORKER = ROOT / "tests" / "workers" / "tiny_train.py"
 NODES, SPARES = 3, 1
-JOB = ["--step-sleep", "0.05", "--forward-work", "40", "--loss-every", "50"]
+JOB = ["--step-sleep", "0.05", "--forward-work", "40", "--loss-every", "50", "--ddp"]
 
 
 def newest_step(run_dir: Path) -> int:

@@ -63,7 +63,7 @@ def test_faults_on_rank_1_name_rank_1_and_slow_work_is_no_hang(tmp_path: Path) -
     # The stopped rank is named by its process state, though py-spy cannot read it.
     assert stopped["evidence"]["processes"]["1"]["state"] == "stopped"
     assert "rank 1 is stopped" in stopped["message"]
-    # The stuck rank: outside the collective, idle; rank 0 waits in DDP's all-reduce.
+    # The stuck rank: outside the collective, idle; rank 0 waits in the gradient all-reduce.
     assert stuck["evidence"]["processes"]["1"]["cpu"] < 0.1
     assert "rank 1 is outside any collective" in stuck["message"]
 

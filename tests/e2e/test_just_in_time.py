@@ -85,7 +85,7 @@ def _clean(tmp: Path, *extra: str) -> Clean:
 
 @pytest.fixture(scope="module")
 def clean_ddp(tmp_path_factory: pytest.TempPathFactory) -> Clean:
-    return _clean(tmp_path_factory.mktemp("clean_ddp"))
+    return _clean(tmp_path_factory.mktemp("clean_ddp"), "--ddp")
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +118,8 @@ ONE_NODE = ("--at", "0:1:30:hang", "--at", "1:0:60:SIGSEGV", "--at", "2:1:90:SIG
 
 def test_one_node_ddp_a_hang_a_segfault_a_stopped_and_a_killed_rank_each_cost_one_step(
         tmp_path: Path, clean_ddp: Clean) -> None:
-    result, run_dir = babysat(tmp_path, "ddp", *ARGS, *ONE_NODE, "--at", "3:1:120:SIGKILL",
-                              checkpoints=SAVES, policy=POLICY)
+    result, run_dir = babysat(tmp_path, "ddp", *ARGS, "--ddp", *ONE_NODE,
+                              "--at", "3:1:120:SIGKILL", checkpoints=SAVES, policy=POLICY)
     assert result.returncode == 0, result.stdout + result.stderr
     events = read_jsonl(run_dir / "events.jsonl")
     saved = [(e["fault"], e["outcome"], e["checkpoint_step"], e["writers"], e["marks"])
@@ -220,7 +220,7 @@ def _ranks(run: Nodes) -> dict[int, int]:
 
 def test_two_nodes_ddp_every_fault_of_either_node_costs_one_step(
         tmp_path: Path, net3: Network, clean_ddp: Clean) -> None:
-    run, lost_at = _two_nodes(tmp_path, net3)
+    run, lost_at = _two_nodes(tmp_path, net3, "--ddp")
     leader, follower = _ranks(run)[0], _ranks(run)[1]
     saved = [(e["fault"], e["outcome"], e["checkpoint_step"], e["writers"])
              for e in run.events("just_in_time")]

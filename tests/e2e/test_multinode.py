@@ -462,7 +462,7 @@ def test_a_lost_node_costs_one_step_the_other_nodes_ranks_keep_it(
     is stopped, and the relaunch on node 0 alone (``--nnodes 1:2``) resumes there, resharded
     to 2 ranks, instead of at the last periodic checkpoint. Node 1's ranks' random streams
     died with it (said so: a smaller world draws other samples anyway)."""
-    run = Nodes(tmp_path, "--eval-every", "20", nnodes="1:2", steps=90, net=net,
+    run = Nodes(tmp_path, "--ddp", "--eval-every", "20", nnodes="1:2", steps=90, net=net,
                 checkpoints="{every_steps: 25, probation_steps: 5, async_save: true}")
     run.start(0), run.start(1)
     run.until("step 35", lambda: _step(run) >= 35)
@@ -659,7 +659,7 @@ def test_a_node_whose_link_slows_down_is_named_and_evicted_for_a_spare_when_it_p
     shared cores a healthy node's round trip was seen at 1.1-1.4 ms for seconds while the others'
     were 0.04 ms, which made node 2 "slow" before its link was, and left the cost no pace from
     before it; the 200 kbit/s link adds 40-64 ms.)"""
-    run = Nodes(tmp_path, nnodes="3", steps=100, net=net4, nproc=1,
+    run = Nodes(tmp_path, "--ddp", nnodes="3", steps=100, net=net4, nproc=1,
                 nodes=", spares: 1, run_left_s: 600",
                 overrides="{detectors: {slow_link: {window_s: 8, min_excess_s: 0.005}}}")
     for node in range(3):

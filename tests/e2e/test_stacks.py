@@ -37,7 +37,7 @@ def hung_job(tmp_path: Path) -> Iterator[dict[int, int]]:
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
              "--max-restarts", "0", "--rdzv-backend", "c10d",
              "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-             str(WORKERS / "tiny_train.py"), "--hang", "1:5", "--steps", "100000"],
+             str(WORKERS / "tiny_train.py"), "--ddp", "--hang", "1:5", "--steps", "100000"],
             cwd=ROOT, env=babysit_env(), start_new_session=True, stdin=subprocess.DEVNULL,
             stdout=sink, stderr=subprocess.STDOUT)
     launcher = psutil.Process(torchrun.pid)

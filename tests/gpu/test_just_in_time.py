@@ -22,7 +22,7 @@ from tests.e2e.test_recovery import assert_resumed_bit_exact
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
-CUDA = ("--device", "cuda", "--steps", "50")
+CUDA = ("--device", "cuda", "--steps", "50", "--ddp")
 DETERMINISTIC = "  env: {CUBLAS_WORKSPACE_CONFIG: ':4096:8'}\n"
 SAVES = "{every_steps: 20, probation_steps: 5, async_save: true}"
 
@@ -48,10 +48,10 @@ def test_a_crashing_rank_writes_its_cuda_state_at_its_exception(tmp_path: Path) 
     """Rank 0 raises before step 13's backward: it holds on at its uncaught exception and
     writes the state of step 12 from the GPU itself; the relaunch resumes there, bit-exact."""
     clean, clean_dir = babysat(tmp_path, "clean", "--steps", "24", "--device", "cuda",
-                               launch_extra=DETERMINISTIC + "  warm_standby: false\n")
+                               "--ddp", launch_extra=DETERMINISTIC + "  warm_standby: false\n")
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
     crashed, run_dir = babysat(tmp_path, "crashed", "--steps", "24", "--crash", "0:13",
-                               "--device", "cuda",
+                               "--device", "cuda", "--ddp",
                                launch_extra=DETERMINISTIC + "  max_restarts: 1\n",
                                checkpoints="{every_steps: 5, probation_steps: 5, "
                                            "async_save: true}")

@@ -18,7 +18,7 @@ from tests.e2e.test_recovery import assert_resumed_bit_exact
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
-CUDA = ("--device", "cuda")
+CUDA = ("--device", "cuda", "--ddp")
 DETERMINISTIC = "  env: {CUBLAS_WORKSPACE_CONFIG: ':4096:8'}\n"
 
 

@@ -11,7 +11,7 @@ from tests.conftest import babysat, journal, read_jsonl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
-NCCL = ("--device", "cuda", "--backend", "nccl")
+NCCL = ("--device", "cuda", "--backend", "nccl", "--ddp")
 
 
 def test_a_one_rank_nccl_job_runs_and_checkpoints(tmp_path: Path) -> None:

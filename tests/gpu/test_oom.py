@@ -28,7 +28,7 @@ def test_torchs_cuda_oom_message_is_classified_as_oom() -> None:
 def test_an_oom_in_a_rank_is_classified_and_relaunched(tmp_path: Path) -> None:
     # The fault strikes on the first attempt only; the default policy relaunches an OOM once.
     result, run_dir = babysat(tmp_path, "oom", "--steps", "12", "--oom", "1:6",
-                              "--device", "cuda", launch_extra="  max_restarts: 1\n")
+                              "--device", "cuda", "--ddp", launch_extra="  max_restarts: 1\n")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     finding = next(e for e in journal(run_dir, "finding")
                    if e["finding"]["incident"] == "crash")

@@ -3,6 +3,15 @@
 Any world size works (the tests use 2 ranks): each rank takes its 4 rows of a global batch of
 ``4 * world_size`` rows.
 
+Data parallel by hand by default: after each backward one all-reduce averages every rank's
+gradients, which is what DDP does for this model (a replica a rank, gradients averaged before
+the optimizer). ``--ddp`` wraps the model in ``DistributedDataParallel`` instead, ``--fsdp``
+shards it with FSDP2. Where DDP itself is under test (the just-in-time matrix's DDP rows, the
+multi-node DDP jobs) and in the benchmarks, the job is ``--ddp``; elsewhere it is by hand for
+the suite's sake: DDP's constructor imports ``torch._dynamo``, about 0.75 CPU-seconds of each
+rank's start beyond what the checkpoint code imports anyway, and the suite starts a few hundred
+ranks on 2 cores (``docs/measured.md#ci``).
+
 The model has dropout and the optimizer is Adam with a StepLR schedule, so a resume is exact
 only if weights, optimizer state, scheduler and every RNG stream come back. Global batch ``i``
 is a pure function of ``i`` (the loader can ``seek``), so skipping batches is exact too.
@@ -255,6 +264,17 @@ def elastic_batches(run, rank: int, world_size: int, args: argparse.Namespace, a
         yield xb, yb
 
 
+def average_gradients(model: torch.nn.Module) -> None:
+    """What DDP does for a replicated model, by hand: every rank's gradients averaged, in one
+    all-reduce of them all flattened (DDP's one bucket, for a model this small)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for grad, averaged in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(averaged.view_as(grad))
+
+
 def pace(args: argparse.Namespace) -> float:
     """This step's sleep: ``--pace-file``'s number while it holds one, else ``--step-sleep``."""
     if args.pace_file:
@@ -305,6 +325,8 @@ def main() -> None:
     p.add_argument("--step-log")
     p.add_argument("--pace-file")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard)")
+    p.add_argument("--ddp", action="store_true",
+                   help="wrap the model in DistributedDataParallel (default: average by hand)")
     p.add_argument("--forward-work", type=int, default=0,
                    help="matrix products in each forward (Work): compute a CPU limit slows")
     args = p.parse_args()
@@ -332,10 +354,12 @@ def main() -> None:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for layer in layers:
             fully_shard(layer, mesh=mesh)
-        ddp = fully_shard(model, mesh=mesh)
-    else:
-        ddp = torch.nn.parallel.DistributedDataParallel(
+        net = fully_shard(model, mesh=mesh)
+    elif args.ddp:
+        net = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        net = model  # data parallel by hand: average_gradients() after each backward
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     run = attach(model=model, optimizer=opt, scheduler=sched,
@@ -407,9 +431,11 @@ def main() -> None:
             sys.stdout.write(f"flood step {upcoming} " + "x" * 100 + "\n" * 1)
             sys.stdout.write(("y" * 120 + "\n") * (args.flood - 1))
         x, y = x.to(device), y.to(device)
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss = torch.nn.functional.mse_loss(net(x), y)
         opt.zero_grad()
         loss.backward()
+        if not (args.fsdp or args.ddp):
+            average_gradients(model)
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
         scalars = None
         if args.eval_every and upcoming % args.eval_every == 0:
