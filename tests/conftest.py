@@ -20,7 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 SITE = Path(__file__).resolve().parent / "site"
-"""Its ``sitecustomize.py``: the suite's processes skip the last garbage collection at exit."""
+"""Its ``sitecustomize.py``: the suite's processes collect all their garbage less often (fewer
+full collections, none at exit)."""
 if str(SITE) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE),
                                                              os.environ.get("PYTHONPATH")]))
