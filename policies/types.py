@@ -254,6 +254,11 @@ class Incident(str, enum.Enum):
     checkpoint restored (weights loaded over them after ``attach()``)."""
 
 
+def r4(x: float) -> float:
+    """Evidence numbers are for people: four significant digits are plenty."""
+    return float(f"{x:.4g}")
+
+
 @dataclass(frozen=True, slots=True)
 class Finding:
     """A detector's verdict that something is wrong.

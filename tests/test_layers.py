@@ -121,8 +121,15 @@ def test_an_import_inside_a_function_is_an_edge_of_the_graph(tmp_path: Path) -> 
 
 
 def test_the_rank_side_stays_light() -> None:
-    """``import babysit`` runs in every training rank: no pydantic, matplotlib or requests."""
-    code = ("import sys, babysit; heavy = {'pydantic', 'matplotlib', 'requests', 'yaml', "
+    """``import babysit`` runs in every training rank, and ``attach()`` builds the in-process
+    grad-norm guard from the directive's settings there: no pydantic (0.13 CPU-s of each rank's
+    start), matplotlib or requests."""
+    from babysit.policies.detectors.grad_norm import GradNormConfig
+
+    settings = GradNormConfig().model_dump()
+    code = ("import sys, babysit; from babysit.supervisor.rank.api import _grad_guard; "
+            f"assert _grad_guard({settings!r}).observe_value(1, 1.0) is None; "
+            "heavy = {'pydantic', 'matplotlib', 'requests', 'yaml', "
             "'apscheduler', 'prometheus_client', 'wandb', 'tensorboard'} & set(sys.modules); "
             "print(sorted(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

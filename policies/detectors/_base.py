@@ -8,12 +8,8 @@ same declaration.
 from __future__ import annotations
 
 from babysit.policies.section import Section
+from babysit.policies.types import r4 as r4  # the detectors' evidence rounding, kept here too
 
 
 class DetectorConfig(Section):
     """The base of every detector's config (``policies.section.Section``)."""
-
-
-def r4(x: float) -> float:
-    """Evidence numbers are for people: four significant digits are plenty."""
-    return float(f"{x:.4g}")

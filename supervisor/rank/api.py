@@ -794,12 +794,13 @@ def _between(run: Run, model: Any, optimizer: Any) -> Any:
 
 
 def _grad_guard(settings: dict[str, Any]) -> Any:
-    """The in-process grad-norm detector, when the policy skips grad-norm spikes."""
+    """The in-process grad-norm detector, when the policy skips grad-norm spikes (without
+    pydantic: the supervisor validated the settings)."""
     if not settings:
         return None
-    from babysit.policies.detectors.grad_norm import GradNormConfig, GradNormDetector
+    from babysit.policies.detectors.grad_guard import GradGuard, GuardSettings
 
-    return GradNormDetector(GradNormConfig(**settings))
+    return GradGuard(GuardSettings(**settings))
 
 
 def _by_batches(ranges: Iterable[SkipRange]) -> list[SkipRange]:
