@@ -28,31 +28,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from babysit.policies.detectors._window import SortedWindow
 from babysit.policies.types import Finding, Incident, JobStep, Severity, r4
 
 
-class Settings(Protocol):
-    """What the detector reads of its config: ``GradNormConfig`` or ``GuardSettings``."""
-
-    @property
-    def window(self) -> int: ...
-    @property
-    def min_history(self) -> int: ...
-    @property
-    def factor(self) -> float: ...
-    @property
-    def z_threshold(self) -> float: ...
-    @property
-    def min_sigma(self) -> float: ...
-
-
 @dataclass(frozen=True, slots=True)
 class GuardSettings:
-    """A worker's grad-norm settings, as its directive carries them (``GradNormConfig``
-    validated and dumped by the supervisor): every field given."""
+    """The grad-norm settings, every field given: ``GradNormConfig`` validated and dumped (by
+    the supervisor into a worker's directive, or by ``GradNormDetector``)."""
 
     window: int
     min_history: int
@@ -68,10 +53,10 @@ class GradGuard:
 
     name = "grad_norm"
 
-    def __init__(self, config: Settings) -> None:
-        self.config = config
-        self._window = SortedWindow(self.config.window)
-        self._log_factor = math.log(self.config.factor)
+    def __init__(self, settings: GuardSettings) -> None:
+        self.settings = settings
+        self._window = SortedWindow(settings.window)
+        self._log_factor = math.log(settings.factor)
 
     def observe(self, record: JobStep) -> Finding | None:
         g = record.grad_norm
@@ -82,7 +67,7 @@ class GradGuard:
     ) -> Finding | None:
         if not math.isfinite(grad_norm) or grad_norm <= 0.0:
             return None
-        cfg = self.config
+        cfg = self.settings
         y = math.log(grad_norm)
         w = self._window
         if len(w) < cfg.min_history:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from babysit.policies.detectors._base import DetectorConfig
-from babysit.policies.detectors.grad_guard import GradGuard
+from babysit.policies.detectors.grad_guard import GradGuard, GuardSettings
 
 
 class GradNormConfig(DetectorConfig):
@@ -38,4 +38,5 @@ class GradNormDetector(GradGuard):
     when given none)."""
 
     def __init__(self, config: GradNormConfig | None = None) -> None:
-        super().__init__(config or GradNormConfig())
+        self.config = config or GradNormConfig()
+        super().__init__(GuardSettings(**self.config.model_dump()))
