@@ -21,7 +21,8 @@ not poison the baseline.
 This module imports no pydantic (nor does ``babysit.policies.types``): a worker builds its
 ``GradGuard`` from the settings its directive carries (``GuardSettings``, the supervisor's
 validated ``GradNormConfig`` dumped) at every rank's start, where pydantic's import would cost
-0.13 CPU-seconds. The config, its fields' docs and limits are ``grad_norm.GradNormConfig``.
+a tenth of a CPU-second (``docs/measured.md#ci``). The config, its fields' docs and limits are
+``grad_norm.GradNormConfig``.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ gradients, which is what DDP does for this model (a replica a rank, gradients av
 the optimizer). ``--ddp`` wraps the model in ``DistributedDataParallel`` instead, ``--fsdp``
 shards it with FSDP2. Where DDP itself is under test (the just-in-time matrix's DDP rows, the
 multi-node DDP jobs) and in the benchmarks, the job is ``--ddp``; elsewhere it is by hand for
-the suite's sake: DDP's constructor imports ``torch._dynamo``, about 0.75 CPU-seconds of each
-rank's start beyond what the checkpoint code imports anyway, and the suite starts a few hundred
-ranks on 2 cores (``docs/measured.md#ci``).
+the suite's sake: DDP's constructor imports ``torch._dynamo`` at each rank's start, beyond what
+the checkpoint code imports anyway, and the suite starts a few hundred ranks on 2 cores (the
+cost: ``docs/measured.md#ci``).
 
 The model has dropout and the optimizer is Adam with a StepLR schedule, so a resume is exact
 only if weights, optimizer state, scheduler and every RNG stream come back. Global batch ``i``
