@@ -58,7 +58,8 @@ def stop_signal() -> signal.Signals:
 def ignore_sigterm() -> None:
     """``preexec_fn`` of a shielded torchrun: SIGTERM ignored, for it and every rank it
     starts; SIGHUP, the stop, at its default (babysit itself may have been started with SIGHUP
-    ignored, by ``nohup``: its tree would then ignore the stop too)."""
+    ignored, by ``nohup``: its tree would then ignore the stop too). Also of the Slurm commands
+    babysit runs inside a job (``run.slurm_job``), which must outlive the job's SIGTERM."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 

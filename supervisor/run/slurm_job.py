@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from babysit.supervisor.config.plan import RunPlan
+from babysit.supervisor.node import shield
 from babysit.supervisor.run import exit_codes, journal, run_dir
 
 SIGTERM_CODE = 128 + int(signal.SIGTERM)
@@ -150,8 +151,12 @@ def _left(lost: dict[int, str], why: str) -> Ending:
 
 
 def _scontrol(*args: str) -> tuple[bool, str]:
+    """Run one of Slurm's commands; whether it succeeded, and what it said. It starts with
+    SIGTERM ignored: babysit runs it inside the job, and the requeue it asks for signals every
+    process of the job, itself included, before it can report that the requeue was done."""
     try:
-        done = subprocess.run(list(args), capture_output=True, text=True, timeout=SCONTROL_S)
+        done = subprocess.run(list(args), capture_output=True, text=True, timeout=SCONTROL_S,
+                              preexec_fn=shield.ignore_sigterm)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"{' '.join(args)}: {exc}"
     out = (done.stdout + done.stderr).strip()

@@ -181,3 +181,12 @@ def test_a_requeue_comes_before_its_hosts_to_leave_out_and_a_refused_one_cancels
     calls.clear()
     assert slurm_job.perform("42", requeue, RUNNING, lost=False) == "refused"
     assert calls == ["scontrol requeue 42"]
+
+
+def test_a_slurm_command_outlives_the_sigterm_its_own_requeue_sends() -> None:
+    """``scontrol requeue`` run inside the job is signalled with the rest of the job: a real
+    process that gets its SIGTERM mid-way still finishes and says so (a CI run saw the requeue
+    done but reported as "killed by SIGTERM")."""
+    ok, out = slurm_job._scontrol("sh", "-c", "kill -TERM $$; echo requeued")
+    assert (ok, out) == (True, "requeued")
+
