@@ -66,7 +66,8 @@ def test_a_dead_fsdp2_rank_resumes_from_the_newest_good_copy_in_memory(
     # (in memory: newer than anything on disk) resumed the run.
     copies = [e["checkpoint_step"] for e in events if e["event"] == "memory_copy"
               and e["attempt"] == 0]
-    finding = next(e for e in events if e["event"] == "finding")
+    finding = next(e for e in events if e["event"] == "finding"  # not a loaded machine's alert
+                   and e["finding"]["incident"] == "crash")
     before = [s for s in copies if s < 83 and any(
         e["event"] == "memory_copy" and e["checkpoint_step"] == s
         and e["time"] < finding["time"] for e in events)]

@@ -133,8 +133,10 @@ def test_a_resume_whose_loss_is_back_near_the_start_is_caught_and_stopped(
         "--forget_weights", "--sleep=0.1", script=SCRIPT, checkpoints="{}",
         extra=f"stdout:\n  checkpoint_dir: {out_dir}\n  resume_args: [--init_from=resume]\n")
     assert result.returncode == 1, result.stdout + result.stderr
+    # What babysit did (a loaded machine slows the script's own printed step times, and the
+    # throughput alert that may bring is true but beside the point here).
     crash, *resumes = (e for e in journal(run_dir, "finding")
-                       if e["remedy"]["action"] != "ignore")
+                       if e["remedy"]["action"] not in ("ignore", "alert"))
     assert crash["finding"]["incident"] == "crash" and crash["remedy"]["action"] == "relaunch"
     # Caught a few printed steps after each resume: from the newest copy of the script's
     # checkpoint, then once from the one before it; then stopped, never "succeeded".
