@@ -161,6 +161,24 @@ def journal(run_dir: Path, event: str) -> list[dict[str, Any]]:
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == event]
 
 
+def newest_checkpoint_before(events: list[dict[str, Any]],
+                             resume: dict[str, Any]) -> int | None:
+    """The periodic checkpoint a just-in-time ``resume`` (a journal entry of ``events``) names
+    as the newest before it, asserted honest: one the run saved before the step it resumed at,
+    and none newer reported before the resume. (On a loaded machine an asynchronous save still
+    in flight at the fault never commits; the resume then names the one before, and rightly.)"""
+    at = resume["checkpoint_step"]
+    saved = [e for e in events if e["event"] == "checkpoint_saved" and e["checkpoint_step"] < at]
+    reported = [e["checkpoint_step"] for e in saved if e["time"] <= resume["time"]]
+    named = resume["just_in_time"]["periodic_step"]
+    if named is None:
+        assert not reported, reported
+    else:
+        assert named in {e["checkpoint_step"] for e in saved}, (named, saved)
+        assert named >= max(reported, default=named), (named, reported)
+    return named
+
+
 def final_eval(events: list[dict[str, Any]], step: int) -> float:
     """A run's held-out loss at ``step`` (``tiny_train.py --eval-every``; every rank holds the
     same model: one value), from its journal's entries."""

@@ -40,7 +40,14 @@ from typing import Any
 import pytest
 
 from tests import netns
-from tests.conftest import FAST_POLICY, babysat, journal, read_jsonl, run_babysit
+from tests.conftest import (
+    FAST_POLICY,
+    babysat,
+    journal,
+    newest_checkpoint_before,
+    read_jsonl,
+    run_babysit,
+)
 from tests.e2e.test_multinode import Nodes
 from tests.netns import Network
 
@@ -131,10 +138,14 @@ def test_one_node_ddp_a_hang_a_segfault_a_stopped_and_a_killed_rank_each_cost_on
     # Each relaunch says what it spared, on the console, in the journal and in `status`.
     resumes = [e for e in journal(run_dir, "resume") if e.get("from")]
     assert [e["just_in_time"]["lost_steps"] for e in resumes] == [1, 1, 1, 1]
-    assert [e["just_in_time"]["periodic_step"] for e in resumes] == [25, 50, 75, 100]
+    # The newest periodic checkpoint then: the save before each fault, or (an asynchronous save
+    # still in flight at the fault, on a loaded machine) the one before it.
+    periodic = [newest_checkpoint_before(events, e) for e in resumes]
+    assert all(0 < e["checkpoint_step"] - p < 2 * EVERY
+               for e, p in zip(resumes, periodic, strict=True))
     assert resumes[2]["summary"] == (
         "resumed from the just-in-time state of step 89, written by rank 0 after the hang "
-        "(1 step lost; the newest checkpoint was of step 75)")
+        f"(1 step lost; the newest checkpoint was of step {periodic[2]})")
     assert "babysit: just-in-time state of step 59 written by rank 1 after the crash" \
         in result.stdout
     assert "babysit: resumed from the just-in-time state of step 119" in result.stdout

@@ -34,6 +34,7 @@ from tests.conftest import (
     console_noise,
     final_eval,
     kept_indices,
+    newest_checkpoint_before,
     noise,
     read_jsonl,
     run_babysit,
@@ -482,8 +483,8 @@ def test_a_lost_node_costs_one_step_the_other_nodes_ranks_keep_it(
     assert run.events("launch")[1]["nodes"] == [0] and resume["directive"]["reshard"]
     assert resume["directive"]["resume"]["step"] == saved["checkpoint_step"]
     [resumed] = [e for e in run.events("resume") if e.get("from")]
-    assert resumed["just_in_time"]["lost_steps"] <= 2 and resumed["just_in_time"][
-        "periodic_step"] == 25
+    assert resumed["just_in_time"]["lost_steps"] <= 2
+    assert newest_checkpoint_before(run.journal(), resumed) is not None  # the spared interval
     assert [e["node"] for e in run.events("node_lost")] == [1]
     assert run.events("run_finished")[-1]["state"] == "succeeded"
     assert resumed["summary"].endswith(f"; {said_ranks(there)} resume with fresh random "
