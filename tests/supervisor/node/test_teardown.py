@@ -17,15 +17,22 @@ from babysit.supervisor.node.teardown import Teardown
 @pytest.fixture
 def procs() -> Iterator[dict[str, subprocess.Popen[bytes]]]:
     started = {
-        "blocked": subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+        "blocked": subprocess.Popen(
+            [sys.executable, "-c", "import time; print(flush=True); time.sleep(60)"],
+            stdout=subprocess.PIPE),
         "working": subprocess.Popen([sys.executable, "-c", "while True: pass"]),
         "exited": subprocess.Popen([sys.executable, "-c", "pass"]),
     }
     started["exited"].wait()
+    # Past its interpreter's start (CPU, on a loaded machine for a while): asleep from here.
+    assert started["blocked"].stdout is not None
+    started["blocked"].stdout.readline()
     yield started
     for p in started.values():
         p.kill()
         p.wait()
+        if p.stdout is not None:
+            p.stdout.close()
 
 
 @pytest.fixture
