@@ -12,7 +12,8 @@ launcher and reads one line on its standard input. The relaunch writes the attem
 there (``Order``: torchrun's arguments, the environment, the folder) and the process becomes
 that torchrun, exactly as if started then. It never touches a GPU (torchrun's agent does not),
 holds no rank and reads nothing of the run; it costs one interpreter with torch imported (about
-0.3 GB resident) and its start-up, about 1.7 CPU-seconds. A closed standard input (babysit gone,
+0.3 GB resident) and its start-up, about 1.2 CPU-seconds on this 2-core machine
+(``import_launcher``). A closed standard input (babysit gone,
 or the process dropped) ends it. ``launch.torchrun_ahead: false`` turns it off.
 
 The first attempt's torchrun is started ahead too, whatever serves the relaunches: by
@@ -30,6 +31,7 @@ fits an attempt.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -37,6 +39,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from babysit.supervisor.node import shield
@@ -154,9 +157,22 @@ class Early:
                 pipe.close()
 
 
-def main() -> None:
-    from torch.distributed import run  # the slow part, done ahead of the relaunch
+def import_launcher() -> ModuleType:
+    """``torch.distributed.run``, imported with Python's collector paused: the import makes
+    about a million objects and no garbage, and collecting over them as they come was a
+    quarter of its CPU (``benchmarks/ahead_start.py``). What it built is then set aside from
+    the agent's collections to come (``gc.freeze``); the collector runs again as ever."""
+    gc.disable()
+    try:
+        from torch.distributed import run
+    finally:
+        gc.freeze()
+        gc.enable()
+    return run
 
+
+def main() -> None:
+    run = import_launcher()  # the slow part, done ahead of the relaunch
     line = sys.stdin.buffer.readline()
     if not line.strip():
         return  # dropped: babysit closed our stdin

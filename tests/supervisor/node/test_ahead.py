@@ -5,6 +5,7 @@ real torchrun: ``tests/e2e/test_standby.py`` (and every e2e run's first launch).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from babysit.supervisor.config import plan as plan_mod
 from babysit.supervisor.contract.protocol import ENV_RUN_DIR
@@ -157,3 +159,22 @@ def test_leftovers_are_known_by_the_run_they_were_started_for(tmp_path: Path) ->
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+def test_torchs_launcher_is_imported_with_the_collector_set_aside_then_running_as_ever(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent lives as long as its attempt: the collector must run again after the import,
+    whatever became of it, and what the import built is frozen out of its collections."""
+    import torch.distributed.run
+
+    frozen = gc.get_freeze_count()
+    try:
+        assert ahead.import_launcher() is torch.distributed.run
+        assert gc.isenabled() and gc.get_freeze_count() > frozen
+        monkeypatch.setitem(sys.modules, "torch.distributed.run", None)  # an import that fails
+        monkeypatch.delattr(torch.distributed, "run")
+        with pytest.raises(ImportError):
+            ahead.import_launcher()
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
