@@ -8,7 +8,6 @@ same declaration.
 from __future__ import annotations
 
 from babysit.policies.section import Section
-from babysit.policies.types import r4 as r4  # the detectors' evidence rounding, kept here too
 
 
 class DetectorConfig(Section):

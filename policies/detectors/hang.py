@@ -45,8 +45,8 @@ from typing import Any
 
 from pydantic import Field
 
-from babysit.policies.detectors._base import DetectorConfig, r4
-from babysit.policies.types import Finding, Incident, RankStep, Severity
+from babysit.policies.detectors._base import DetectorConfig
+from babysit.policies.types import Finding, Incident, RankStep, Severity, r4
 from babysit.policies.wording import said_ranks
 
 

@@ -54,9 +54,9 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from babysit.policies.detectors._base import DetectorConfig, r4
+from babysit.policies.detectors._base import DetectorConfig
 from babysit.policies.detectors._window import SortedWindow
-from babysit.policies.types import Finding, Incident, JobStep, Severity
+from babysit.policies.types import Finding, Incident, JobStep, Severity, r4
 
 _SQRT2 = math.sqrt(2.0)
 # Below this many step-to-step differences the noise estimate is inflated by sqrt(32 / n).

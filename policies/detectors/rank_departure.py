@@ -66,9 +66,9 @@ from typing import Any, NamedTuple
 
 from pydantic import Field, model_validator
 
-from babysit.policies.detectors._base import DetectorConfig, r4
+from babysit.policies.detectors._base import DetectorConfig
 from babysit.policies.detectors._window import SortedWindow
-from babysit.policies.types import Finding, Incident, Severity, StepRecord
+from babysit.policies.types import Finding, Incident, Severity, StepRecord, r4
 
 # Below this many departures the noise estimate is inflated by sqrt(32 / n).
 _FULL_SIGMA_N = 32

@@ -33,8 +33,8 @@ from collections.abc import Mapping
 
 from pydantic import Field
 
-from babysit.policies.detectors._base import DetectorConfig, r4
-from babysit.policies.types import Finding, Incident, Severity
+from babysit.policies.detectors._base import DetectorConfig
+from babysit.policies.types import Finding, Incident, Severity, r4
 
 
 class ResumeLossConfig(DetectorConfig):

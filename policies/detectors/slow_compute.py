@@ -71,8 +71,8 @@ from typing import Any
 
 from pydantic import Field
 
-from babysit.policies.detectors._base import DetectorConfig, r4
-from babysit.policies.types import Finding, Incident, JobStep, Severity, Spread
+from babysit.policies.detectors._base import DetectorConfig
+from babysit.policies.types import Finding, Incident, JobStep, Severity, Spread, r4
 
 CALM = 10
 """The steps before a step that say which rank, if any, was holding the job up then..."""

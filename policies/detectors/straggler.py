@@ -35,8 +35,8 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from babysit.policies.detectors._base import DetectorConfig, r4
-from babysit.policies.types import Finding, Incident, RankStep, Severity, StepRecord
+from babysit.policies.detectors._base import DetectorConfig
+from babysit.policies.types import Finding, Incident, RankStep, Severity, StepRecord, r4
 
 
 class StragglerConfig(DetectorConfig):

@@ -31,9 +31,9 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from babysit.policies.detectors._base import DetectorConfig, r4
+from babysit.policies.detectors._base import DetectorConfig
 from babysit.policies.detectors._window import SortedWindow
-from babysit.policies.types import Finding, Incident, JobStep, Severity
+from babysit.policies.types import Finding, Incident, JobStep, Severity, r4
 
 Metric = Literal["auto", "steps_per_s", "tokens_per_s", "mfu"]
 
