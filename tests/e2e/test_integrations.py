@@ -133,8 +133,9 @@ def _kept(run_dir: Path, result: subprocess.CompletedProcess[str], form: str,
     assert [(r["checkpoint_step"], r["just_in_time"]["writers"], r["just_in_time"]["lost_steps"])
             for r in resumes] == [(step - 1, [1 - rank], 1) for rank, step in faults]
     events = read_jsonl(run_dir / "events.jsonl")  # the framework's save every 20 steps, spared
-    assert all(0 < r["checkpoint_step"] - (newest_checkpoint_before(events, r) or -99) < 40
-               for r in resumes)
+    named = [newest_checkpoint_before(events, r) for r in resumes]
+    assert all(n is not None and 0 < r["checkpoint_step"] - n < 40
+               for r, n in zip(resumes, named, strict=True)), named
     launches = [e["directive"]["resume"] for e in journal(run_dir, "launch")][1:]
     for launch, (_, step) in zip(launches, faults, strict=True):
         assert launch["external"] and launch["step"] == step - 1 and Path(launch["path"]).exists()
