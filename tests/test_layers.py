@@ -122,8 +122,8 @@ def test_an_import_inside_a_function_is_an_edge_of_the_graph(tmp_path: Path) -> 
 
 def test_the_rank_side_stays_light() -> None:
     """``import babysit`` runs in every training rank, and ``attach()`` builds the in-process
-    grad-norm guard from the directive's settings there: no pydantic (0.13 CPU-s of each rank's
-    start), matplotlib or requests."""
+    grad-norm guard from the directive's settings there: no pydantic (a cost to each rank's
+    start, docs/measured.md#ci), matplotlib or requests."""
     from babysit.policies.detectors.grad_norm import GradNormConfig
 
     settings = GradNormConfig().model_dump()

@@ -20,8 +20,8 @@ not poison the baseline.
 
 This module imports no pydantic (nor does ``babysit.policies.types``): a worker builds its
 ``GradGuard`` from the settings its directive carries (``GuardSettings``, the supervisor's
-validated ``GradNormConfig`` dumped) at every rank's start, where pydantic's import would cost
-a tenth of a CPU-second (``docs/measured.md#ci``). The config, its fields' docs and limits are
+validated ``GradNormConfig`` dumped) at every rank's start, where pydantic's import would add
+to each rank's start-up (``docs/measured.md#ci``). The config, its fields' docs and limits are
 ``grad_norm.GradNormConfig``.
 """
 

@@ -12,9 +12,9 @@ launcher and reads one line on its standard input. The relaunch writes the attem
 there (``Order``: torchrun's arguments, the environment, the folder) and the process becomes
 that torchrun, exactly as if started then. It never touches a GPU (torchrun's agent does not),
 holds no rank and reads nothing of the run; it costs one interpreter with torch imported (about
-0.3 GB resident) and its start-up, about 1.2 CPU-seconds on this 2-core machine
-(``import_launcher``). A closed standard input (babysit gone,
-or the process dropped) ends it. ``launch.torchrun_ahead: false`` turns it off.
+0.3 GB resident) and its start-up (``import_launcher``; both measured in
+docs/measured.md#standby-cost). A closed standard input (babysit gone, or the process dropped)
+ends it. ``launch.torchrun_ahead: false`` turns it off.
 
 The first attempt's torchrun is started ahead too, whatever serves the relaunches: by
 ``babysit run`` itself, first thing (``Early``), before babysit imports its own modules, reads
@@ -159,9 +159,10 @@ class Early:
 
 def import_launcher() -> ModuleType:
     """``torch.distributed.run``, imported with Python's collector paused: the import makes
-    about a million objects and no garbage, and collecting over them as they come was a
-    quarter of its CPU (``benchmarks/ahead_start.py``). What it built is then set aside from
-    the agent's collections to come (``gc.freeze``); the collector runs again as ever."""
+    about a million objects and no garbage, and collecting over them as they come is a good
+    part of its CPU (``benchmarks/ahead_start.py``, docs/measured.md#standby-cost). What it
+    built is then set aside from the agent's collections to come (``gc.freeze``); the
+    collector runs again as ever."""
     gc.disable()
     try:
         from torch.distributed import run
