@@ -4,6 +4,7 @@ relaunch through a standby is in tests/e2e/test_recovery.py's hang test)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from babysit.supervisor.config import plan as plan_mod
 from babysit.supervisor.contract.directive import Directive, SkipRange
-from babysit.supervisor.node.launcher import free_port
+from babysit.supervisor.node.launcher import WorkerGroup, free_port
 from babysit.supervisor.node.workers import NodeWorkers
 
 pytestmark = pytest.mark.e2e
@@ -31,11 +32,23 @@ run.close()
 """
 
 
-def wait_for(condition: Callable[[], object], timeout_s: float = 60.0) -> None:
+def wait_for(condition: Callable[[], object], timeout_s: float = 60.0,
+             seen: Callable[[], object] = lambda: None) -> None:
+    """Until ``condition()``; on timeout the failure says what ``seen()`` then reads."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out; {seen()}"
         time.sleep(0.05)
+
+
+def statuses(group: WorkerGroup) -> list[tuple[int, str, str]]:
+    """(pid, state, command line) of each process of an attempt's tree, for a failure's
+    message."""
+    out = []
+    for p in group.processes():
+        with contextlib.suppress(psutil.Error):
+            out.append((p.pid, p.status(), " ".join(p.cmdline())[:120]))
+    return out
 
 
 def open_workers(tmp_path: Path, script: str, launch: str = "") -> NodeWorkers:
@@ -67,7 +80,8 @@ def test_a_standby_waits_silent_until_promoted_and_one_that_fails_is_journaled(
         workers.hold_standby(True)
         assert spare.paused
         wait_for(lambda: all(p.status() == psutil.STATUS_STOPPED
-                             for p in spare.group.processes()), timeout_s=5)
+                             for p in spare.group.processes()), timeout_s=5,
+                 seen=lambda: statuses(spare.group))
         workers.hold_standby(False)
         assert not spare.paused
         wait_for(spare.ready_at)
