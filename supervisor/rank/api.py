@@ -146,6 +146,9 @@ class Run:
         framework's own checkpoints (``framework_loop``)."""
         self._told_off = False
         """This attempt said why babysit takes no checkpoint (``_checkpoints_off``)."""
+        self._began = self.step_count
+        """The step this attempt began at: its resume's (``attach()`` sets it after the
+        restore), 0 on a fresh start."""
         if optimizer is not None and (directive.lr_scale != 1.0 or directive.lr_ramp):
             self._install_lr_scale(optimizer)
 
@@ -492,7 +495,8 @@ class Run:
             wanted=ckpt.enabled and not self._framework, model=self._model is not None,
             optimizer=self._optimizer is not None, by_loader=self._by_loader,
             ended=between.ends.ended if between is not None else 0,
-            step=self.step_count, every=ckpt.every(self.step_count), rank=self.rank)
+            step=self.step_count, began=self._began, every=ckpt.every(self.step_count),
+            rank=self.rank)
         self._told_off = known
         if why is not None and self.rank == 0:
             self._event("checkpoints_off", step=self.step_count, why=why)
@@ -675,6 +679,7 @@ def attach(
     restore_s = round(_perf() - loading, 6) if restored is not None else 0.0
     if restored is not None:
         run.step_count, run.cursor = restored
+        run._began = run.step_count
         if model is not None:  # checked at the first forward: did the restore take?
             run._watch_restore()
     run._keeper = _keeper(run, directive, token_hex, model, optimizer, scheduler)

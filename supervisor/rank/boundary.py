@@ -211,17 +211,20 @@ class Between:
 
 
 def why_no_checkpoints(*, wanted: bool, model: bool, optimizer: bool, by_loader: bool,
-                       ended: int, step: int, every: int, rank: int) -> tuple[bool, str | None]:
+                       ended: int, step: int, began: int, every: int,
+                       rank: int) -> tuple[bool, str | None]:
     """Whether it is known yet if a run can take babysit's checkpoints, and if it cannot, why,
     in words a user acts on (None: it can, or it was not asked to). Pure.
 
     ``wanted``: the config asks for them (``checkpoints.every_steps`` > 0; a framework
     integration saves through its own); ``model``, ``optimizer``: ``attach()`` got one;
     ``by_loader``: the loop draws from ``run.batches()``; ``ended``: the steps whose end the
-    optimizer's hooks found so far; ``step``: the steps completed (``run.step()`` just counted
-    the newest); ``every``: the cadence. Known at the first step, except for a loop without
-    ``run.batches()`` whose optimizer never ended a step yet: known once the first checkpoint
-    was due and the next step was reported."""
+    optimizer's hooks found so far, in this attempt; ``step``: the steps completed
+    (``run.step()`` just counted the newest); ``began``: the step this attempt began at (its
+    resume's, 0 on a fresh start), so that ``ended`` is weighed against this attempt's steps,
+    never the run's; ``every``: the cadence. Known at the first step, except for a loop without
+    ``run.batches()`` whose optimizer never ended a step yet: known once this attempt's first
+    checkpoint was due and the next step was reported."""
     if not wanted or (by_loader and model):
         return True, None
     fix = "a fault resumes from the newest checkpoint there is, or from the start"
@@ -242,13 +245,15 @@ def why_no_checkpoints(*, wanted: bool, model: bool, optimizer: bool, by_loader:
             "with run.batches(loader).")
     if ended:
         return True, None
-    if step <= every:
+    due = (began // max(every, 1) + 1) * max(every, 1)  # this attempt's first save
+    if step <= due:
         return False, None
+    since = f" since its resume at step {began}" if began else ""
     return True, (
-        f"checkpoints.every_steps is {every}, but in {step - 1} steps no training step ended "
-        f"where babysit can see it (rank {rank}): the optimizer passed to attach() never "
-        "finished a step() between two run.step() calls, so the checkpoint due at step "
-        f"{every} was not saved and no just-in-time state is kept; {fix}. Pass attach() the "
+        f"checkpoints.every_steps is {every}, but in {step - 1 - began} steps{since} no "
+        f"training step ended where babysit can see it (rank {rank}): the optimizer passed to "
+        "attach() never finished a step() between two run.step() calls, so the checkpoint due "
+        f"at step {due} was not saved and no just-in-time state is kept; {fix}. Pass attach() the "
         "optimizer the loop steps (the one inside a wrapper; a GradScaler's scaler.step(opt) "
         "steps it unless it skips every step), or draw the batches with "
         "run.batches(loader).")

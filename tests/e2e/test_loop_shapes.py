@@ -87,6 +87,9 @@ def assert_resumed_at_the_fault(run_dir: Path, clean: tuple[dict[int, Any], floa
     assert min(m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")
                if m["attempt"] == 1) == 240
     assert all(e["data"]["took"] for e in journal(run_dir, "resume_check"))
+    # The resumed attempt's first run.step() came before its first step's end (the while
+    # loop's order): no step of its own had ended yet, and nothing is wrong (issue 55).
+    assert not journal(run_dir, "checkpoints_off")
     clean_losses, clean_eval = clean
     got_losses, got_eval = outcome(run_dir)
     assert got_losses == clean_losses

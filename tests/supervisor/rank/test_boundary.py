@@ -58,7 +58,7 @@ def test_an_update_the_optimizer_never_ran_ends_no_step() -> None:
 
 def why(**kw: Any) -> tuple[bool, str | None]:
     facts = {"wanted": True, "model": True, "optimizer": True, "by_loader": False,
-             "ended": 0, "step": 1, "every": 100, "rank": 0, **kw}
+             "ended": 0, "step": 1, "began": 0, "every": 100, "rank": 0, **kw}
     return why_no_checkpoints(**facts)
 
 
@@ -77,6 +77,18 @@ def test_what_a_run_that_can_take_no_checkpoint_is_told_and_when() -> None:
     known, said = why(step=101)
     assert known and said is not None
     assert "in 100 steps no training step ended" in said and "due at step 100" in said
+
+
+def test_a_resumed_attempt_is_weighed_by_its_own_steps_not_the_runs() -> None:
+    """The attempt resumed at step 256 counted its first step (257) before its optimizer ended
+    one (``run.step()`` before ``opt.step()``): nothing known yet, and nothing wrong; the
+    question is this attempt's steps against this attempt's first save (300)."""
+    assert why(began=256, step=257) == (False, None)
+    assert why(began=256, step=300) == (False, None)
+    known, said = why(began=256, step=301)
+    assert known and said is not None
+    assert "in 44 steps since its resume at step 256 no training step ended" in said
+    assert "the checkpoint due at step 300 was not saved" in said
 
 
 # -- a real attach() ------------------------------------------------------------------------------
@@ -331,6 +343,44 @@ def test_a_run_whose_optimizer_never_ends_a_step_says_so_once_the_first_save_was
     said = job.events("checkpoints_off")
     assert [e["step"] for e in said] == [3]
     assert "the checkpoint due at step 2 was not saved" in said[0]["why"]
+
+
+@pytest.mark.parametrize("report_after", [False, True], ids=["report-first", "update-first"])
+def test_a_resumed_attempt_whose_steps_end_is_told_nothing(
+        tmp_path: Path, intake: Intake, monkeypatch: pytest.MonkeyPatch,
+        report_after: bool) -> None:
+    """A resumed attempt's first ``run.step()`` comes before its first ``opt.step()`` (the
+    worker-API page's loop): it counts step 7 with no step ended in this attempt yet, which
+    is no sign of a run that cannot save. It saves on its cadence and says nothing."""
+    job = Job(tmp_path, intake, monkeypatch, every=3)
+    job.train(6, report_after)
+    job.run.close()
+    assert [e["step"] for e in job.events("checkpoint")] == [3, 6]
+    resumed = Job(tmp_path, intake, monkeypatch, seed=1, every=3,
+                  resume=Resume(path=str(step_dir(tmp_path / "ckpt", 6)), step=6, cursor=6))
+    resumed.train(10, report_after)
+    resumed.run.close()
+    said = [m for m in intake.drain() if isinstance(m, protocol.WorkerEvent)]
+    assert [m.data["step"] for m in said if m.type == "checkpoint"] == [9]
+    assert [m.data for m in said if m.type == "checkpoints_off"] == []
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
+def test_a_resumed_attempt_whose_optimizer_never_ends_a_step_says_so_after_its_own_first_save(
+        tmp_path: Path, intake: Intake, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = Job(tmp_path, intake, monkeypatch, every=3)
+    job.train(6)
+    job.run.close()
+    intake.drain()
+    resumed = Job(tmp_path, intake, monkeypatch, seed=1, every=3,
+                  resume=Resume(path=str(step_dir(tmp_path / "ckpt", 6)), step=6, cursor=6))
+    resumed.opt = torch.optim.SGD(resumed.model.parameters(), lr=0.01)  # not attach()'s
+    resumed.train(11)
+    resumed.run.close()
+    said = resumed.events("checkpoints_off")
+    assert [e["step"] for e in said] == [10]  # step 9 was this attempt's first save
+    assert "in 3 steps since its resume at step 6" in said[0]["why"]
+    assert "the checkpoint due at step 9 was not saved" in said[0]["why"]
 
 
 def test_a_framework_that_saves_its_own_checkpoints_is_told_nothing(
