@@ -15,20 +15,17 @@ Who trains is the ``members`` (``run.members``): this node's workers, or on a mu
 every node's (``cluster.leader.ClusterMembers``); the loop is the same. What only needs to know
 what happened listens instead of being called: to the journal (``Journal.listen``: the services,
 the checkpoint cadence, the recovery's probation, the progress line) and to the steps
-(``StepLog.listen``). A SIGTERM's wait for a final checkpoint is ``preemption.FinalWait``; taking
-over a dead supervisor's run is ``takeover.take_over``.
+(``StepLog.listen``). The stop signals are caught, and a SIGTERM's wait for a final checkpoint
+kept, by ``preemption.Preemption``; taking over a dead supervisor's run is ``takeover.begin``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
-import signal
 import time
 from collections import deque
 from collections.abc import Callable
-from types import FrameType
 
 from babysit.checkpoints import Catalog
 from babysit.checkpoints.memory import Place
@@ -101,7 +98,6 @@ class Supervisor:
                                                   self._journal("alert_delivery", result=record))
         self.services = Services(plan, self.alerts)
         self.progress = RunProgress()
-        self._signal: int | None = None
         self.preemption = preemption.Preemption(
             c, self.recovery.catalog, journal=self._journal, log=console.log,
             warn=lambda title: self._alert(Severity.WARNING, title),
@@ -147,8 +143,7 @@ class Supervisor:
         self.members.open()
         self.alerts.start()
         launcher.become_subreaper()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
+        self.preemption.catch()
         self._started = self.clock()
         self._journal("run_started", name=self.plan.name, run_dir=str(self.plan.run_dir),
                       source=self.plan.source, pid=os.getpid(), resumed_journal=bool(previous))
@@ -162,6 +157,7 @@ class Supervisor:
         """Who hears what happened, in the order they hear it."""
         journal, steps = self.record.journal, self.record.steps
         journal.listen(self.services.hear)
+        journal.listen(self.watch.hear, Watch.EVENTS)
         journal.listen(lambda entry: self._journal_all(self.recovery.hear(entry)),
                        Recovery.EVENTS)
         journal.listen(self.cadence.hear, LiveCadence.EVENTS)
@@ -175,20 +171,17 @@ class Supervisor:
 
     def _teardown(self) -> None:
         self._journal_all(self.members.close(self._exit_code))
-        self.services.stop(self.console.log, asked=lambda: self._signal is not None)
+        self.services.stop(self.console.log, asked=lambda: self.preemption.caught is not None)
         self.alerts.close()
         self.record.close()
         self.console.close()
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._signal = signum
 
     # -- the loop -------------------------------------------------------------------------------
 
     def _loop(self) -> int:
         self.members.ready(Voice(journal=self._journal, log=self.console.log,
                                  status=self.console.status, alert=self._alert,
-                                 stopping=lambda: self._signal is not None))
+                                 stopping=lambda: self.preemption.caught is not None))
         ended = self._takeover.ended() if self._takeover is not None else None
         if ended is not None:  # the job finished while no supervisor watched: nothing to do
             self._journal("run_finished", **ended)
@@ -209,12 +202,10 @@ class Supervisor:
 
     def _gather(self) -> list[Item]:
         """Everything since the last tick, as events and findings in a fixed order."""
-        now, signum, self._signal = self.clock(), self._signal, None
-        if signum is not None:  # SIGTERM: a final checkpoint first, when there can be one
-            signum = self.preemption.signal(signum, now, self._launched and
-                                            self.machine.state is sm.State.RUNNING)
+        now, state = self.clock(), self.machine.state  # SIGTERM: a final checkpoint first
+        signum = self.preemption.take(now, self._launched and state is sm.State.RUNNING)
         waiting = self.preemption.waiting
-        watching = not waiting and self.machine.state in (sm.State.STARTING, sm.State.RUNNING)
+        watching = not waiting and state in (sm.State.STARTING, sm.State.RUNNING)
         got = self._take(self.members.gather(now, watching))
         if waiting:  # findings and exits are moot now: the run is stopping
             got, signum = [], self.preemption.tick(now, self.members.running())
@@ -295,10 +286,7 @@ class Supervisor:
         self._journal_all(found.entries)
         restored = found.restored  # the script's own checkpoint put back (stdout mode)
         directive, changes = self.watch.launch(attempt, remedy, found.resume,
-                                               self.cadence.every_steps)
-        if self.cadence.memory_every is not None:  # the interval auto chose goes on
-            directive = dataclasses.replace(directive,
-                                            memory={"every": self.cadence.memory_every})
+                                               self.cadence.every_steps, self.cadence.memory_every)
         for event, fields in changes:  # every change of the LR scale is on the record
             self._journal(event, **fields)
             self.console.log(f"babysit: {fields['summary']}")
@@ -350,8 +338,8 @@ class Supervisor:
     def _members_missing(self, exc: MembersMissing) -> int:
         """Too few members for the run to go on (nodes that never joined or did not come
         back): it ends here, stopped if a signal asked for that, else failed."""
-        ended = exc.ending(self._signal)  # asked to stop while waiting for them, or failed
-        if self._signal is None:
+        ended = exc.ending(self.preemption.caught)  # asked to stop while waiting, or failed
+        if self.preemption.caught is None:
             self._notify(sm.Notify(Severity.CRITICAL, f"run failed: {exc}"))
         self._journal("run_finished", **ended)
         return int(ended["exit_code"])

@@ -14,10 +14,12 @@ module exists to prevent.
 
 from __future__ import annotations
 
+import signal as signals
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from signal import SIGTERM
+from signal import SIGINT, SIGTERM
+from types import FrameType
 from typing import Any
 
 from babysit.checkpoints import Catalog, Verdict
@@ -78,8 +80,9 @@ class Preemption:
     over); any other signal, or a SIGTERM that can get no checkpoint, stops at once. The run
     reads telemetry during the wait but judges nothing (``waiting``).
 
-    Calling rules: on the loop's thread, ``signal()`` for each signal caught, ``tick()`` each
-    tick, ``hear()`` each journal entry of ``EVENTS``."""
+    Calling rules: on the loop's thread (the main thread), ``catch()`` once, then each tick
+    ``take()`` (``signal()`` for the signal caught since the last one) and ``tick()``;
+    ``hear()`` each journal entry of ``EVENTS``."""
 
     EVENTS = ("checkpoint_saved",)
 
@@ -102,10 +105,25 @@ class Preemption:
         """The signal that stops the run once the wait is over (None: not waiting)."""
         self.saved: int | None = None
         """The final checkpoint's step, once a rank reported it."""
+        self.caught: int | None = None
+        """The stop signal caught since the last ``take()`` (``catch``)."""
 
     @property
     def waiting(self) -> bool:
         return self._signum is not None
+
+    def catch(self) -> None:
+        """From now on SIGINT and SIGTERM are caught, not fatal: ``caught`` until ``take()``."""
+        for sig in (SIGINT, SIGTERM):
+            signals.signal(sig, self._catch)
+
+    def _catch(self, signum: int, frame: FrameType | None) -> None:
+        self.caught = signum
+
+    def take(self, now: float, running: bool) -> int | None:
+        """The signal caught since the last tick, answered (``signal``); None when none was."""
+        signum, self.caught = self.caught, None
+        return None if signum is None else self.signal(signum, now, running)
 
     def signal(self, signum: int, now: float, running: bool) -> int | None:
         """A stop signal; the signal to stop with now, or None while a final checkpoint is

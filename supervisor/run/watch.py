@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -123,8 +124,10 @@ class Watch:
         """The rerun in flight: a spike's or a NaN's steps replayed to see whose it is."""
         self.verdicts: list[Verdict] = []
         """Reruns concluded since the caller last took them (``take_verdicts``)."""
-        self._judged_step = 0
-        """The newest step ``observe_record`` saw this attempt."""
+        self._completed = 0
+        """The newest step every rank completed this attempt, as far as known: the steps
+        judged (``observe_record``), and the just-in-time state's (``hear``), which the ranks'
+        keepers know however far the merged steps lag. Where a crash struck."""
         self._resume_failed = False
         """This attempt's resume did not take, by a rank's digest or by the loss (one finding
         per attempt)."""
@@ -188,7 +191,7 @@ class Watch:
         step of the checkpoint it resumes from when not babysit's (``directive.resume``): a
         stdout-mode script's own, put back."""
         self._alive = set()
-        self._judged_step = 0
+        self._completed = 0
         self._resume_failed = False
         self._resume_loss, self._first_record = None, True
         self._restored = directive.resume.step if directive.resume is not None else restored
@@ -201,6 +204,15 @@ class Watch:
         if directive.attempt > 0:
             self.pipeline.new_attempt()
             self.sdc.new_attempt()
+
+    EVENTS = ("just_in_time",)
+
+    def hear(self, entry: Mapping[str, Any]) -> None:
+        """A journal entry of ``EVENTS``: the step of the just-in-time state gathered after a
+        fault (saved or not) is one every rank completed this attempt (``_completed``)."""
+        step = entry.get("checkpoint_step")
+        if isinstance(step, int):
+            self._completed = max(self._completed, step)
 
     def observe_rank(self, sample: RankStep, now: float) -> None:
         self.hang.observe(sample, now)
@@ -302,7 +314,7 @@ class Watch:
         re-detection of the same anomaly is left to the rerun's verdict, and a reproduced one
         comes back as a finding marked for the data's rollback."""
         self._world = record.world_size
-        self._judged_step = max(self._judged_step, record.step)
+        self._completed = max(self._completed, record.step)
         if self._first_record:
             # The attempt resumed after the step before its first (its checkpoint's, whoever
             # restored it: babysit, the script in stdout mode, a framework): hold its first
@@ -396,10 +408,11 @@ class Watch:
         first.
         """
         exits = exits or {}
-        # The newest step judged this attempt: the loop's own count may lag a tick behind the
-        # steps merged in the tick the workers exited, and where a crash struck must not
-        # depend on that (``policies/cause.py`` holds repeats against each other).
-        step = max(step, self._judged_step)
+        # The newest step completed this attempt: the loop's own count may lag a tick behind
+        # the steps merged in the tick the workers exited, the merged steps behind the
+        # just-in-time state's, and where a crash struck must not depend on that
+        # (``policies/cause.py`` holds repeats against each other).
+        step = max(step, self._completed)
         ranks = sorted(set(tails) | set(exits))
         verdicts = {rank: classify(exits.get(rank, code), None, tails.get(rank, ""),
                                    step or None, self.crashes)
@@ -488,13 +501,15 @@ class Watch:
         return plan_relaunch(remedy, resume, self.trace.cursors(), self.lr_scale, self.lr_ramp)
 
     def launch(self, attempt: int, remedy: Remedy | None, resume: Resume | None,
-               checkpoint_every: int | None = None) -> tuple[Directive, list[Entry]]:
+               checkpoint_every: int | None = None,
+               memory_every: int | None = None) -> tuple[Directive, list[Entry]]:
         """The directive of ``attempt``, which ``remedy`` caused (None: a plain start or a
         takeover), resuming from ``resume`` (the checkpoint ``Recovery`` verified): the
         rollback's plan folded in, skip ranges accumulated over the run. Also the journal
         entry of a change to the LR orders (``lr_scale``: every change is on the record).
-        ``checkpoint_every``: the cadence in force (None: the config's). Call once per launch:
-        it records the orders as those in force."""
+        ``checkpoint_every``: the cadence in force (None: the config's); ``memory_every``: the
+        memory copies' interval ``auto`` chose, which goes on (None: the config's). Call once
+        per launch: it records the orders as those in force."""
         plan = self.plan(remedy, resume)
         self._planned = None
         self.rerun = Rerun.start(remedy.finding, self.trace) if remedy is not None \
@@ -523,6 +538,7 @@ class Watch:
             else checkpoint_every, checkpoint_async=self._checkpoint_async,
             grad_guard=guard, sdc_every=self.sdc_every, reshard=self.reshard,
             save_at=plan.save_at,
+            memory={"every": memory_every} if memory_every is not None else {},
         )
         self._rerun_from = None
         if self.rerun is not None:

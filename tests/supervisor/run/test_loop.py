@@ -249,6 +249,28 @@ def test_a_user_code_crash_stops_the_run_with_its_exit_code(plan: plan_mod.RunPl
     assert journal[-1]["state"] == "failed"
 
 
+def test_the_crash_line_says_the_step_the_just_in_time_state_knew(
+        plan: plan_mod.RunPlan) -> None:
+    """The merged steps lag (the last reports of a fast loop not in when the workers exited):
+    the steps judged end at 20, the keepers' just-in-time state, gathered as the ranks ended, is
+    of step 23. The crash struck after step 23, and the console and the finding say so."""
+    tails = {1: 'Traceback (most recent call last):\n  File "train.py", line 3\n'
+                "ZeroDivisionError: division by zero"}
+    kept = {"fault": "crash", "outcome": "saved", "checkpoint_step": 23, "writers": [0],
+            "summary": "just-in-time state of step 23 written by rank 0 after the crash"}
+    ending = Gathered(end=JobEnd(1, tails, root=1), entries=[("just_in_time", kept)])
+    members = ScriptedMembers([steps(0, 1, 20), ending])
+    console = io.StringIO()
+
+    code, journal = run(plan, members, console)
+
+    assert code == 1
+    (finding,) = [e for e in journal if e["event"] == "finding"]
+    assert finding["finding"]["step"] == 23
+    [line] = [line for line in console.getvalue().splitlines() if "crash of rank 1" in line]
+    assert "user_code crash of rank 1 at step 23: ZeroDivisionError" in line, line
+
+
 class Preempted(ScriptedMembers):
     """Members that send the supervisor SIGTERM in their second tick, then save the final
     checkpoint the loop asks for (in a tick that only drains: the loop judges nothing then)."""
