@@ -147,6 +147,17 @@ def test_the_supervisor_imports_no_optional_library_it_is_not_asked_for() -> Non
     assert out == "[]"
 
 
+def test_the_control_loop_and_the_readme_keep_their_size() -> None:
+    """Two sizes that drifted before (issue 55): ``Supervisor`` stays under 300 lines, read in
+    one sitting (what belongs elsewhere moves there, rather than lines squeezed), and the
+    README's "Where to go next" starts within its first 100 lines."""
+    tree = ast.parse((ROOT / "supervisor" / "run" / "loop.py").read_text())
+    [loop] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Supervisor"]
+    assert loop.end_lineno is not None and loop.end_lineno - loop.lineno + 1 < 300
+    readme = (ROOT / "README.md").read_text().splitlines()
+    assert readme.index("## Where to go next") + 1 < 100
+
+
 def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                     "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
