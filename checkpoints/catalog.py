@@ -17,8 +17,13 @@ Verdicts and how a checkpoint moves between them::
 - SUSPECT: an anomaly began soon after it (or it was saved during one). Sticky: never promoted.
 - CORRUPT: verification failed (size or checksum). Sticky, never chosen, deleted by retention.
 
-Verdicts live in ``<root>/verdicts.json`` (atomic writes), keyed by step and by the manifest's
-``id``: a checkpoint saved again at the same step after a rollback starts PENDING again.
+Verdicts live in ``<root>/verdicts.json`` (atomic writes), keyed by the manifest's ``id``, a
+state's identity: a checkpoint saved again at the same step after a rollback starts PENDING
+again, and the pin names the state chosen, not its step.
+
+Lineage (``checkpoints/lineage.py``): a state that a rollback abandoned (its timeline forked off
+before it) is **fenced**: never chosen, never promoted, and deleted by retention before anything
+else. A state of a timeline the run does not know is another run's: never chosen, never deleted.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from babysit.checkpoints import lineage
 from babysit.checkpoints._atomic import atomic_write_json, uncommit_and_remove
 from babysit.checkpoints.errors import ManifestError
 from babysit.checkpoints.layout import (
@@ -44,7 +50,8 @@ from babysit.checkpoints.layout import (
 from babysit.checkpoints.manifest import Manifest, read_manifest, verify_manifest
 from babysit.checkpoints.memory import Place, unavailable, verify_local
 
-_VERDICTS_FORMAT = 1
+_VERDICTS_FORMAT = 2
+"""Keyed by a state's id (format 1 was keyed by its step; it is read and converted)."""
 
 
 class Verdict(str, enum.Enum):
@@ -67,6 +74,20 @@ class Checkpoint:
     verdict: Verdict
     reason: str | None = None
     """Why it got its verdict (for suspect and corrupt ones), as passed by the caller."""
+    fenced: bool = False
+    """Off the current timeline's chain (``lineage.py``): abandoned by a rollback, or another
+    run's (``foreign``). Never chosen."""
+    foreign: bool = False
+    """Of a timeline this run's lineage does not know: another run's, never deleted."""
+
+    @property
+    def id(self) -> str:
+        """The state's identity (its manifest's id): what verdicts, pins and retention use."""
+        return self.manifest.id
+
+    @property
+    def timeline(self) -> str | None:
+        return self.manifest.timeline
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +131,11 @@ class Catalog:
     # ---- reading ------------------------------------------------------------------------------
 
     def checkpoints(self) -> list[Checkpoint]:
-        """Every committed checkpoint, oldest first. Directories without a readable manifest are
-        skipped (see ``clean_incomplete``)."""
+        """Every committed checkpoint, oldest first, fenced ones included (``fenced``).
+        Directories without a readable manifest are skipped (see ``clean_incomplete``)."""
         state = self._load_verdicts()
+        history = self.history()
+        chain = history.chain()
         found = []
         for step, path in self._step_dirs():
             try:
@@ -120,26 +143,44 @@ class Catalog:
             except ManifestError:
                 continue
             verdict, reason = Verdict.PENDING, None
-            entry = state["checkpoints"].get(str(step))
-            if entry is not None and entry.get("id") == manifest.id:
+            entry = state["states"].get(manifest.id)
+            if entry is not None:
                 verdict, reason = Verdict(entry["verdict"]), entry.get("reason")
-            found.append(Checkpoint(step, manifest.cursor, path, manifest, verdict, reason))
+            found.append(Checkpoint(step, manifest.cursor, path, manifest, verdict, reason,
+                                    fenced=not lineage.live(chain, manifest.timeline, step),
+                                    foreign=not history.known(manifest.timeline)))
         return found
 
+    def live(self) -> list[Checkpoint]:
+        """The committed checkpoints on the current timeline's chain, oldest first: the only
+        ones a rollback, a relaunch or a takeover may choose."""
+        return [c for c in self.checkpoints() if not c.fenced]
+
+    def history(self) -> lineage.Lineage:
+        """The run's timelines as recorded under the root (``checkpoints/lineage.py``)."""
+        return lineage.read(self.root)
+
     def get(self, step: int) -> Checkpoint | None:
-        """The committed checkpoint at ``step``, if any."""
+        """The committed checkpoint at ``step``, if any (one folder per step: a fenced one is
+        replaced when the current timeline saves that step)."""
         return next((c for c in self.checkpoints() if c.step == step), None)
 
     def newest_good_before(self, step: int) -> Checkpoint | None:
-        """The newest GOOD checkpoint saved strictly before ``step`` (an anomaly's onset)."""
-        good = [c for c in self.checkpoints() if c.verdict is Verdict.GOOD and c.step < step]
+        """The newest live GOOD checkpoint saved strictly before ``step`` (an anomaly's onset)."""
+        good = [c for c in self.live() if c.verdict is Verdict.GOOD and c.step < step]
         return good[-1] if good else None
 
     @property
     def pinned_step(self) -> int | None:
-        """The checkpoint last chosen for a rollback (retention never deletes it), if any."""
+        """The step of the checkpoint last chosen for a rollback, if any."""
         pin = self._load_verdicts()["pinned"]
         return int(pin["step"]) if pin else None
+
+    @property
+    def pinned_id(self) -> str | None:
+        """The checkpoint last chosen for a rollback (retention never deletes it), if any."""
+        pin = self._load_verdicts()["pinned"]
+        return str(pin["id"]) if pin else None
 
     # ---- verdicts -----------------------------------------------------------------------------
 
@@ -161,7 +202,7 @@ class Catalog:
 
         ready = [
             c
-            for c in self.checkpoints()
+            for c in self.live()
             if c.verdict is Verdict.PENDING and c.step + probation_steps <= healthy_step
             and not blind(c)
         ]
@@ -186,7 +227,7 @@ class Catalog:
         """
         hit = [
             c
-            for c in self.checkpoints()
+            for c in self.live()
             if c.step >= onset_step - window_steps and c.verdict is not Verdict.CORRUPT
         ]
         self._set(hit, Verdict.SUSPECT, reason)
@@ -217,7 +258,7 @@ class Catalog:
         """
         wanted = {Verdict.GOOD, Verdict.PENDING} if allow_pending else {Verdict.GOOD}
         jit = allow_pending if just_in_time is None else just_in_time
-        return self._choose([c for c in self.checkpoints()
+        return self._choose([c for c in self.live()
                              if c.verdict in wanted
                              and (onset_step is None or c.step < onset_step)
                              and (jit or not c.manifest.is_just_in_time)], verify)
@@ -230,7 +271,7 @@ class Catalog:
         batches the remedy trains on (``Recovery.resume_for``). The chosen one is verified and
         pinned like ``choose_for_rollback``'s, and a SUSPECT one becomes PENDING (``reason``):
         the remedy's attempt proves it or not, as for any new checkpoint."""
-        choice = self._choose([c for c in self.checkpoints()
+        choice = self._choose([c for c in self.live()
                                if after_step < c.step < before_step and c.cursor <= upto_cursor
                                and c.verdict is not Verdict.CORRUPT], verify)
         if choice.checkpoint is not None and choice.checkpoint.verdict is Verdict.SUSPECT:
@@ -270,31 +311,34 @@ class Catalog:
     def retain(self, keep_last: int) -> list[Path]:
         """Delete old checkpoints; return the step directories deleted.
 
-        Kept: the newest ``keep_last`` checkpoints on disk that are not corrupt, the newest GOOD
-        one on disk (whatever its age: it is the only safe rollback target that lasts), the
-        newest ``MEMORY_KEEP`` memory copies, and the pinned one (chosen for a rollback that may
-        still be loading). Everything else goes, corrupt ones included (they can never be
-        loaded; their reasons were returned when they were found). External data outside the
-        step directory is deleted only if it was registered with ``owned=True``.
+        Fenced ones go first, whatever their age (a rollback abandoned them: nothing may load
+        them). Of the live ones, kept: the newest ``keep_last`` on disk that are not corrupt,
+        the newest GOOD one on disk (whatever its age: it is the only safe rollback target that
+        lasts), the newest ``MEMORY_KEEP`` memory copies, the newest state of any kind (what a
+        relaunch resumes from), and the pinned one (chosen for a rollback that may still be
+        loading). Everything else goes, corrupt ones included (they can never be loaded; their
+        reasons were returned when they were found). Another run's (``foreign``) are never
+        touched. External data outside the step directory is deleted only if it was registered
+        with ``owned=True``.
         """
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0, got {keep_last}")
-        all_ckpts = self.checkpoints()
-        usable = [c for c in all_ckpts if c.verdict is not Verdict.CORRUPT]
+        all_ckpts = [c for c in self.checkpoints() if not c.foreign]
+        usable = [c for c in all_ckpts if c.verdict is not Verdict.CORRUPT and not c.fenced]
         disk = [c for c in usable if not c.manifest.is_memory]
         memory = [c for c in usable if c.manifest.is_memory]
-        keep = {c.step for c in disk[max(0, len(disk) - keep_last) :]} if keep_last else set()
-        keep |= {c.step for c in memory[-self.MEMORY_KEEP:]}
+        keep = {c.id for c in disk[max(0, len(disk) - keep_last):]} if keep_last else set()
+        keep |= {c.id for c in memory[-self.MEMORY_KEEP:]}
         good = [c for c in disk if c.verdict is Verdict.GOOD]
         if good:
-            keep.add(good[-1].step)
-        pinned = self.pinned_step
+            keep.add(good[-1].id)
+        if usable:
+            keep.add(usable[-1].id)
+        pinned = self.pinned_id
         if pinned is not None:
             keep.add(pinned)
-        deleted = []
-        for ckpt in all_ckpts:
-            if ckpt.step in keep:
-                continue
+        gone = [c for c in all_ckpts if c.id not in keep]
+        for ckpt in sorted(gone, key=lambda c: not c.fenced):  # the fenced first
             uncommit_and_remove(ckpt.path)
             ext = ckpt.manifest.external_path
             if ext and ckpt.manifest.owned:
@@ -303,10 +347,9 @@ class Catalog:
                     Path(ext).unlink(missing_ok=True)
                 else:
                     shutil.rmtree(ext, ignore_errors=True)
-            deleted.append(ckpt.path)
-        if deleted:
-            self._forget({s for p in deleted if (s := parse_step_dir(p.name)) is not None})
-        return deleted
+        if gone:
+            self._forget({c.id for c in gone})
+        return [c.path for c in gone]
 
     def clean_incomplete(
         self,
@@ -371,8 +414,13 @@ class Catalog:
             # Written atomically, so damage means someone else wrote it; verdicts are recoverable
             # knowledge (everything restarts pending), a crash of the supervisor is not.
             state = None
+        if isinstance(state, dict) and state.get("format") == 1:  # keyed by step: convert
+            state = {"format": _VERDICTS_FORMAT, "pinned": state.get("pinned"),
+                     "states": {e["id"]: {**e, "step": int(step)}
+                                for step, e in state.get("checkpoints", {}).items()
+                                if isinstance(e, dict) and "id" in e}}
         if not isinstance(state, dict) or state.get("format") != _VERDICTS_FORMAT:
-            state = {"format": _VERDICTS_FORMAT, "pinned": None, "checkpoints": {}}
+            state = {"format": _VERDICTS_FORMAT, "pinned": None, "states": {}}
         return state
 
     def _save_verdicts(self, state: dict[str, Any]) -> None:
@@ -384,8 +432,9 @@ class Catalog:
             return
         state = self._load_verdicts()
         for c in ckpts:
-            state["checkpoints"][str(c.step)] = {
-                "id": c.manifest.id,
+            state["states"][c.id] = {
+                "step": c.step,
+                "timeline": c.timeline,
                 "verdict": verdict.value,
                 "reason": reason,
                 "time": time.time(),
@@ -394,13 +443,15 @@ class Catalog:
 
     def _pin(self, ckpt: Checkpoint) -> None:
         state = self._load_verdicts()
-        state["pinned"] = {"step": ckpt.step, "id": ckpt.manifest.id}
+        state["pinned"] = {"step": ckpt.step, "id": ckpt.id}
         self._save_verdicts(state)
 
-    def _forget(self, steps: set[int]) -> None:
+    def _forget(self, ids: set[str]) -> None:
         state = self._load_verdicts()
-        for s in steps:
-            state["checkpoints"].pop(str(s), None)
+        for key in ids:
+            state["states"].pop(key, None)
+        if state["pinned"] and state["pinned"].get("id") in ids:
+            state["pinned"] = None
         self._save_verdicts(state)
 
 

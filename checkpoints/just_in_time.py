@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from babysit.checkpoints import lineage
 from babysit.checkpoints._atomic import fsync_dir, uncommit_and_remove
 from babysit.checkpoints.layout import MANIFEST_NAME, rank_state_name, step_dir
 from babysit.checkpoints.manifest import (
@@ -364,7 +365,8 @@ def commit(root: str | Path, the_plan: Plan, files: list[FileEntry], world_size:
                         os.path.normpath(final.absolute() / form.resume),
                         external_is_file=form is not None and (staging / form.resume).is_file(),
                         samples=the_plan.samples, origin=ORIGIN_JUST_IN_TIME,
-                        format_version=FORMAT_JUST_IN_TIME, just_in_time=story)
+                        format_version=FORMAT_JUST_IN_TIME, just_in_time=story,
+                        timeline=lineage.current(root))
     write_manifest(staging, manifest)
     if final.exists():
         uncommit_and_remove(final)

@@ -4,6 +4,7 @@
 
     <root>/
       verdicts.json                   supervisor's verdicts (pending/good/suspect/corrupt), pins
+      lineage.json                    the run's timelines, the current one (lineage.py)
       step_00000100/                  one checkpoint; it exists once manifest.json is there
         manifest.json                 committed last, atomically (see manifest.py)
         .metadata  __0_0.distcp  ...  written by torch.distributed.checkpoint
@@ -18,6 +19,8 @@ from pathlib import Path
 
 MANIFEST_NAME = "manifest.json"
 VERDICTS_NAME = "verdicts.json"
+LINEAGE_NAME = "lineage.json"
+"""The run's timelines and which is current (``checkpoints/lineage.py``)."""
 STEP_DIR_PREFIX = "step_"
 _STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
 # Files that belong to the commit protocol rather than to the checkpoint's content: never hashed.

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from babysit.checkpoints import lineage
 from babysit.checkpoints._atomic import atomic_write_json, uncommit_and_remove
 from babysit.checkpoints.errors import CheckpointError, ManifestError
 from babysit.checkpoints.layout import MANIFEST_NAME, is_protocol_file, step_dir
@@ -99,6 +100,9 @@ class Manifest:
     memory: dict[str, Any] | None = None
     """A memory copy's: the nodes holding each file (``holders``), the nodes of its ranks, and
     what it cost (``stall_s``, ``write_s``)."""
+    timeline: str | None = None
+    """The timeline it was made in (``checkpoints/lineage.py``): with its step, what names it
+    in the run's history. None: written where no timeline was recorded (taken as live)."""
 
     @property
     def is_just_in_time(self) -> bool:
@@ -147,6 +151,7 @@ class Manifest:
             origin=str(d.get("origin", ORIGIN_PERIODIC)),
             just_in_time=d.get("just_in_time"),
             memory=d.get("memory"),
+            timeline=None if d.get("timeline") is None else str(d["timeline"]),
         )
 
 
@@ -277,6 +282,7 @@ def register_external(
     world_size: int | None = None,
     owned: bool = False,
     samples: int | None = None,
+    timeline: str | None = None,
 ) -> Path:
     """Make a checkpoint the user's own code saved known to babysit; returns its step directory.
 
@@ -288,7 +294,10 @@ def register_external(
     Retention deletes the files at an outside ``path`` only with ``owned=True``; the manifest's
     directory is always babysit's. Registering the same step again replaces the old registration.
     ``samples``: the samples of the data stream consumed at ``cursor`` (``ElasticSampler``).
+    ``timeline``: the run's timeline it belongs to (default: the one recorded under ``root``,
+    ``checkpoints/lineage.py``; none recorded: None, taken as live).
     """
+
     data = Path(path).absolute()
     target = step_dir(root, step).absolute()
     if not data.exists():
@@ -319,6 +328,7 @@ def register_external(
             external_is_file=not inside and data.is_file(),
             owned=True if inside else owned,
             samples=samples,
+            timeline=timeline if timeline is not None else lineage.current(root),
         )
         write_manifest(target, manifest)
     except OSError as e:

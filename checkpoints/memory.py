@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from babysit.checkpoints._atomic import uncommit_and_remove
-from babysit.checkpoints.layout import step_dir
+from babysit.checkpoints.layout import parse_step_dir, step_dir
 from babysit.checkpoints.manifest import (
     FORMAT_MEMORY,
     KIND_DCP,
@@ -57,9 +57,25 @@ KEEP = 3
 """How many memory copies a node keeps: the newest two committed and one being written."""
 
 
-def copy_dir(node_root: str | Path, step: int) -> Path:
-    """Where a node keeps the memory copy of ``step`` (``node_root``: the node's folder)."""
-    return step_dir(Path(node_root) / MEMORY_DIR, step)
+def copy_dir(node_root: str | Path, step: int, timeline: str | None = None) -> Path:
+    """Where a node keeps the memory copy of ``step`` made in ``timeline`` (``node_root``: the
+    node's folder): a folder of its own, never one that another timeline's copy of the same
+    step used (DCP's reader would merge the metadata of both)."""
+    folder = step_dir(Path(node_root) / MEMORY_DIR, step)
+    return folder if timeline is None else folder.with_name(f"{folder.name}.{timeline}")
+
+
+def parse_copy_dir(name: str) -> tuple[int, str | None] | None:
+    """The step and timeline of a copy's folder name (``copy_dir``), or None for another."""
+    base, _, timeline = name.partition(".")
+    step = parse_step_dir(base)
+    return None if step is None else (step, timeline or None)
+
+
+def on_node(node_root: str | Path, committed: str | Path) -> Path:
+    """A committed copy's folder (its manifest's ``external_path``, on the committing node) as
+    this node keeps it, under its own ``node_root``."""
+    return Path(node_root) / MEMORY_DIR / Path(committed).name
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +114,8 @@ class Part:
     """What the copy held the rank's training thread (the copy into host memory)."""
     write_s: float = 0.0
     """The copy's whole write, replica included, on its thread."""
+    timeline: str | None = None
+    """The timeline the copy was made in (the rank's directive's)."""
 
     @classmethod
     def from_event(cls, rank: int, data: Mapping[str, Any]) -> Part:
@@ -109,7 +127,8 @@ class Part:
                    None if kept_for is None else int(kept_for), entries(data.get("kept", ())),
                    int(data.get("cursor", 0)), float(data.get("lr_scale", 1.0)),
                    None if data.get("samples") is None else int(data["samples"]),
-                   float(data.get("stall_s", 0.0)), float(data.get("write_s", 0.0)))
+                   float(data.get("stall_s", 0.0)), float(data.get("write_s", 0.0)),
+                   None if data.get("timeline") is None else str(data["timeline"]))
 
 
 def holders(parts: Mapping[int, Part]) -> dict[str, list[int]]:
@@ -158,7 +177,8 @@ def verify_local(manifest: Manifest, place: Place) -> list[str]:
     held = (manifest.memory or {}).get("holders", {})
     mine = [e for e in manifest.files if place.node in held.get(e.name, ())]
     local = dataclasses.replace(manifest, files=tuple(mine), external_path=None)
-    return verify_manifest(local, copy_dir(place.folder, manifest.step), full=True)
+    return verify_manifest(local, copy_dir(place.folder, manifest.step, manifest.timeline),
+                           full=True)
 
 
 def commit(root: str | Path, step: int, parts: Mapping[int, Part], world_size: int,
@@ -172,7 +192,8 @@ def commit(root: str | Path, step: int, parts: Mapping[int, Part], world_size: i
     manifest = Manifest(
         step, first.cursor, first.lr_scale, world_size, files, kind=KIND_DCP,
         samples=first.samples, origin=ORIGIN_MEMORY, format_version=FORMAT_MEMORY,
-        external_path=str(copy_dir(node_folder, step)), owned=False,
+        external_path=str(copy_dir(node_folder, step, first.timeline)), owned=False,
+        timeline=first.timeline,
         memory={"holders": holders(parts),
                 "nodes": sorted({p.node for p in parts.values()}),
                 "stall_s": round(max(p.stall_s for p in parts.values()), 6),

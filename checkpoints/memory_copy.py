@@ -28,11 +28,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from babysit.checkpoints import just_in_time
+from babysit.checkpoints import just_in_time, lineage
 from babysit.checkpoints.errors import CheckpointError
-from babysit.checkpoints.layout import parse_step_dir, rank_state_name
+from babysit.checkpoints.layout import rank_state_name
 from babysit.checkpoints.manifest import FileEntry, Manifest, hash_file, list_content_files
-from babysit.checkpoints.memory import KEEP, MEMORY_DIR, copy_dir, event_fields, peers
+from babysit.checkpoints.memory import (
+    KEEP,
+    MEMORY_DIR,
+    copy_dir,
+    event_fields,
+    parse_copy_dir,
+    peers,
+)
 
 Emit = Callable[..., None]
 AUTO_FIRST = 10
@@ -49,36 +56,49 @@ class Copier:
 
     def __init__(self, node_root: Path, *, rank: int, world_size: int, local_world_size: int,
                  node: int, every: int | str, model: Any, optimizer: Any, scheduler: Any,
-                 emit: Emit) -> None:
+                 emit: Emit, chain: lineage.Chain = ()) -> None:
         """``every``: the steps between copies, or "auto" (``AUTO_FIRST`` until the supervisor
-        asks for the interval its cost model chose, ``set_every``)."""
+        asks for the interval its cost model chose, ``set_every``). ``chain``: the attempt's
+        timeline and its links back to the run's root (the directive's ``lineage``): the
+        copies are made in the first, and a copy off the chain, abandoned by a rollback, is
+        swept from the node now."""
         self.root = Path(node_root)
         self.rank, self.world_size, self.node = rank, world_size, node
         self.auto = every == "auto"
         self.every = AUTO_FIRST if self.auto else int(every)
         self._local_world_size = local_world_size
         self._from_step = 0
+        self._asked: int | None = None
+        """An interval the supervisor asked for, not yet agreed by every rank."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.peers = peers(rank, world_size, local_world_size)
         self._emit = emit
         self._writes_model: bool | None = None
         """This rank writes the state it holds: the lowest rank holding its shard (decided
         with the others at the first copy)."""
+        self.chain = chain
+        self.timeline = chain[0][0] if chain else None
         self._group: Any = None
+        self._agree: Any = None
+        """A gloo group of the training threads' own: the ranks agree on each copy in it (the
+        copier's group is the writing threads')."""
         self._pool: ThreadPoolExecutor | None = None
         self._future: Future[None] | None = None
         self.skipped = 0
-        """Copies not made because the one before was still being written."""
+        """Copies not made because the one before was still being written on some rank."""
+        _prune(self.root / MEMORY_DIR, None, chain=chain)
 
     def due(self, step: int) -> bool:
         """A copy is due after ``step`` (at the first one, the copies may turn out off)."""
         return self.every > 0 and step > self._from_step and step % self.every == 0
 
     def set_every(self, every: int, from_step: int) -> None:
-        """The supervisor's interval (``memory_every_steps: auto``), from ``from_step`` on;
-        ignored once the copies are off."""
+        """The supervisor's interval (``memory_every_steps: auto``); ignored once the copies
+        are off. The ranks read it at different steps, so none applies it alone: it takes
+        effect after the first copy at which every rank has it (``_agreed``), counted from
+        that copy's step (``from_step``, the supervisor's guess, is not waited for)."""
         if self.every > 0 and every > 0:
-            self.every, self._from_step = every, max(0, from_step - 1)
+            self._asked = every
 
     def copy(self, step: int, cursor: int, lr_scale: float, samples: int | None,
              rng: dict[str, Any] | None = None) -> None:
@@ -88,15 +108,13 @@ class Copier:
 
         from babysit.checkpoints.save import _dcp_state, _rank_state
 
-        if self._future is not None and not self._future.done():
-            self.skipped += 1
-            if self.rank == 0:
-                self._emit("memory_copy_skipped", step=step, skipped=self.skipped)
-            return
         if self._writes_model is None:  # not what a copy costs: once, at the first
             self._set_up()
             if self.every == 0:
                 return
+            self._agree = _group_of_all()
+        if not self._agreed(step, self._future is None or self._future.done()):
+            return
         started = time.perf_counter()
         staged, close = None, None
         if self._writes_model:
@@ -165,6 +183,29 @@ class Copier:
                        node_bytes={str(n): b for n, b in sorted(need.items())}, copies=KEEP)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="babysit-memory-copy")
 
+    def _agreed(self, step: int, ready: bool) -> bool:
+        """Every rank makes this copy, or none does: they agree on its step and timeline, and
+        that none is still writing the one before (else every rank skips it, counted). An
+        interval the supervisor asked for takes effect here once every rank has it, from
+        this step on. A disagreement on the step or the timeline (which agreeing on the
+        interval leaves no cause for) turns the copies off for the attempt, said once."""
+        mine = (step, self.timeline, ready, self._asked)
+        everyone = _all_gather(self._agree, mine, self.world_size)
+        if len({e[3] for e in everyone}) == 1 and self._asked is not None:
+            self.every, self._from_step, self._asked = self._asked, step, None
+        if any(e[:2] != mine[:2] for e in everyone):
+            self._off("the ranks disagreed on the step of a copy ("
+                      + ", ".join(f"rank {r}: step {e[0]}" for r, e in enumerate(everyone))
+                      + "): copies are off until the next attempt", bytes_=None)
+            return False
+        if all(e[2] for e in everyone):
+            return True
+        self.skipped += 1
+        if self.rank == 0:
+            busy = [r for r, e in enumerate(everyone) if not e[2]]
+            self._emit("memory_copy_skipped", step=step, skipped=self.skipped, busy=busy)
+        return False
+
     def _off(self, why: str, bytes_: dict[int, int] | None) -> None:
         """No memory copies in this attempt, and why (said once, by rank 0)."""
         self.every, self._writes_model = 0, False
@@ -181,8 +222,8 @@ class Copier:
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dest = copy_dir(self.root, step)
-        _prune(self.root / MEMORY_DIR, KEEP, writing=step)
+        dest = copy_dir(self.root, step, self.timeline)
+        _prune(self.root / MEMORY_DIR, KEEP, writing=step, chain=self.chain)
         try:
             dest.mkdir(parents=True, exist_ok=True)
             names = [rank_state_name(self.rank)]
@@ -193,25 +234,25 @@ class Copier:
                           if n.startswith(f"__{self.rank}_") or n == f"__{self.rank}.metadata"]
             _write_atomically(dest / rank_state_name(self.rank), rank_state)
             files = [hash_file(dest, n) for n in names]
-            kept = self._replicate(dest, files)
+            kept = self._replicate(dest, files, step)
         except Exception as exc:  # a copy that failed costs that copy, never the run
             self._emit("memory_copy_failed", step=step, error=f"{type(exc).__name__}: {exc}"[:500])
             return
         finally:
             if close is not None:
                 close()
-        self._emit("memory_copy", step=step, node=self.node,
+        self._emit("memory_copy", step=step, node=self.node, timeline=self.timeline,
                    write_s=round(time.perf_counter() - started, 6), **fields,
                    **event_fields(files, self.peers.keep_for, kept))
-        _prune(self.root / MEMORY_DIR, KEEP)
+        _prune(self.root / MEMORY_DIR, KEEP, chain=self.chain)
 
-    def _replicate(self, dest: Path, files: list[FileEntry]) -> list[FileEntry]:
+    def _replicate(self, dest: Path, files: list[FileEntry], step: int) -> list[FileEntry]:
         """Send this rank's files to its peer and keep the previous node's rank's, at once; the
         files kept, hashed as written here."""
         send_to, keep_for = self.peers.send_to, self.peers.keep_for
         if send_to is None or keep_for is None:
             return []
-        return _swap(self._group, send_to, keep_for, dest, files)
+        return _swap(self._group, send_to, keep_for, dest, files, (step, self.timeline))
 
 
 def _stage(state: dict[str, Any]) -> tuple[Any, Any]:
@@ -241,22 +282,25 @@ def _stage(state: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def _swap(group: Any, send_to: int, receive_from: int, folder: Path,
-          files: list[FileEntry]) -> list[FileEntry]:
+          files: list[FileEntry], tag: tuple[int, str | None] = (0, None)) -> list[FileEntry]:
     """Send the ``files`` of ``folder`` to ``send_to`` while receiving ``receive_from``'s into
-    ``folder``: first their entries (name, size, CRC-32 as their writer hashed them), then each
-    file, every exchange a pair of gloo ``isend``/``irecv`` (both directions at once: a ring of
-    blocking sends would wait on itself). The bytes go from the file into one tensor and from
-    one tensor into the file, no other copy; TCP carried them, and the resume checks them
-    against their CRC. Returns the entries received."""
+    ``folder``: first the copy's ``tag`` (its step and timeline) and the entries (name, size,
+    CRC-32 as their writer hashed them), then each file, every exchange a pair of gloo
+    ``isend``/``irecv`` (both directions at once: a ring of blocking sends would wait on
+    itself). The bytes go from the file into one tensor and from one tensor into the file, no
+    other copy. Returns the entries received, hashed here as written: what this node holds.
+    A peer's copy of another step or timeline, or a file that arrived other than its writer
+    hashed it, is refused (``CheckpointError``, the copy fails) once the exchange is over, so
+    that no rank of the ring waits on one that left it."""
     import torch
 
     mine = [(f.name, f.size, f.crc32) for f in files]
-    header = _tensor(pickle.dumps(mine))
+    header = _tensor(pickle.dumps((tag, mine)))
     length = _pair(group, send_to, receive_from, torch.tensor([header.numel()]),
                    torch.zeros(1, dtype=torch.int64))
-    theirs = pickle.loads(_pair(group, send_to, receive_from, header,
-                                torch.empty(int(length.item()), dtype=torch.uint8))
-                          .numpy().tobytes())
+    their_tag, theirs = pickle.loads(_pair(group, send_to, receive_from, header,
+                                           torch.empty(int(length.item()), dtype=torch.uint8))
+                                     .numpy().tobytes())
     for index in range(max(len(mine), len(theirs))):
         out = _read(folder / mine[index][0]) if index < len(mine) and mine[index][1] else None
         size = int(theirs[index][1]) if index < len(theirs) else 0
@@ -265,9 +309,20 @@ def _swap(group: Any, send_to: int, receive_from: int, folder: Path,
             _pair(group, send_to, receive_from,
                   out[at:at + _CHUNK] if out is not None and at < out.numel() else None,
                   into[at:at + _CHUNK] if into is not None and at < size else None)
-        if index < len(theirs):
+        if index < len(theirs) and tuple(their_tag) == tag:
             _write_atomically(folder / str(theirs[index][0]), into)
-    return [FileEntry(str(name), int(size), int(crc)) for name, size, crc in theirs]
+    if tuple(their_tag) != tag:
+        raise CheckpointError(
+            f"rank {receive_from} sent its copy of step {their_tag[0]} (timeline "
+            f"{their_tag[1]}) while this rank copies step {tag[0]} (timeline {tag[1]}): refused")
+    held = [hash_file(folder, str(name)) for name, _size, _crc in theirs]
+    for got, (name, size, crc) in zip(held, theirs, strict=True):
+        if (got.size, got.crc32) != (int(size), int(crc)):
+            raise CheckpointError(
+                f"{name} from rank {receive_from} arrived as {got.size} bytes, CRC-32 "
+                f"{got.crc32:08x}; its writer hashed {size} bytes, {int(crc):08x}: damaged on "
+                "the way, refused")
+    return held
 
 
 def _pair(group: Any, send_to: int | None, receive_from: int | None, out: Any,
@@ -312,25 +367,54 @@ def _write_atomically(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _prune(memory: Path, keep: int, writing: int | None = None) -> None:
-    """Drop this node's copies older than the newest ``keep`` (every rank of the node prunes
-    the same ones; a copy another rank is still writing is among the newest). ``writing``: the
-    step about to be written, counted among the ``keep`` before it exists, so that the node
-    never holds more than ``keep`` copies (what the memory-fit check counted). A copy at a
-    later step than ``writing`` goes too: the ranks copy at the same steps, in step order, so
-    it is of a timeline a rollback left (this attempt resumed before it), and kept as "the
-    newest" it would push out the copies of the run as it now goes."""
+def _prune(memory: Path, keep: int | None, writing: int | None = None,
+           chain: lineage.Chain = ()) -> None:
+    """Drop this node's copies off the attempt's ``chain`` (a rollback abandoned them), then
+    those older than the newest ``keep`` (None: keep every live one; every rank of the node
+    prunes the same ones; a copy another rank is still writing is among the newest).
+    ``writing``: the step about to be written, counted among the ``keep`` before it exists, so
+    that the node never holds more than ``keep`` copies (what the memory-fit check counted). A
+    copy at a later step than ``writing`` goes too: the ranks copy at the same steps, in step
+    order, so it is of a timeline a rollback left (one that records none, from before lineage
+    was kept), and kept as "the newest" it would push out the copies of the run as it now
+    goes."""
     try:
-        steps = sorted(s for n in os.listdir(memory) if (s := parse_step_dir(n)) is not None)
+        names = os.listdir(memory)
     except OSError:
         return
-    drop: list[int] = []
+    found = sorted(((*parsed, name) for name in names
+                    if (parsed := parse_copy_dir(name)) is not None),
+                   key=lambda copy: (copy[0], copy[2]))
+    drop = [name for step, timeline, name in found if not lineage.live(chain, timeline, step)]
+    live = [(step, name) for step, _timeline, name in found if name not in drop]
     if writing is not None:
-        drop = [s for s in steps if s > writing]
-        steps, keep = [s for s in steps if s < writing], keep - 1
-    drop += steps[:-keep] if keep else steps
-    for step in drop:
-        shutil.rmtree(copy_dir(memory.parent, step), ignore_errors=True)
+        drop += [name for step, name in live if step > writing]
+        live = [(step, name) for step, name in live if step < writing]
+        keep = None if keep is None else keep - 1
+    if keep is not None:
+        drop += [name for _step, name in (live[:-keep] if keep else live)]
+    for name in drop:
+        shutil.rmtree(memory / name, ignore_errors=True)
+
+
+def _group_of_all() -> Any:
+    """A new gloo group of every rank (None without a process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.new_group(backend="gloo")
+    return None
+
+
+def _all_gather(group: Any, mine: Any, world_size: int) -> list[Any]:
+    """Every rank's ``mine`` (a small picklable), in rank order (``[mine]`` alone)."""
+    if group is None:
+        return [mine]
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
 
 
 # -- loading ---------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from babysit.checkpoints import lineage
 from babysit.checkpoints._atomic import atomic_write_json, uncommit_and_remove
 from babysit.checkpoints.errors import CheckpointError
 from babysit.checkpoints.layout import part_marker_name, rank_state_name, step_dir
@@ -184,6 +185,7 @@ def save(
     async_save: bool = False,
     samples: int | None = None,
     rng: dict[str, Any] | None = None,
+    timeline: str | None = None,
 ) -> SaveHandle:
     """Save a checkpoint of the state after optimizer step ``step``; collective.
 
@@ -194,7 +196,9 @@ def save(
     are captured at the call, or are ``rng`` (``checkpoints.rng.capture_rng``'s form, taken
     earlier by the caller: at the end of step ``step``, where a loop without ``run.batches()``
     has drawn its next batch by the time every rank can save). ``samples``: the samples of the
-    data stream consumed at ``cursor``, when the loader counts them (``ElasticSampler``). Sync
+    data stream consumed at ``cursor``, when the loader counts them (``ElasticSampler``).
+    ``timeline``: the run's timeline the state belongs to (the directive's; default: the one
+    recorded under ``root``, ``checkpoints/lineage.py``). Sync
     (default): returns once the checkpoint is committed on every rank. Async: returns after the
     state is staged in memory; keep training and call ``handle.poll()`` each step (see
     ``SaveHandle``). A previous async save still in flight is waited for first. An existing
@@ -214,7 +218,8 @@ def save(
     buf = io.BytesIO()
     torch.save(_rank_state(step, cursor, lr_scale, scheduler, extra, rank, rng), buf)
     meta = {"step": step, "cursor": cursor, "lr_scale": lr_scale, "world_size": world,
-            "samples": samples}
+            "samples": samples,
+            "timeline": timeline if timeline is not None else lineage.current(root)}
 
     if not async_save:
         try:

@@ -169,6 +169,15 @@ class Directive:
     memory: dict[str, Any] = field(default_factory=dict)
     """Copy the state every few steps into the node's shared memory (``checkpoints/memory.py``):
     ``root``, the node's folder, and ``every``, the steps between copies; empty: off."""
+    lineage: tuple[tuple[str, int | None], ...] = ()
+    """The attempt's timeline and its chain back to the run's root (``checkpoints/lineage.py``):
+    ``(timeline, limit)`` links, this attempt's first. Every state the ranks keep records the
+    first; a memory copy off the chain is swept from the node. Empty: none recorded."""
+
+    @property
+    def timeline(self) -> str | None:
+        """The timeline this attempt's states belong to (None: none recorded)."""
+        return self.lineage[0][0] if self.lineage else None
 
     def scale_at(self, cursor: int) -> float:
         """The LR scale of the optimizer step that trains on the batch before data cursor
@@ -212,6 +221,8 @@ class Directive:
             save_at=None if obj.get("save_at") is None else int(obj["save_at"]),
             just_in_time=dict(obj.get("just_in_time", {})),
             memory=dict(obj.get("memory", {})),
+            lineage=tuple((str(t), None if limit is None else int(limit))
+                          for t, limit in obj.get("lineage", ())),
         )
 
     def write(self, path: Path) -> None:

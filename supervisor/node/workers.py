@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from babysit.checkpoints.memory import copy_dir
+from babysit.checkpoints.memory import on_node
 from babysit.policies.types import RankStep, Remedy
 from babysit.supervisor.config.plan import RunPlan
 from babysit.supervisor.contract import protocol
@@ -300,7 +300,7 @@ class NodeWorkers:
         resume = directive.resume
         if resume is not None and resume.memory is not None:
             directive = replace(directive, resume=replace(
-                resume, memory=str(copy_dir(self.memory.root, resume.step))))
+                resume, memory=str(on_node(self.memory.root, resume.memory))))
         every = directive.memory.get("every", self.plan.config.checkpoints.memory_every_steps)
         if self.plan.config.checkpoints.every_steps > 0 and every != 0:
             directive = replace(directive, memory={"root": str(self.memory.root),

@@ -177,7 +177,7 @@ class Checkpointer:
                 handle = checkpoints.save(
                     str(self.directive.checkpoint_dir), step, cursor, lr_scale, self.model,
                     self.optimizer, self.scheduler, async_save=self._in_background(),
-                    samples=self._samples(cursor), rng=rng)
+                    samples=self._samples(cursor), rng=rng, timeline=self.directive.timeline)
         except checkpoints.CheckpointError as exc:
             # Every rank raises together (the save is collective), so every rank trains on: a
             # full disk must cost a checkpoint, never the run. The last good one still stands.
@@ -374,7 +374,8 @@ class Checkpointer:
         _barrier()
         if self.rank == 0:
             checkpoints.register_external(root, os.fspath(path), step, cursor, lr_scale,
-                                          samples=self._samples(cursor))
+                                          samples=self._samples(cursor),
+                                          timeline=self.directive.timeline)
             self._emit("checkpoint", step=step, cursor=cursor, path=str(path), external=True)
         _barrier()
 
@@ -408,7 +409,7 @@ def _copier(directive: Directive, rank: int, model: Any, optimizer: Any, schedul
                   world_size=int(os.environ.get("WORLD_SIZE", "1")),
                   local_world_size=_local_ranks(), node=int(settings.get("node", 0)),
                   every=every if every == "auto" else int(every), model=model,
-                  optimizer=optimizer, scheduler=scheduler, emit=emit)
+                  optimizer=optimizer, scheduler=scheduler, emit=emit, chain=directive.lineage)
 
 
 def _as_int(value: Any) -> int | None:

@@ -153,8 +153,9 @@ class PriorRun:
     """A ``finding`` entry whose rollback or relaunch was decided but never launched: the
     supervisor died in between, and the remedy must not be lost."""
     last_step: int = 0
-    """The newest step it journaled (observed): workers that trained on after it died did so
-    unwatched."""
+    """The newest step it journaled (observed) in its last attempt's timeline, the high-water
+    mark of the run as it now goes (not of a timeline a rollback abandoned): workers that
+    trained on after it died did so unwatched."""
     streams: tuple[dict[str, Any], ...] = ()
     """Where the data stream was (its ``worker_stream`` entries, oldest first), so an
     inherited rollback's skip still goes out in samples."""
@@ -189,7 +190,9 @@ def prior_run(entries: list[dict[str, Any]]) -> PriorRun | None:
     states = [e["state"] for e in entries if e.get("event") == "watch_state"]
     pending = [e for e in since_launch if e.get("event") == "finding"
                and e.get("remedy", {}).get("action") in ("rollback", "relaunch")]
-    last_step = max((e["step"] for e in entries if isinstance(e.get("step"), int)), default=0)
+    resumed = ((directive or {}).get("resume") or {}).get("step")
+    last_step = max((e["step"] for e in since_launch if isinstance(e.get("step"), int)),
+                    default=resumed if isinstance(resumed, int) else 0)
     streams = tuple(e["data"] for e in entries if e.get("event") == "worker_stream"
                     and isinstance(e.get("data"), dict))
     return PriorRun(last_attempt, unfinished, directive, tuple(p for p in pids if p > 0),

@@ -286,7 +286,8 @@ class Supervisor:
         self._journal_all(found.entries)
         restored = found.restored  # the script's own checkpoint put back (stdout mode)
         directive, changes = self.watch.launch(attempt, remedy, found.resume,
-                                               self.cadence.every_steps, self.cadence.memory_every)
+                                               self.cadence.every_steps, self.cadence.memory_every,
+                                               found.chain)
         for event, fields in changes:  # every change of the LR scale is on the record
             self._journal(event, **fields)
             self.console.log(f"babysit: {fields['summary']}")

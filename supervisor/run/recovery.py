@@ -8,6 +8,7 @@ every verdict and every refusal is on the record:
     on_finding(finding, ...) an acted-on anomaly began at its onset   -> nearby ones become suspect
     shelf()                  a finding is about to be judged         -> the checkpoints, plainly
     resume_for(remedy)       a relaunch is about to start            -> which checkpoint, verified
+    begin(attempt, resume)   it starts                               -> its timeline; fenced go
 
 Which checkpoint a rollback or a relaunch may use is decided in ``policies/rollback.py``
 (``resume_bound``, ``suspect_window``, ``can_roll_back``); this module reads and writes the
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from babysit.checkpoints import Catalog, Checkpoint, RollbackChoice, Verdict, memory
+from babysit.checkpoints import Catalog, Checkpoint, RollbackChoice, Verdict, lineage, memory
 from babysit.policies import rollback
 from babysit.policies.rollback import Saved, Shelf
 from babysit.policies.types import Action, Finding, Remedy
@@ -56,12 +57,15 @@ class Recovery:
         """The step of the just-in-time state saved since the last launch, if any: the state
         the fault's ranks held, which the relaunch may resume from however far the job's
         merged steps lag behind it (a lost node's last summaries never come)."""
+        self.resumed_timeline: str | None = None
+        """The timeline of the state the last choice resumes from (``begin`` forks from it)."""
         self.unwatched: tuple[int, int] | None = None
         """Steps ``a < s <= b`` no supervisor observed (set by ``resume_latest`` on a
         takeover): checkpoints whose probation fell there stay pending."""
         self._next_promotion = 0
-        self._copies: dict[int, dict[int, memory.Part]] = {}
-        """The memory copies whose parts are coming in, by step: each rank's part."""
+        self._copies: dict[tuple[int, str | None], dict[int, memory.Part]] = {}
+        """The memory copies whose parts are coming in, by step and timeline: each rank's
+        part."""
 
     EVENTS = ("checkpoint_saved", "finding", "sdc_check", "just_in_time")
     """The journal entries it hears (``hear``)."""
@@ -88,13 +92,15 @@ class Recovery:
         """A rank's part of a memory copy (its ``memory_copy`` event): once every rank of the
         job sent its part of the copy of a step, it is committed to the catalog (and older
         copies that never completed are forgotten). The journal's ``memory_copy`` entry."""
+        part = memory.Part.from_event(rank, data)
         step = int(data.get("step", 0))
-        parts = self._copies.setdefault(step, {})
-        parts[rank] = memory.Part.from_event(rank, data)
+        key = (step, part.timeline)  # a copy is its step in its timeline
+        parts = self._copies.setdefault(key, {})
+        parts[rank] = part
         if len(parts) < world_size:
             return []
-        del self._copies[step]
-        for older in [s for s in self._copies if s < step]:
+        del self._copies[key]
+        for older in [k for k in self._copies if k[0] < step or k[1] != part.timeline]:
             del self._copies[older]
         place = self.catalog.memory
         try:
@@ -157,12 +163,39 @@ class Recovery:
                                         "reason": reason})
                 for c in marked if c.verdict is not Verdict.SUSPECT]
 
+    def begin(self, attempt: int, resume: Resume | None, restored: int | None = None
+              ) -> tuple[lineage.Chain, list[Entry]]:
+        """``attempt`` starts: its timeline, forked from the state it resumes from (``resume``;
+        stdout mode: the script's own checkpoint of step ``restored``, in the timeline that
+        saved it; neither: a root), recorded before its ranks start, and the states that fork
+        abandoned swept by retention, first of all. A plain start (no resume) begins the run's
+        lineage anew: the states already in the folder are another run's, never chosen and
+        never deleted. The chain goes to the ranks in the directive. Returns it and the
+        journal's ``timeline`` entry."""
+        try:
+            history = self.catalog.history()
+            if resume is not None:
+                parent, fork = self.resumed_timeline, resume.step
+            elif restored is not None:
+                parent, fork = history.current, restored
+            else:
+                history, parent, fork = lineage.Lineage(), None, 0
+            history = history.begin(parent, fork, attempt)
+            lineage.write(self.catalog.root, history)
+            fenced = [c.step for c in self.catalog.checkpoints() if c.fenced and not c.foreign]
+        except OSError as exc:
+            return (), [_storage_error("recording the run's lineage", exc)]
+        chain = history.chain()
+        entry = ("timeline", {"timeline": history.current, "parent": parent, "fork_step": fork,
+                              "chain": [list(link) for link in chain], "fenced_steps": fenced})
+        return chain, [entry, *(self.on_checkpoint(fork) if fenced else [])]
+
     def shelf(self) -> Shelf:
-        """The committed checkpoints as the rules judge a finding by them (``Known.shelf``).
+        """The live checkpoints as the rules judge a finding by them (``Known.shelf``).
         Storage that cannot be read offers none: a spike then alerts instead of rolling back
         (a NaN still rolls back, from scratch if need be)."""
         try:
-            listed = self.catalog.checkpoints()
+            listed = self.catalog.live()
         except OSError:
             listed = []
         return Shelf(tuple(Saved(c.step, c.cursor, c.verdict is Verdict.GOOD,
@@ -186,6 +219,7 @@ class Recovery:
         started from plus those steps: the newest such is taken (a suspect one made pending),
         and the remedy does not train them a third time. None found: the rule below."""
         entries: list[Entry] = []
+        self.resumed_timeline = None
         try:
             cleaned = self.catalog.clean_incomplete()
         except OSError as exc:
@@ -265,7 +299,7 @@ class Recovery:
 
     def _listed(self) -> list[Checkpoint]:
         try:
-            return self.catalog.checkpoints()
+            return self.catalog.live()
         except OSError:
             return []
 
@@ -284,6 +318,7 @@ class Recovery:
         chosen = choice.checkpoint
         if chosen is None:
             return None
+        self.resumed_timeline = chosen.timeline
         verdict = chosen.verdict
         if extra is not None and verdict is Verdict.SUSPECT:  # made pending by the choice
             entries.append(("checkpoint_verdict", {"checkpoint_step": chosen.step,
@@ -294,6 +329,7 @@ class Recovery:
         jit = _just_in_time(chosen, reached, listed or []) or _memory(chosen, reached, listed or [])
         entries.append(("resume", {"from": str(chosen.path), "checkpoint_step": chosen.step,
                                    "origin": chosen.manifest.origin,
+                                   "timeline": chosen.timeline,
                                    "cursor": chosen.cursor, "verdict": verdict.value,
                                    "before_step": before, **(extra or {}), **jit,
                                    **({"samples": samples} if samples is not None else {})}))

@@ -12,6 +12,10 @@ Three sources, asked in this order at each launch:
 The journal's ``resume`` entry names what the attempt really resumes from: in stdout mode the
 script's checkpoint, not babysit's empty catalog ("no usable checkpoint") that the members then
 made up for. Tools read the journal, so it must not contradict ``babysit status``.
+
+Then the attempt's timeline begins, forked from what it resumes from (``Recovery.begin``,
+``checkpoints/lineage.py``): its chain goes to the ranks in the directive, and the states the
+fork abandoned are fenced from then on.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from babysit.checkpoints import lineage
 from babysit.policies.types import Remedy
 from babysit.supervisor.contract.directive import Resume
 from babysit.supervisor.run.members import Entry, Members
@@ -36,6 +41,9 @@ class Resuming:
     resume: Resume | None
     restored: int | None
     entries: list[Entry] = field(default_factory=list)
+    chain: lineage.Chain = ()
+    """The attempt's timeline and its links back to the run's root (the directive's
+    ``lineage``)."""
 
 
 def resuming(recovery: Recovery, members: Members, watch: Watch, remedy: Remedy | None,
@@ -50,11 +58,13 @@ def resuming(recovery: Recovery, members: Members, watch: Watch, remedy: Remedy 
     prepared = members.prepare(remedy, attempt)
     put_back = next((f for event, f in prepared if event == RESTORED and f.get("from")), None)
     if put_back is None:
-        return Resuming(resume, None, [*entries, *prepared])
+        chain, began = recovery.begin(attempt, resume)
+        return Resuming(resume, None, [*entries, *prepared, *began], chain)
     step = int(put_back["checkpoint_step"])
+    chain, began = recovery.begin(attempt, resume, restored=step)
     said = [(event, f) for event, f in entries if event != "resume" or f.get("from")]
     true: dict[str, Any] = {
         "from": put_back["from"], "checkpoint_step": step, "source": "script",
         "before_step": put_back.get("before_step"),
         "reason": f"the script's own checkpoint at step {step} (its copy, put back)"}
-    return Resuming(resume, step, [*said, *prepared, ("resume", true)])
+    return Resuming(resume, step, [*said, *prepared, ("resume", true), *began], chain)

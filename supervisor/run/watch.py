@@ -501,14 +501,15 @@ class Watch:
         return plan_relaunch(remedy, resume, self.trace.cursors(), self.lr_scale, self.lr_ramp)
 
     def launch(self, attempt: int, remedy: Remedy | None, resume: Resume | None,
-               checkpoint_every: int | None = None,
-               memory_every: int | None = None) -> tuple[Directive, list[Entry]]:
+               checkpoint_every: int | None = None, memory_every: int | None = None,
+               lineage: tuple[tuple[str, int | None], ...] = ()) -> tuple[Directive, list[Entry]]:
         """The directive of ``attempt``, which ``remedy`` caused (None: a plain start or a
         takeover), resuming from ``resume`` (the checkpoint ``Recovery`` verified): the
         rollback's plan folded in, skip ranges accumulated over the run. Also the journal
         entry of a change to the LR orders (``lr_scale``: every change is on the record).
         ``checkpoint_every``: the cadence in force (None: the config's); ``memory_every``: the
-        memory copies' interval ``auto`` chose, which goes on (None: the config's). Call once
+        memory copies' interval ``auto`` chose, which goes on (None: the config's); ``lineage``:
+        the attempt's timeline and its chain (``Recovery.begin``). Call once
         per launch: it records the orders as those in force."""
         plan = self.plan(remedy, resume)
         self._planned = None
@@ -539,6 +540,7 @@ class Watch:
             grad_guard=guard, sdc_every=self.sdc_every, reshard=self.reshard,
             save_at=plan.save_at,
             memory={"every": memory_every} if memory_every is not None else {},
+            lineage=lineage,
         )
         self._rerun_from = None
         if self.rerun is not None:

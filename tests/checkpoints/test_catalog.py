@@ -123,9 +123,9 @@ def test_verdicts_promote_after_probation_and_persist(tmp_path: Path) -> None:
     assert again.newest_good_before(300).step == 200  # type: ignore[union-attr]
     assert again.newest_good_before(200).step == 100  # type: ignore[union-attr]  # strictly before
     assert again.newest_good_before(100) is None
-    assert json.loads((tmp_path / VERDICTS_NAME).read_text())["checkpoints"]["100"]["verdict"] == (
-        "good"
-    )
+    by_id = json.loads((tmp_path / VERDICTS_NAME).read_text())["states"]  # keyed by identity
+    assert by_id[again.get(100).id] == {  # type: ignore[union-attr]
+        **by_id[again.get(100).id], "step": 100, "verdict": "good"}  # type: ignore[union-attr]
 
 
 def test_anomaly_marks_checkpoints_in_window_and_after_as_suspect_for_good(tmp_path: Path) -> None:
@@ -214,13 +214,11 @@ def test_retention_keeps_last_k_the_newest_good_and_the_pinned(tmp_path: Path) -
         "step_00000600",
     ]
     assert [c.step for c in cat.checkpoints()] == [200, 500, 700]
-    assert set(json.loads((tmp_path / VERDICTS_NAME).read_text())["checkpoints"]) == {
-        "200",
-        "500",
-        "700",
-    }
-    assert cat.retain(keep_last=0) == [step_dir(tmp_path, 500), step_dir(tmp_path, 700)]
-    assert [c.step for c in cat.checkpoints()] == [200]
+    assert {s["step"] for s in json.loads((tmp_path / VERDICTS_NAME).read_text())["states"]
+            .values()} == {200, 500, 700}
+    # The newest state is never deleted (a relaunch resumes from it), whatever keep_last says.
+    assert cat.retain(keep_last=0) == [step_dir(tmp_path, 500)]
+    assert [c.step for c in cat.checkpoints()] == [200, 700]
     with pytest.raises(ValueError):
         cat.retain(-1)
 

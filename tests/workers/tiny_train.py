@@ -144,7 +144,8 @@ def flip_memory_copy(run: Any, rank: int) -> None:
     went bad under a copy babysit trusts. Waits at most 10 s for the commit."""
     memory = Path(run.directive.memory["root"]) / "memory"
     newest = max(memory.glob("step_*"), key=lambda p: p.name)
-    manifest = Path(run.directive.checkpoint_dir) / newest.name / "manifest.json"
+    # step_<step>.<timeline> in shared memory; its manifest in the checkpoint folder's step_<step>
+    manifest = Path(run.directive.checkpoint_dir) / newest.name.split(".")[0] / "manifest.json"
     deadline = time.monotonic() + 10
     while not manifest.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
