@@ -32,11 +32,11 @@ if TYPE_CHECKING:
     from babysit.supervisor.node.ahead import Early
 
 EXIT_USAGE = 2
-DEFAULT_CHECKPOINT_EVERY = 100
-"""Checkpoint interval of a torchrun-style run (no config) until the cadence advice, which
-measures this run's checkpoint cost and interruptions, adopts its own (Young/Daly). 100 steps
-bounds the work a rollback or crash loses before any measurement, and leaves a good checkpoint
-(past its 50-step probation) behind most spikes."""
+DEFAULT_CHECKPOINT_EVERY = 100  # config.schema.DEFAULT_EVERY_STEPS, without importing pydantic
+"""Checkpoint interval of a run (a config or the command line alike: ``checkpoints.every_steps:
+auto``) until the cadence advice, which measures this run's checkpoint cost and interruptions,
+adopts its own (Young/Daly). 100 steps bounds the work a rollback or crash loses before any
+measurement, and leaves a good checkpoint (past its 50-step probation) behind most spikes."""
 
 # torchrun options babysit models, as (flag, config key, type). Both spellings are accepted.
 _TORCHRUN_OPTIONS: list[tuple[str, str, type]] = [
@@ -89,8 +89,8 @@ def _run_options(run: argparse.ArgumentParser) -> None:
     run.add_argument("--checkpoint-every", "--checkpoint_every", dest="checkpoint_every",
                      type=int, metavar="N", default=None,
                      help="save a checkpoint every N steps through attach(model=...); 0: never "
-                          f"(torchrun style default: {DEFAULT_CHECKPOINT_EVERY}, then the "
-                          "cadence advice's interval; with a config: checkpoints.every_steps)")
+                          f"(default, as checkpoints.every_steps: auto: {DEFAULT_CHECKPOINT_EVERY}"
+                          ", then the cadence advice's interval)")
     run.add_argument("--name", help="name of the run (alerts, default run directory)")
     run.add_argument("--leader", metavar="HOST:PORT",
                      help="multi-node runs: where node 0's babysitter listens (nodes.leader)")
@@ -273,10 +273,6 @@ def _plan(args: argparse.Namespace) -> Any:
         return plan.from_file(args.target, args.run_dir, overrides, extra, slurm=slurm)
     launch: dict[str, Any] = {"args": list(args.args), **overrides}
     launch["module" if args.module else "script"] = args.target
-    # No config to set a cadence: checkpoint by default (a script without attach(model=...)
-    # saves nothing), and let the measured advice take over from the fixed start.
-    extra.setdefault("checkpoints", {"every_steps": DEFAULT_CHECKPOINT_EVERY,
-                                     "cadence": {"auto": True}})
     return plan.from_mapping({"launch": launch, **extra}, source="command line",
                              base=Path.cwd(), stem="command line", run_dir=args.run_dir,
                              slurm=slurm)

@@ -44,7 +44,7 @@ def reference(model: type[BaseModel], title: str, intro: str = "") -> str:
             parts += [_wrap(about, ""), ""]
         keys = [_key(path, name, field, instance)
                 for name, field in section.model_fields.items()
-                if _model_of(field.annotation) is None]
+                if _model_of(field.annotation) is None and not field.exclude]
         if keys:
             parts += [*keys, ""]
     return "\n".join(parts).rstrip() + "\n"

@@ -218,15 +218,22 @@ class CadenceConfig(DashedSection):
         return self
 
 
+DEFAULT_EVERY_STEPS = 100
+"""``checkpoints.every_steps: auto``'s first interval, before the cost model has measured."""
+
+
 class CheckpointConfig(DashedSection):
     """Where and how often the worker API saves checkpoints."""
 
     dir: str | None = None
     """Checkpoint folder; default: ``checkpoints/`` inside the run directory."""
-    every_steps: int = Field(0, ge=0)
+    every_steps: int = Field(DEFAULT_EVERY_STEPS, ge=0)
     """Save every N optimizer steps through the worker API (``attach(model=...,
-    optimizer=...)``; docs/worker-api.md says what the loop must look like); 0 leaves saving
-    to the script."""
+    optimizer=...)``; docs/worker-api.md says what the loop must look like). ``auto`` (the
+    default, in a config and on the command line alike): every 100 steps at first, then the
+    interval the cadence's cost model gives from this run's measured save cost and
+    interruptions (``cadence.auto`` on unless set); just-in-time state and memory copies come
+    with it. 0 leaves saving to the script, and babysit keeps nothing (said at the start)."""
     keep: int = Field(3, ge=1)
     """How many recent checkpoints retention keeps (the newest good one is always kept)."""
     probation_steps: int = Field(50, ge=1)
@@ -270,6 +277,44 @@ class CheckpointConfig(DashedSection):
     time for a just-in-time save."""
     cadence: CadenceConfig = CadenceConfig()
     """Advice on ``every_steps`` from this run's measured costs, and its opt-in adoption."""
+    auto_interval: bool = Field(True, exclude=True)
+    """Set from ``every_steps``: it was ``auto`` (or left out), not a number."""
+
+    def said(self) -> str:
+        """What babysit keeps, in one plain line for the start of a run."""
+        if self.every_steps == 0:
+            return ("babysit: keeping no state (checkpoints.every_steps: 0): a fault restarts "
+                    "the run from its first step unless the script saves its own")
+        every = (f"a checkpoint every {self.every_steps} steps, then as this run's costs "
+                 "advise" if self.auto_interval else
+                 f"a checkpoint every {self.every_steps} steps")
+        kept = [every]
+        if self.just_in_time:
+            kept.append("the last completed step after a fault")
+        if self.memory_every_steps != 0:
+            kept.append("memory copies where a shard has one holder"
+                        if self.memory_every_steps == "auto" else
+                        f"memory copies every {self.memory_every_steps} steps")
+        return (f"babysit: keeping {', '.join(kept)} (when the script gives attach() its model "
+                "and optimizer; checkpoints.every_steps: 0 turns this off)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_interval(cls, data: Any) -> Any:
+        """``every_steps: auto`` (or none given): the first interval, and the cost model's
+        adoption on unless the config says otherwise."""
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if k not in ("auto_interval", "auto-interval")}
+        every = data.get("every_steps", data.get("every-steps", "auto"))
+        if every != "auto":
+            return {**data, "auto_interval": False}
+        cadence = data.get("cadence")
+        cadence = dict(cadence.model_dump() if isinstance(cadence, BaseModel) else cadence or {})
+        cadence.setdefault("auto", True)
+        data = {k: v for k, v in data.items() if k not in ("every_steps", "every-steps")}
+        return {**data, "every_steps": DEFAULT_EVERY_STEPS, "cadence": cadence,
+                "auto_interval": True}
 
 
 class SdcCheckConfig(DashedSection):

@@ -149,6 +149,7 @@ class Supervisor:
                       source=self.plan.source, pid=os.getpid(), resumed_journal=bool(previous))
         self._journal_all(restored)
         self.console.log(f"babysit: run '{self.plan.name}' in {self.plan.run_dir}")
+        self.console.log(self.plan.config.checkpoints.said())
         self._takeover = takeover.begin(journal_mod.prior_run(previous), self.plan, self.watch,
                                         self._journal, self.console.log)
         self._journal_all(self.services.start(self.console.log))

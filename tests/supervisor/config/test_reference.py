@@ -31,6 +31,8 @@ def leaves(model: type[BaseModel], path: str = "") -> list[str]:
     for name, field in model.model_fields.items():
         sub = f"{path}.{name}" if path else name
         nested = reference._model_of(field.annotation)
+        if field.exclude:  # derived from another key, never written by the user
+            continue
         if nested is None:
             out.append(sub)
         else:

@@ -186,6 +186,16 @@ def test_torchrun_style_runs_checkpoint_by_default_and_the_flag_overrides(
     from_file = checkpoints("--checkpoint-every", "20", str(path))
     assert (from_file.every_steps, from_file.keep) == (20, 9)
     assert main(["run", "--checkpoint-every", "-1", script]) == 2
+    # One default: a config that says nothing of checkpoints keeps state as the command line
+    # does, and says so; `auto` is the same; 0 turns it off, and says that.
+    bare = checkpoints(str(write_config(f"launch: {{script: {script}}}\n")))
+    assert bare == default == config.CheckpointConfig.model_validate({"every_steps": "auto"})
+    assert DEFAULT_CHECKPOINT_EVERY == config.DEFAULT_EVERY_STEPS
+    assert "keeping a checkpoint every 100 steps, then as this run's costs advise" in bare.said()
+    assert "the last completed step after a fault" in bare.said()
+    off = checkpoints(str(write_config(f"launch: {{script: {script}}}\n"
+                                       "checkpoints: {every_steps: 0}\n")))
+    assert "keeping no state (checkpoints.every_steps: 0)" in off.said()
 
 
 
