@@ -19,7 +19,10 @@ its signature. Held against the faults before it in the run:
   the run stops and says so.
 
 A fault is placed only when the script reads its data through ``run.batches()`` (the cursor
-moved): without a cursor, every fault would sit at "batch 0" and look like the data's.
+moved): without a cursor, every fault would sit at "batch 0" and look like the data's. And only
+when its ranks can have met a batch of their attempt (``trained``): a rank that died before its
+hello (killed in its start-up or its restore, or while it waited as a warm standby) or a hang
+while a rank still starts up trained no batch, and cannot reproduce a batch's fault.
 Pure: no I/O, no clock.
 """
 
@@ -109,7 +112,7 @@ def place(finding: Finding, cursor_at: Mapping[int, int],
     batches the attempt skips (the next step draws the first batch past them); None when it
     cannot be placed (another incident, no cursor: the script does not use ``run.batches()``,
     or it struck before the attempt's first step)."""
-    if finding.incident not in PLACED:
+    if finding.incident not in PLACED or not trained(finding):
         return None
     start = cursor_at.get(finding.step)
     if not start:  # 0 or unknown: no data read through run.batches() yet
@@ -126,6 +129,22 @@ def place(finding: Finding, cursor_at: Mapping[int, int],
         if finding.incident is Incident.CRASH else ""
     return Fault(finding.incident.value, finding.ranks, finding.step, after, after + per_step,
                  signature)
+
+
+ATTACHED = "attached"
+"""A crash's evidence key, False where the rank it names never said hello in its attempt
+(``Watch.classify_crash``): it died before its restore was done and its batches began."""
+
+
+def trained(finding: Finding) -> bool:
+    """Whether the rank(s) ``finding`` (a hang or a crash) names can have met a batch of their
+    attempt: not a crash of a rank that never said hello in it (evidence ``attached`` False),
+    nor a hang while a rank still waited for its start-up (no hello either)."""
+    if finding.incident is Incident.CRASH:
+        return finding.evidence.get(ATTACHED) is not False
+    stalled = finding.evidence.get("stalled") or {}
+    return not any(isinstance(v, Mapping) and v.get("waiting_in") == "startup"
+                   for v in stalled.values())
 
 
 def at_step(finding: Finding) -> Fault | None:

@@ -16,7 +16,11 @@ the telemetry socket, so it sends nothing and judges nothing. The states::
                rank said ready yet
     ready      every rank waits in attach() (``Standby.ready_at``), or before the script
     promoted   the relaunch wrote the attempt's directive, then the ``go`` file: the ranks
-               read it and go on exactly as a fresh attempt's do; it is the attempt now
+               read it and go on exactly as a fresh attempt's do; it is the attempt now. Only
+               with every process of it alive (``Standby.lost``): one whose rank was killed
+               while it waited (the OOM killer, a person) is stopped instead, journaled, and
+               the relaunch is cold; promoted, it would fail at once on a rank that trained
+               nothing (torchrun notices a dead rank only at its next look)
     exited     it ended on its own (an import error, say): journaled, never used, never the
                running attempt's crash; the next relaunch is cold and shows the error
     stopped    every rank of the running attempt closed its run (no attempt follows: killed
@@ -50,6 +54,7 @@ from typing import Any, Literal
 from babysit.supervisor.config.schema import LaunchConfig
 from babysit.supervisor.contract import protocol
 from babysit.supervisor.node.launcher import WorkerGroup
+from babysit.supervisor.node.printed import rank_pids
 
 FOLDER = "standby"
 """Inside the standby's attempt folder: ``ready/<local rank>`` per waiting rank, then ``go``."""
@@ -223,15 +228,42 @@ class Standby:
         return self._ready
 
     def _read_ready(self) -> float | None:
-        times, world = [], None
+        said = self._said()
+        times = [float(s["time"]) for s in said.values()]
+        world = next((int(s["world_size"]) for s in said.values()), None)
+        return max(times) if world is not None and len(times) >= world else None
+
+    def _said(self) -> dict[int, dict[str, Any]]:
+        """Local rank -> what its ready file says (``world_size``, ``time``, ``pid``), for each
+        rank that said it waits."""
+        said = {}
         for path in (self.folder / READY).glob("*"):
             if not path.name.isdigit():  # a rank's file half-written
                 continue
             with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-                said = json.loads(path.read_text())
-                world = int(said["world_size"])
-                times.append(float(said["time"]))
-        return max(times) if world is not None and len(times) >= world else None
+                told = json.loads(path.read_text())
+                said[int(path.name)] = {"world_size": int(told["world_size"]),
+                                        "time": float(told["time"]), "pid": told.get("pid")}
+        return said
+
+    def lost(self, ranks: int | None = None) -> str | None:
+        """Why it cannot become the attempt, or None when every process of it is alive:
+        torchrun exited, or a rank's process is gone (a zombie torchrun has not reaped counts as
+        gone). ``ranks``: how many ranks it starts, when known; the ready files say it too.
+        A rank that torchrun has not started yet is not missing while none has started."""
+        code = self.group.poll()
+        if code is not None:
+            return f"it exited on its own (exit code {code})"
+        alive = rank_pids(self.group.processes())  # local rank -> pid, zombies left out
+        said = self._said()
+        for local, told in sorted(said.items()):
+            if told["pid"] is not None and alive.get(local) != told["pid"]:
+                return f"its rank {local}'s process (pid {told['pid']}) is gone"
+        ranks = next((s["world_size"] for s in said.values()), ranks)
+        missing = [r for r in range(ranks or 0) if r not in alive]
+        if alive and missing:
+            return f"the process of its rank {missing[0]} is gone"
+        return None
 
     def warming(self, now: float) -> bool:
         """Still starting at wall time ``now`` (its ranks not all in ``attach()``), for at most

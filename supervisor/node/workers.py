@@ -30,6 +30,7 @@ from babysit.supervisor.node import (
     flight_recorder,
     just_in_time,
     launcher,
+    reports,
     shield,
     shm,
     standby,
@@ -101,6 +102,9 @@ class NodeWorkers:
         self.keeping: dict[int, bool] = {}
         """Rank -> its hello said it keeps its last step (``rank.just_in_time``)."""
         self._told_off = False
+        self.reports = reports.Reports(self.attempt_dir(0) / "launcher.log", lambda _: None)
+        """The running attempt's tracebacks and torchrun's report on their way to the console
+        (``node.reports``)."""
 
     def open(self) -> None:
         self.intake.open()
@@ -338,6 +342,9 @@ class NodeWorkers:
         self.keeping = {}
         self.printed.new_attempt()
         self._stopping = False
+        attempt_dir = self.attempt_dir(self.attempt)
+        self.reports = reports.Reports(attempt_dir / "launcher.log",
+                                       lambda local: launcher.rank_logs(attempt_dir).get(local))
         if self.group is not None and self.group.pid is not None:
             self._launchers.discard(self.group.pid)
 
@@ -390,14 +397,16 @@ class NodeWorkers:
 
     def promote(self, attempt: int, directive: Directive) -> standby.Standby | None:
         """Make the standby attempt ``attempt``, with ``directive``: the cold ``launch`` minus
-        starting anything. None (and any standby stopped) when there is none fit for it."""
+        starting anything. None (and any standby stopped, journaled) when there is none fit for
+        it: one for another attempt, or one a process of which is gone (``Standby.lost``)."""
         self.hold_standby(False)
         spare, self.standby = self.standby, None
         if spare is None:
             return None
-        code = spare.group.poll()
-        if spare.attempt != attempt or code is not None:
-            self._discard(spare, "it exited on its own" if code is not None
+        nproc = self.plan.config.launch.nproc_per_node
+        lost = spare.lost(nproc if isinstance(nproc, int) else None)
+        if spare.attempt != attempt or lost is not None:
+            self._discard(spare, f"{lost}: the relaunch starts cold" if lost is not None
                           else f"it was for attempt {spare.attempt}")
             return None
         attempt_dir = self.attempt_dir(attempt)
@@ -581,17 +590,20 @@ class NodeWorkers:
     def output(self) -> Iterator[str]:
         """The lines printed since the last call, for the console, prefixed with the rank (or
         ``torchrun``). Every line also goes to stdout mode; the console shows a redrawn
-        progress bar's newest state only, the ranks ``launch.local_ranks_filter`` names, and
-        nothing of torchrun's own during a planned stop (all of it stays in the logs)."""
+        progress bar's newest state only, the ranks ``launch.local_ranks_filter`` names, a
+        traceback as one line and of torchrun's failure report only the line naming its log
+        (``node.reports``), and nothing of torchrun's own during a planned stop (all of it
+        stays in the logs)."""
         shown = self.plan.config.launch.local_ranks_filter
         while True:
             try:
                 line = self.lines.get_nowait()
             except queue.Empty:
-                return
+                break
             self.printed.line(line.rank, line.text, time.time())
-            if line.rank is None:
-                if not self._stopping:
-                    yield "[torchrun] " + line.text
-            elif shown is None or line.rank in shown:
-                yield f"[r{line.rank}] " + launcher.newest_state(line.text)
+            if line.rank is None and self._stopping:
+                continue
+            if line.rank is None or shown is None or line.rank in shown:
+                yield from self.reports.line(line)
+        if self.group is not None and self.group.poll() is not None:  # its output has ended
+            yield from self.reports.flush()

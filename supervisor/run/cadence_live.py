@@ -16,6 +16,7 @@ and each merged step's time (``observe_step``). The loop never calls it for any 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +24,11 @@ from babysit.policies.types import JobStep
 from babysit.supervisor.config.schema import CheckpointConfig
 from babysit.supervisor.contract.protocol import finite
 from babysit.supervisor.run.cadence import (
+    Advice,
     CadenceAdvisor,
     CadenceKeeper,
     Covering,
+    duration,
     estimate_tau,
     memory_advice,
     replay_journal,
@@ -41,10 +44,16 @@ class LiveCadence:
 
     EVENTS = ("state", "finding", "supervisor_takeover", "checkpoint_saved", "just_in_time",
               "resume", "memory_copy")
-    PRINT_CHANGE = 2.0
-    """The console shows the advice again only once the advised interval moved by this factor
-    from the one it last showed (the journal keeps every move of 10 %: early estimates wander
-    while the costs and failure rate are being learnt)."""
+    FAR = 2.0
+    """The console says the advice only when the configured interval is this factor or more
+    from it: nearer, the waste curve is flat (20 % off costs 1.7 % more than the least)."""
+    SETTLED = 3
+    """... and only once the advice settled: the interruptions the run saw outweigh the prior
+    (``tau_source`` observed), and the last this many checkpoints' advice agree within
+    ``SETTLED_BAND``. Early estimates wander while costs and failure rate are learnt (one run's
+    swung from 205 to 2889 steps on the prior); the journal keeps every move of 10 %, and
+    ``babysit status`` shows the newest."""
+    SETTLED_BAND = 1.25
 
     def __init__(self, config: CheckpointConfig, *, journal: Callable[..., None],
                  log: Callable[[str], None], request: Callable[..., None],
@@ -61,8 +70,10 @@ class LiveCadence:
         self._newest_step = newest_step
         self._covering = Covering(self.advisor)
         self._running_since: float | None = None
-        self._printed: int | None = None
-        """The advised interval the console last showed (``PRINT_CHANGE``)."""
+        self._told = False
+        """The console said the advice (once a run: ``_worth_telling``)."""
+        self._recent: deque[int] = deque(maxlen=self.SETTLED)
+        """The advised interval at the last checkpoints (``SETTLED``)."""
         self._memory_chosen = config.memory_every_steps != "auto"
         """The memory copies' interval is set (the config's), or was chosen (``auto``)."""
         self.memory_every: int | None = None
@@ -82,6 +93,7 @@ class LiveCadence:
         if not previous:
             return []
         replay_journal(self.advisor, previous)
+        self._told = any(e.get("event") == "cadence_advice" and e.get("told") for e in previous)
         c = self.config
         adopted = [e for e in previous if e.get("event") == "cadence_adopted"]
         # Only when the config still says what the adoptions started from: a changed
@@ -157,16 +169,20 @@ class LiveCadence:
             self._running_since = t
 
     def _advise(self, newest: int) -> None:
-        """A checkpoint was saved: journal the advice when it moved; adopt it when ``auto``."""
+        """A checkpoint was saved: journal the advice when it moved (``told`` when the console
+        says it too: ``_worth_telling``); adopt it when ``auto``."""
         old = self.advisor.every_steps
         advice, adoption = self.keeper.after_checkpoint(newest)
-        if advice is not None:
-            self._journal("cadence_advice", summary=advice.summary(), **advice.to_json())
-            shown = self._printed
-            if shown is None or not (shown / self.PRINT_CHANGE <= advice.optimal_steps
-                                     <= shown * self.PRINT_CHANGE):
-                self._printed = advice.optimal_steps
-                self._log(f"babysit: cadence: {advice.summary()}")
+        current = self.advisor.advice() if advice is None else advice
+        if current is not None:
+            self._recent.append(current.optimal_steps)
+        told = current is not None and self._worth_telling(current)
+        if current is not None and (advice is not None or told):
+            self._journal("cadence_advice", summary=current.summary(),
+                          **({"told": True} if told else {}), **current.to_json())
+        if told and current is not None:
+            self._told = True
+            self._log(f"babysit: {in_words(current)}")
         if adoption is None:
             return
         self._request(checkpoint_every=adoption.every_steps, from_step=adoption.from_step)
@@ -176,3 +192,29 @@ class LiveCadence:
                              "20% band around the one in force")
         self._log(f"babysit: cadence: checkpointing every {adoption.every_steps} steps from "
                   f"step {adoption.from_step} (was {old})")
+
+    def _worth_telling(self, advice: Advice) -> bool:
+        """Whether the console should say ``advice``: once a run, where it would change what
+        the user does: babysit does not adopt it itself (``auto``), it settled (``SETTLED``),
+        and the configured interval is far from it (``FAR``)."""
+        if self._told or self.keeper.auto or advice.tau_source != "observed":
+            return False
+        recent = self._recent
+        if len(recent) < self.SETTLED or max(recent) > self.SETTLED_BAND * min(recent):
+            return False
+        ours, best = advice.configured_steps, advice.optimal_steps
+        return max(ours, best) >= self.FAR * min(ours, best)
+
+
+def in_words(advice: Advice) -> str:
+    """The advice as the console says it (``Advice.summary`` has the figures, for ``babysit
+    status`` and the journal)."""
+    ours = advice.configured_steps
+    why = ("are more frequent than this run needs" if ours < advice.optimal_steps
+           else "leave too much work to redo at each failure")
+    return (f"checkpoints every {ours} steps {why}: every {advice.optimal_steps} steps would "
+            f"waste {advice.waste_optimal:.1%} of its time instead of "
+            f"{advice.waste_configured:.1%}, going by its {advice.interruptions} interruptions "
+            f"in {duration(advice.observed_s)} (set checkpoints.every_steps, or "
+            f"checkpoints.cadence.auto: true to let babysit adapt it; `babysit status` has the "
+            f"figures)")

@@ -130,9 +130,10 @@ class Record:
         """A rank's event (any node's rank, in a multi-node run), journaled; the journal's
         listeners take it from there (a saved checkpoint: its probation, the cadence)."""
         kind, data = event.type, event.data
-        if kind == "hello" and isinstance(data.get("world_size"), int) \
-                and data["world_size"] > 0:
-            self.world = data["world_size"]
+        if kind == "hello":
+            self.watch.attached(event.rank)  # its death can be held against a batch
+            if isinstance(data.get("world_size"), int) and data["world_size"] > 0:
+                self.world = data["world_size"]
         if kind in JOURNALED:
             self.write(JOURNALED[kind], rank=event.rank, data=data)
             if kind == "stream":  # where the data is: a rollback's skip is given in samples

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from babysit.policies.cause import ATTACHED
 from babysit.policies.detectors import HangDetector, classify
 from babysit.policies.detectors.crash import (
     STOP_SIGNALS,
@@ -155,6 +156,9 @@ class Watch:
         self._restored: int | None = None
         """The step of the checkpoint this attempt resumed from, as the supervisor knows it."""
         self._alive: set[int] = set()
+        self._attached: set[int] | None = None
+        """The ranks that said hello in this attempt, whichever node they are on (None: no
+        attempt launched by this watch yet, as after a takeover: not known)."""
         self._world = 0
         self.own_load = False
         """babysit's own load is on the ranks' machine right now (the warm standby starting).
@@ -191,6 +195,7 @@ class Watch:
         step of the checkpoint it resumes from when not babysit's (``directive.resume``): a
         stdout-mode script's own, put back."""
         self._alive = set()
+        self._attached = set()
         self._completed = 0
         self._resume_failed = False
         self._resume_loss, self._first_record = None, True
@@ -227,6 +232,12 @@ class Watch:
         elif event.type == "phase":
             self.hang.phase(event.rank, str(event.data.get("name", "?")),
                             bool(event.data.get("begin")), now)
+
+    def attached(self, rank: int) -> None:
+        """``rank`` said hello in this attempt (``Record``: any node's rank): its start-up and
+        restore are done, and from here on it draws its batches."""
+        if self._attached is not None:
+            self._attached.add(rank)
 
     def observe_stream(self, data: dict[str, Any]) -> list[Finding]:
         """Where this attempt's data stream is (rank 0's ``stream`` event, ``Run.batches``).
@@ -406,6 +417,11 @@ class Watch:
         rank torchrun merely stopped (SIGTERM). ``root_rank`` (torchrun's "first observed
         failure") only breaks ties: a peer dying of the broken connection is often noticed
         first.
+
+        A rank that never said hello in this attempt (killed in its start-up or its restore, or
+        while it waited as a warm standby) trained nothing of it: its death is held against no
+        step (never ``deterministic``) and no batch (evidence ``attached`` False:
+        ``policies/cause.py``).
         """
         exits = exits or {}
         # The newest step completed this attempt: the loop's own count may lag a tick behind
@@ -414,8 +430,12 @@ class Watch:
         # (``policies/cause.py`` holds repeats against each other).
         step = max(step, self._completed)
         ranks = sorted(set(tails) | set(exits))
+
+        def unattached(rank: int) -> bool:
+            return rank >= 0 and self._attached is not None and rank not in self._attached
+
         verdicts = {rank: classify(exits.get(rank, code), None, tails.get(rank, ""),
-                                   step or None, self.crashes)
+                                   None if unattached(rank) else step or None, self.crashes)
                     for rank in ranks}
         if not verdicts:
             verdicts = {-1: classify(code, None, "", step or None, self.crashes)}
@@ -430,6 +450,8 @@ class Watch:
         if exits:
             finding = replace(finding, evidence={**finding.evidence, "rank_exits": {
                 str(r): c for r, c in sorted(exits.items())}})
+        if unattached(rank):
+            finding = replace(finding, evidence={**finding.evidence, ATTACHED: False})
         return finding
 
     def state_dict(self) -> dict[str, Any]:

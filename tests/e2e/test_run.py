@@ -14,7 +14,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import ROOT, WORKERS, babysit_env, console_noise, read_jsonl, run_babysit
+from tests.conftest import (
+    ROOT,
+    WORKERS,
+    babysat,
+    babysit_env,
+    console_noise,
+    journal,
+    read_jsonl,
+    run_babysit,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -127,6 +136,38 @@ def test_user_code_crash_is_classified_and_not_retried_by_default(tmp_path: Path
     assert finding["evidence"]["class"] == "user_code"
     assert "injected crash at step" in finding["evidence"]["signature"]
     assert journal[-1]["state"] == "failed"
+
+
+def test_a_crash_reads_in_a_few_lines_and_its_reports_stay_whole_in_the_logs(
+        tmp_path: Path) -> None:
+    """A rank segfaults and the run resumes. From its first step to the resumed one the console
+    says the crash in a few lines of babysit's own and one of the peer that lost its connection:
+    no traceback (torchrun's, of babysit's launcher; the peer's), no ChildFailedError, no Root
+    Cause table, nothing of the checkpoint cadence's figures. torchrun's report stays whole in
+    the attempt's launcher.log, and a line names it; the peer's traceback in its own log."""
+    result, run_dir = babysat(tmp_path, "segv", "--steps", "30", "--at", "0:1:12:SIGSEGV",
+                              checkpoints="{every_steps: 5, probation_steps: 5, "
+                                          "async_save: false, memory_every_steps: 0}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    (crash,) = [e for e in journal(run_dir, "finding")
+                if e["finding"]["incident"] == "crash"]
+    assert crash["finding"]["ranks"] == [1] and crash["remedy"]["action"] == "relaunch"
+    lines = [line for line in result.stdout.splitlines()
+             if not line.startswith("babysit | ")]  # the status line, every 10 s: not counted
+    first = lines.index("babysit: starting -> running (first step 1)")
+    resumed = next(i for i, line in enumerate(lines)
+                   if line.startswith("babysit: starting -> running (first step 1")
+                   and i > first)
+    told = lines[first + 1:resumed + 1]
+    assert len(told) <= 10, "\n".join(told)
+    for said in ("Traceback", "ChildFailedError", "Root Cause", "ahead.py", "cadence",
+                 "[torchrun]"):
+        assert said not in result.stdout, said
+    log = run_dir / "attempts" / "0" / "launcher.log"
+    assert f"babysit: torchrun's report of the failure, whole: {log}" in told
+    report = log.read_text()
+    assert all(part in report for part in ("Traceback", "ahead.py", "ChildFailedError",
+                                           "Root Cause", "exitcode  : -11"))
 
 
 def test_a_crash_at_the_same_step_whatever_the_data_is_the_codes_and_stops(

@@ -5,6 +5,12 @@ relaunch through a standby is in tests/e2e/test_recovery.py's hang test)."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +22,7 @@ from babysit.supervisor.config import plan as plan_mod
 from babysit.supervisor.contract.directive import Directive, SkipRange
 from babysit.supervisor.node.launcher import WorkerGroup, free_port
 from babysit.supervisor.node.workers import NodeWorkers
+from tests.conftest import FAST_POLICY, SYNC_SAVES, WORKERS, babysit_env, journal
 
 pytestmark = pytest.mark.e2e
 
@@ -228,3 +235,76 @@ def test_torchrun_ahead_that_cannot_start_is_said_once_and_never_tried_again(
         assert workers.ahead is None  # not again in this run
     finally:
         workers.close()
+
+
+def test_a_standby_whose_rank_was_killed_is_not_promoted_and_no_batch_is_skipped(
+        tmp_path: Path) -> None:
+    """A SIGKILL reaches the warm standby's rank 1 while it waits in attach() (the OOM killer,
+    a person), before its torchrun looks at its ranks again; then the running rank 1 dies. The
+    relaunch must not promote that standby: it would fail at once on the rank that trained
+    nothing, at the step the relaunch resumed from, and babysit once took that for the same
+    crash at the same batch twice and skipped the batch. Its processes are checked first: it is
+    stopped, journaled, and the relaunch is cold; the run resumes and skips nothing.
+
+    The order is arranged, not hoped for: the standby's torchrun is stopped (SIGSTOP) before its
+    rank is killed, so that it cannot notice before the relaunch (as when the relaunch comes
+    between two of its looks), and continued only if babysit promotes it anyway."""
+    run_dir, pace = tmp_path / "run", tmp_path / "pace"
+    pace.write_text("0.25")  # slow until the standby is ready and both kills are done
+    (tmp_path / "run.yaml").write_text(
+        f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
+        f"  args: {json.dumps(['--steps', '400', '--pace-file', str(pace)])}\n"
+        f"run_dir: {run_dir}\ncheckpoints: {SYNC_SAVES}\npolicy: {{name: {FAST_POLICY}}}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "babysit", "run", "run.yaml"], cwd=tmp_path,
+                            env=babysit_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    folder = run_dir / "attempts" / "1" / "standby"
+    done = threading.Event()
+    try:
+        ready = [folder / "ready" / str(rank) for rank in (0, 1)]
+        wait_for(lambda: all(r.exists() for r in ready) or proc.poll() is not None, 240)
+        assert proc.poll() is None, "the run ended before its standby was ready"
+        (started,) = [e for e in journal(run_dir, "standby_started") if e["for_attempt"] == 1]
+        standby_torchrun = int(started["pid"])
+        waiting_rank = int(json.loads(ready[1].read_text())["pid"])
+        (running_rank,) = [e["data"]["pid"] for e in journal(run_dir, "worker_hello")
+                           if e["attempt"] == 0 and e["rank"] == 1]
+
+        def continue_if_promoted() -> None:
+            while not done.is_set():
+                if (folder / "go").exists():  # promoted after all: let its torchrun look
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(standby_torchrun, signal.SIGCONT)
+                    return
+                time.sleep(0.02)
+
+        threading.Thread(target=continue_if_promoted, daemon=True).start()
+        os.kill(standby_torchrun, signal.SIGSTOP)
+        os.kill(waiting_rank, signal.SIGKILL)
+        os.kill(running_rank, signal.SIGKILL)
+        wait_for(lambda: [e for e in journal(run_dir, "launch") if e["attempt"] == 1]
+                 or proc.poll() is not None, 120)
+        pace.write_text("0")  # the rest at full speed
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        done.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    (stopped,) = [e for e in journal(run_dir, "standby_stopped") if e["for_attempt"] == 1]
+    assert f"its rank 1's process (pid {waiting_rank}) is gone" in stopped["reason"], stopped
+    assert "the relaunch starts cold" in stopped["reason"]
+    launches = journal(run_dir, "launch")
+    assert [e["standby"] for e in launches if e["attempt"] == 1] == [False]
+    assert not (folder / "go").exists()
+    # One crash, relaunched; nothing skipped, nothing rolled back.
+    findings = [e for e in journal(run_dir, "finding") if e["finding"]["incident"] == "crash"]
+    assert [(e["finding"]["ranks"], e["remedy"]["action"]) for e in findings] == \
+        [([1], "relaunch")], findings
+    assert all(e["directive"]["skip"] == [] for e in launches)
+    assert journal(run_dir, "worker_skip") == []
+    (resume,) = [e for e in journal(run_dir, "resume") if e.get("from")]
+    assert resume["checkpoint_step"] > 0  # resumed, not restarted
+    (finished,) = journal(run_dir, "run_finished")
+    assert finished["state"] == "succeeded" and finished["step"] == 400

@@ -210,3 +210,28 @@ def test_a_fault_named_on_no_rank_reads_every_rank() -> None:
     assert again.action is Action.STOP
     assert again.reason.startswith("same hang at step 15 on every rank twice: a relaunch")
     assert Fault("hang", (0, 1), 12, 12, 13).where() == "global batch 12 on ranks 0 and 1"
+
+
+def test_the_death_of_a_rank_that_trained_no_batch_is_held_against_none() -> None:
+    """A warm standby's rank killed while it waited, then promoted: the attempt fails at once,
+    on the same rank, at the step it resumed from. It trained no batch (it never said hello:
+    the watch marks it ``attached`` False), so it cannot show that a batch is at fault: the
+    crash ladder answers it, and no batch is skipped. The same for a hang while a rank still
+    starts up."""
+    rules = Rules(load_policy("default"))
+    known = Known(Shelf(), CURSORS)
+    assert rules.judge(crash(), 0.0, known)[0].action is Action.RELAUNCH
+    standby = replace(crash(), evidence={**crash().evidence, cause.ATTACHED: False})
+    assert not cause.trained(standby) and cause.place(standby, CURSORS) is None
+    again, plan = rules.judge(standby, 1.0, known)
+    assert again.action is Action.RELAUNCH and plan is None, again.reason
+    assert "the data's" not in again.reason
+    # One that said hello and died at the same batch is the data's, as before.
+    data, plan = rules.judge(crash(), 2.0, known)
+    assert data.action is Action.ROLLBACK and plan is not None and plan.skip == Span(12, 13)
+
+    starting = replace(hang(12, ranks=(0, 1)), evidence={"stalled": {
+        "0": {"last_step": None, "waiting_in": "first step"},
+        "1": {"last_step": None, "waiting_in": "startup"}}})
+    assert not cause.trained(starting) and cause.place(starting, CURSORS) is None
+    assert cause.trained(hang(12)) and cause.trained(crash())

@@ -3,7 +3,6 @@ it says its advice and, with ``auto``, asks the ranks for a new interval."""
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 from babysit.policies.types import JobStep, RankStep, StepRecord
@@ -85,23 +84,62 @@ def test_an_interval_auto_adopted_before_a_restart_stays_in_force() -> None:
     assert other.restore(previous) == [] and other.every_steps == 500
 
 
-def test_the_console_shows_the_advice_again_only_when_it_moved_materially() -> None:
-    """Every move of 10 % is journaled; the console repeats the advice only once the advised
-    interval halved or doubled since it last showed it."""
+def said(config: CheckpointConfig, blocking: list[float], *, interruptions: int,
+         hours: float, previous: list[dict[str, Any]] | None = None
+         ) -> tuple[list[str], list[tuple[str, dict[str, Any]]]]:
+    """What the console says, and the journal keeps, of a run that saved a checkpoint costing
+    each of ``blocking`` in turn, an hour apart after ``interruptions`` relaunches spread over
+    its first ``hours`` hours of running."""
     lines: list[str] = []
-    entries: list[str] = []
-    c = LiveCadence(CheckpointConfig(every_steps=100),
-                    journal=lambda event, **f: entries.append(event), log=lines.append,
-                    request=lambda **f: None, newest_step=lambda: 0)
+    entries: list[tuple[str, dict[str, Any]]] = []
+    c = LiveCadence(config, journal=lambda event, **f: entries.append((event, f)),
+                    log=lines.append, request=lambda **f: None, newest_step=lambda: 0)
+    c.restore(previous or [])
     for s in range(1, 65):
         c.observe_step(step(s, 0.1))
     c.hear(entry("state", 0.0, old="starting", new="running"))
-    t = 0.0
-    for blocking in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1.5, 2.0, 4.0, 8.0):  # costs grow
-        t += 600.0
+    for i in range(interruptions):
+        c.hear(entry("finding", (i + 1) * hours * 3600 / (interruptions + 1),
+                     finding={"incident": "crash"}, remedy={"action": "relaunch"}))
+    t = hours * 3600
+    for cost in blocking:
+        t += 3600.0
         c.hear(entry("checkpoint_saved", t, checkpoint_step=100,
-                     data={"step": 100, "blocking_s": blocking}))
-    advised = entries.count("cadence_advice")
-    assert advised >= 4 and 1 <= len(lines) < advised
-    shown = [int(line.split("checkpoint every ")[1].split()[0]) for line in lines]
-    assert all(b >= 2 * a or b <= a / 2 for a, b in itertools.pairwise(shown))
+                     data={"step": 100, "blocking_s": cost}))
+    return lines, entries
+
+
+def test_the_console_says_the_advice_once_a_run_where_it_would_change_what_the_user_does(
+        ) -> None:
+    """Every move of 10 % is journaled, figures and all (``babysit status`` shows the newest);
+    the console says it in plain words, once a run, and only once the run's own interruptions
+    outweigh the prior, the advice settled and the configured interval is far from it."""
+    often = CheckpointConfig(every_steps=100)
+    # On the prior (no interruption yet), or while the costs still wander: journaled only.
+    lines, entries = said(often, [0.5, 0.6, 0.7, 0.8, 1.0, 1.5, 2.0, 4.0, 8.0],
+                          interruptions=0, hours=1)
+    assert lines == [] and [e for e, _ in entries].count("cadence_advice") >= 4
+    lines, _ = said(often, [0.5, 1.0, 2.0, 4.0, 8.0, 16.0], interruptions=3, hours=48)
+    assert lines == []
+    # Settled on the run's own record, and far from the configured interval: said once.
+    lines, entries = said(often, [2.0] * 8, interruptions=3, hours=48)
+    assert len(lines) == 1, lines
+    told = [f for e, f in entries if e == "cadence_advice" and f.get("told")]
+    assert len(told) == 1 and told[0]["tau_source"] == "observed"
+    assert lines[0] == (
+        f"babysit: checkpoints every 100 steps are more frequent than this run needs: every "
+        f"{told[0]['optimal_steps']} steps would waste {told[0]['waste_optimal']:.1%} of its "
+        f"time instead of {told[0]['waste_configured']:.1%}, going by its 3 interruptions in "
+        "2.1 d (set checkpoints.every_steps, or checkpoints.cadence.auto: true to let babysit "
+        "adapt it; `babysit status` has the figures)")
+    assert "C=" not in lines[0] and "tau" not in lines[0]
+    # Not again after a restart in the same run directory.
+    again, _ = said(often, [2.0] * 8, interruptions=3, hours=48,
+                    previous=[{"event": "cadence_advice", "time": 1.0, **told[0]}])
+    assert again == []
+    # Near the advice, or babysit adopts it itself (auto): nothing to do, nothing said.
+    near = CheckpointConfig(every_steps=told[0]["optimal_steps"])
+    assert said(near, [2.0] * 8, interruptions=3, hours=48)[0] == []
+    auto = CheckpointConfig(every_steps=100, cadence={"auto": True, "min_steps": 10})
+    assert not [line for line in said(auto, [2.0] * 8, interruptions=3, hours=48)[0]
+                if "would waste" in line]

@@ -106,3 +106,28 @@ def test_a_resume_check_that_failed_is_one_finding_per_attempt() -> None:
     assert watch.observe_resume(check(0, False)) is None  # every rank says so: one finding
     watch.new_attempt(1.0, Directive(attempt=2))
     assert watch.observe_resume(check(0, False)) is not None
+
+
+def test_a_rank_that_never_said_hello_in_its_attempt_is_held_against_no_step_or_batch() -> None:
+    """The same SIGKILL at the same step is ``deterministic`` for a rank that trained there, but
+    not for one that died before its hello (a standby's rank killed while it waited): marked
+    ``attached`` False, which ``policies/cause.py`` places at no batch."""
+    watch = Watch(load_policy("default"))
+    watch.new_attempt(0.0, Directive(attempt=0))
+    watch.attached(0)
+    watch.attached(1)
+    first = watch.classify_crash(1, {0: RESET, 1: ""}, 9, exits={0: 1, 1: -9})
+    assert first.ranks == (1,) and "attached" not in first.evidence
+    watch.new_attempt(1.0, Directive(attempt=1))
+    watch.attached(0)  # rank 1 never got past its start-up
+    second = watch.classify_crash(1, {0: RESET, 1: ""}, 9, exits={0: 1, 1: -9})
+    assert second.ranks == (1,) and second.evidence["attached"] is False
+    assert second.step == 9 and not second.evidence["deterministic"]
+    watch.new_attempt(2.0, Directive(attempt=2))
+    watch.attached(0)
+    watch.attached(1)
+    third = watch.classify_crash(1, {0: RESET, 1: ""}, 9, exits={0: 1, 1: -9})
+    assert third.evidence["deterministic"] and "attached" not in third.evidence
+    # A watch that launched no attempt (a supervisor that took the run over) does not know.
+    assert "attached" not in Watch(load_policy("default")).classify_crash(
+        1, {1: ""}, 9, exits={1: -9}).evidence
