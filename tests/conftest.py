@@ -139,17 +139,34 @@ def noise(console: str, alerts: bool = True) -> list[str]:
             if pattern.search(line) and not any(known in line for known in NOT_BABYSITS)]
 
 
+TEARDOWN_WARNING = ("babysit: [warning] every rank finished and closed, then the process "
+                    "teardown crashed")
+"""babysit's line for a teardown that crashed after every rank closed (``node/tick.py``)."""
+_TORCHRUN_REPORT = re.compile(r"closing signal|failed \(exitcode: |Traceback \(most recent call "
+                              r"last\)|ChildFailedError|Root Cause")
+"""A line of torchrun's that begins its report of a failed rank (``node/reports.py``)."""
+
+
 def console_noise(console: str, journal: list[dict[str, Any]], ranks: list[int],
                   alerts: bool = True) -> list[str]:
-    """``noise`` of a run's console, where the run was clean; none where gloo in torch 2.13
-    aborted a rank in its own teardown after every rank had closed its run ("terminate called
-    without an active exception"): torchrun then stops the others and fails, babysit journals
-    ``teardown_crash`` with every rank in ``closed_ranks``, warns and counts the run finished.
-    Nothing of babysit's could prevent that; anything else on the console still counts."""
+    """``noise`` of a run's console, where the run was clean, but for the lines of a teardown
+    that gloo in torch 2.13 crashed by aborting a rank after every rank had closed its run
+    ("terminate called without an active exception"): torchrun then stops the others and
+    fails, babysit journals ``teardown_crash`` with every rank in ``closed_ranks``, warns and
+    counts the run finished. Nothing of babysit's could prevent that. Its lines are babysit's
+    warning and torchrun's report of the failure, from its first line in the last attempt
+    (after the last ``starting -> running``) on; anything else on the console still counts."""
     torn = [e for e in journal if e["event"] == "teardown_crash"]
-    if torn and all(e["closed_ranks"] == ranks for e in torn):
-        return []
-    return noise(console, alerts=alerts)
+    if not torn or any(e["closed_ranks"] != ranks for e in torn):
+        return noise(console, alerts=alerts)
+    lines = console.splitlines()
+    last = max((i for i, line in enumerate(lines)
+                if line.startswith("babysit: starting -> running")), default=0)
+    report = next((i for i in range(last, len(lines)) if lines[i].startswith("[torchrun] ")
+                   and _TORCHRUN_REPORT.search(lines[i])), len(lines))
+    kept = [line for i, line in enumerate(lines) if not line.startswith(TEARDOWN_WARNING)
+            and not (i >= report and line.startswith("[torchrun] "))]
+    return noise("\n".join(kept), alerts=alerts)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -10,7 +10,8 @@ scripted in the background (``when``), and the tests then read what each left. O
 node keeps them short: 2 ranks on 2 nodes, against 1 on one node (a run split into two
 one-node jobs) differ in their final evaluation. Each trains ``tests/workers/tiny_train.py``,
 whose ``--pace-file`` holds a run at a slow pace until what is waited for has happened, then
-lets it go at full speed: the pace changes no number."""
+lets it go at full speed, and whose ``--hold-at`` holds the time-limited run short of its end
+until Slurm's warning has come, however late: the pace changes no number."""
 
 from __future__ import annotations
 
@@ -45,7 +46,11 @@ pytestmark = pytest.mark.e2e
 NO_SLURM = slurm.available()
 STEPS = 240
 """Long enough that the slow pace (0.3 s a step) is still training when what a job waits for
-comes (Slurm's warning: 30-60 s after the job starts), short at full speed."""
+comes, short at full speed."""
+HOLD_AT = 220
+"""The time-limited job's ranks wait before this step until Slurm's warning has come (its
+``final_checkpoint_requested``): slurmctld's check may come later than its 240 steps at the
+slow pace take, on a busy machine or after the job waited in the queue."""
 DOOMED_STEPS = 60
 """The job that loses a node: killed at step 15, the rest at full speed on the other node."""
 SLOW, FAST = "0.3", "0.01"
@@ -77,9 +82,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm.Cluster]
         _CLUSTER.clear()
 
 
-def write_config(folder: Path, pace: str = FAST, steps: int = STEPS, nodes: str = "") -> Path:
+def write_config(folder: Path, pace: str = FAST, steps: int = STEPS, nodes: str = "",
+                 hold: bool = False) -> Path:
     """``folder/train.yaml``: tiny_train, one rank a node, no run directory (Slurm's job id
-    names it), paced by ``folder/pace``; ``nodes``: more of the nodes section.
+    names it), paced by ``folder/pace``; ``nodes``: more of the nodes section; ``hold``: the
+    ranks wait before step ``HOLD_AT`` until ``folder/go`` exists (``Job.go``).
 
     A grad-norm spike is only alerted, never skipped in the rank: the in-process guard's window
     starts empty on every attempt, so a resumed run would skip (or keep) optimizer steps an
@@ -91,6 +98,8 @@ def write_config(folder: Path, pace: str = FAST, steps: int = STEPS, nodes: str 
     config = folder / "train.yaml"
     args = ["--steps", str(steps), "--step-sleep", FAST, "--pace-file", str(folder / "pace"),
             "--eval-every", "10"]
+    if hold:
+        args += ["--hold-at", str(HOLD_AT), "--hold-until", str(folder / "go")]
     config.write_text(
         f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 1\n"
         f"  teardown-idle-s: 8\n  args: {json.dumps(args)}\n"
@@ -128,6 +137,10 @@ class Job:
 
     def pace(self, pace: str) -> None:
         (self.folder / "pace").write_text(pace)
+
+    def go(self) -> None:
+        """Let ranks held before ``HOLD_AT`` go on (``write_config``'s ``hold``)."""
+        (self.folder / "go").touch()
 
     def when(self, check: Callable[[], object], then: Callable[[], None],
              timeout: float = 600) -> None:
@@ -232,9 +245,11 @@ def started(cluster: slurm.Cluster, tmp_path_factory: pytest.TempPathFactory
     - ``timed``: a 2-minute limit and its warning 60 s ahead (``--time=2 --signal=TERM@60``,
       on sbatch's command line): slurmctld looks at the time limits every 30 s from its start,
       and its first look at least 30 s after the job started sends the warning (about a minute
-      after the cluster started). Once the final checkpoint is in, the run goes at full speed,
-      and once the job is requeued it is given 5 minutes (an administrator's ``scontrol update
-      TimeLimit=5``), so that the requeued job finishes before another warning;
+      after the cluster started, later on a busy machine). Its ranks wait before step
+      ``HOLD_AT`` until the final checkpoint is asked for, whenever that is; once it is in, the
+      run goes at full speed, and once the job is requeued it is given 5 minutes (an
+      administrator's ``scontrol update TimeLimit=5``), so that the requeued job finishes
+      before another warning;
     - ``cancelled``: ``scancel`` at step 10."""
     made = Started(*(Job(tmp_path_factory.mktemp(name))
                      for name in ("doomed", "stranded", "timed", "cancel")),
@@ -242,8 +257,8 @@ def started(cluster: slurm.Cluster, tmp_path_factory: pytest.TempPathFactory
     doomed, stranded, timed, cancelled = made.doomed, made.stranded, made.timed, made.cancelled
     write_config(doomed.folder, pace=SLOW, steps=DOOMED_STEPS)
     write_config(stranded.folder, pace=SLOW, steps=DOOMED_STEPS, nodes=", rejoin_timeout_s: 5")
-    for job in (timed, cancelled):
-        write_config(job.folder, pace=SLOW)
+    write_config(timed.folder, pace=SLOW, hold=True)
+    write_config(cancelled.folder, pace=SLOW)
     submit(cluster, doomed, f"--nodelist={','.join(cluster.names[0:2])}", step=elastic_step())
     submit(cluster, stranded, f"--exclude={','.join(cluster.names[-2:])}")
     submit(cluster, timed, "--time=2", "--signal=TERM@60")
@@ -274,6 +289,7 @@ def started(cluster: slurm.Cluster, tmp_path_factory: pytest.TempPathFactory
     doomed.when(lambda: doomed.step() >= 15, kill_node_1(doomed, "doomed"))
     stranded.when(lambda: stranded.step() >= 15, kill_node_1(stranded, "stranded"))
     stranded.when(lambda: stranded.events("slurm_job"), return_its_node)
+    timed.when(lambda: timed.events("final_checkpoint_requested"), timed.go)
     timed.when(lambda: timed.events("final_checkpoint"), full_speed)
     timed.when(lambda: timed.events("slurm_job"), give_time)
     cancelled.when(lambda: cancelled.step() >= 10, cancel)

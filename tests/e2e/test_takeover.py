@@ -23,11 +23,17 @@ pytestmark = pytest.mark.e2e
 
 
 def test_a_killed_supervisor_is_taken_over_and_the_run_resumes(tmp_path: Path) -> None:
+    """The orphaned ranks hold before step 36 until the second ``babysit run`` has taken the
+    run over (``--hold-until``, a file made once its ``supervisor_takeover`` is journaled):
+    there is always a training job to stop, however slow the machine."""
     run_dir = tmp_path / "run"
     config = tmp_path / "run.yaml"
+    taken_over = tmp_path / "taken_over"
+    args = ["--steps", "40", "--step-sleep", "0.15", "--hold-at", "36",
+            "--hold-until", str(taken_over)]
     config.write_text(
         f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
-        f"  args: {json.dumps(['--steps', '40', '--step-sleep', '0.15'])}\n"
+        f"  args: {json.dumps(args)}\n"
         f"run_dir: {run_dir}\n"
         "checkpoints: {every_steps: 5, probation_steps: 2, keep: 20}\n")
     first = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
@@ -51,14 +57,27 @@ def test_a_killed_supervisor_is_taken_over_and_the_run_resumes(tmp_path: Path) -
     workers = [e["data"]["pid"] for e in before if e["event"] == "worker_hello"]
     assert all(psutil.pid_exists(p) for p in workers)  # orphans, still training unwatched
     watched = max(e["step"] for e in before if isinstance(e.get("step"), int))
-    # Let them write two checkpoints nobody watches before taking over.
+    # Let them write two checkpoints nobody watches before taking over (35 the last: they
+    # hold before step 36).
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not (
-            run_dir / "checkpoints" / f"step_{(watched // 5 + 2) * 5:08d}").exists():
+            run_dir / "checkpoints" / f"step_{min((watched // 5 + 2) * 5, 35):08d}").exists():
         time.sleep(0.1)
 
-    second = run_babysit("run", str(config), cwd=tmp_path, timeout=180)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    second = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
+                              cwd=tmp_path, env=babysit_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and second.poll() is None and not any(
+                e["event"] == "supervisor_takeover" for e in read_jsonl(run_dir / "events.jsonl")):
+            time.sleep(0.1)
+        taken_over.touch()  # the ranks of the run go on past step 35
+        out, _ = second.communicate(timeout=180)
+    finally:
+        if second.poll() is None:
+            second.kill()
+    assert second.returncode == 0, out[-6000:]
     journal = read_jsonl(run_dir / "events.jsonl")
     (takeover,) = [e for e in journal if e["event"] == "supervisor_takeover"]
     assert set(workers) <= set(takeover["stopped_pids"])

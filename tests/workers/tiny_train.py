@@ -88,6 +88,12 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
                            (--step-sleep while it is absent): a test holds a run at a slow pace
                            until what it waits for (a scheduler's signal) has come, then lets it
                            go at full speed. Only the pace: the numbers are the same
+    --hold-at STEP --hold-until PATH
+                           before STEP (in every attempt), a rank waits until PATH exists, in a
+                           declared phase ("held": no hang is suspected): a test holds a run
+                           short of its end until what it waits for (a scheduler's warning, a
+                           supervisor taking over) has come, however slow the machine. Only
+                           the pace: the numbers are the same
     --after-close KIND     rank 0 then aborts (``abort``, as gloo's teardown sometimes does),
                            raises (``raise``) or blocks forever (``hang``, as gloo's teardown
                            sometimes does after a peer aborted) after the run closed cleanly
@@ -286,6 +292,15 @@ def pace(args: argparse.Namespace) -> float:
     return float(args.step_sleep)
 
 
+def hold(run: Any, until: Path) -> None:
+    """Wait until ``until`` exists (``--hold-at``), in a declared phase: a hold, not a hang."""
+    if until.exists():
+        return
+    with run.phase("held"):
+        while not until.exists():
+            time.sleep(0.1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
@@ -325,6 +340,8 @@ def main() -> None:
     p.add_argument("--nvrx", action="store_true")
     p.add_argument("--step-log")
     p.add_argument("--pace-file")
+    p.add_argument("--hold-at", type=int, default=0)
+    p.add_argument("--hold-until")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard)")
     p.add_argument("--ddp", action="store_true",
                    help="wrap the model in DistributedDataParallel (default: average by hand)")
@@ -427,6 +444,8 @@ def main() -> None:
         for at_attempt, at_rank, at_step, what in args.at:
             if (int(at_attempt), int(at_rank), int(at_step)) == (attempt, rank, upcoming):
                 strike(what, rank, upcoming, run)
+        if args.hold_until and upcoming == args.hold_at:
+            hold(run, Path(args.hold_until))
         time.sleep(pace(args))
         if args.flood and rank == 0:
             sys.stdout.write(f"flood step {upcoming} " + "x" * 100 + "\n" * 1)
