@@ -139,12 +139,14 @@ class Copier:
         single holder (else the just-in-time state already covers a lost rank, and the copies
         are off: every rank sees it in its own model, no collective, no group made); then,
         together, the copier's gloo group, which ranks write the state they hold (one per
-        shard: under DDP rank 0 alone), and whether each node's copies fit in half its free
-        host memory (``KEEP`` copies of its writers' state and of those it keeps a replica of).
-        Off for any reason on any rank: off on every rank, said once by rank 0."""
-        import psutil
+        shard: under DDP rank 0 alone), and whether each node's copies (``KEEP`` copies of its
+        writers' state and of those it keeps a replica of) fit the room its node leaves them
+        (``capacity``: /dev/shm's free space, half what the cgroup's memory limit and the
+        host's memory leave). Off for any reason on any rank: off on every rank, said once by
+        rank 0, with what to change."""
         import torch.distributed as dist
 
+        from babysit.checkpoints import capacity
         from babysit.checkpoints.save import state_bytes
 
         shard, shards = just_in_time.shard_of(self.model, self.rank)
@@ -153,7 +155,7 @@ class Copier:
                       "every shard of the state has several holders", bytes_=None)
             return
         mine = (shard, self.node, state_bytes(self.model, self.optimizer),
-                psutil.virtual_memory().available)
+                capacity.room(self.root, capacity.held_bytes(self.root / MEMORY_DIR)))
         if dist.is_available() and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
             everyone: list[Any] = [None] * self.world_size
@@ -169,14 +171,11 @@ class Copier:
             peer = peers(r, self.world_size, self._local_world_size).send_to
             if peer is not None:
                 need[everyone[peer][1]] = need.get(everyone[peer][1], 0) + KEEP * everyone[r][2]
-        free = {e[1]: e[3] for e in everyone}
-        short = sorted(n for n, b in need.items() if b > free[n] / 2)
+        room = {e[1]: e[3] for e in everyone}
+        short = [why for n, b in sorted(need.items())
+                 if (why := capacity.shortfall(b, room[n], n, KEEP)) is not None]
         if short:
-            node = short[0]
-            self._off(f"the copies need about {need[node] / 2**30:.1f} GiB of host memory on "
-                      f"node {node} ({KEEP} copies of its ranks' state and of its peer's), more "
-                      f"than half the {free[node] / 2**30:.1f} GiB free there: free host memory, "
-                      "or set checkpoints.memory_every_steps: 0", bytes_=need)
+            self._off(short[0], bytes_=need)
             return
         if self.rank == 0:
             self._emit("memory_copy_plan", every=self.every, auto=self.auto,

@@ -65,8 +65,9 @@ as in the journal)::
                                 (origin: periodic or just_in_time)
     memory_copies               the memory tier as the journal tells it: {every (steps, the
                                 newest plan or cost-model choice), copies (committed), newest
-                                (its step), off (why none are made, or null), failed}; null
-                                when the run never spoke of it
+                                (its step), off (why none are made, or null), failed,
+                                first_failure ({step, rank, error} of the first copy that
+                                failed, or null)}; null when the run never spoke of it
     goodput                     the goodput ledger (``babysit.supervisor.services.goodput``):
                                 {wall_s, goodput (0..1, productive / wall), seconds: {category:
                                 s} for productive, startup, checkpoint, restore, detection,
@@ -355,7 +356,8 @@ def memory_copies(h: History) -> dict[str, Any] | None:
     entries = [e for e in h.events if e.get("event") in said]
     if not entries:
         return None
-    out: dict[str, Any] = {"every": None, "copies": 0, "newest": None, "off": None, "failed": 0}
+    out: dict[str, Any] = {"every": None, "copies": 0, "newest": None, "off": None, "failed": 0,
+                           "first_failure": None}
     for e in entries:
         kind = e["event"]
         if kind == "memory_copy":
@@ -369,6 +371,10 @@ def memory_copies(h: History) -> dict[str, Any] | None:
             out["off"] = e.get("why") or e.get("summary")
         else:
             out["failed"] += 1
+            if out["first_failure"] is None:
+                data = _dict(e.get("data"))
+                out["first_failure"] = {"step": data.get("step"), "rank": e.get("rank"),
+                                        "error": data.get("error")}
     return out
 
 

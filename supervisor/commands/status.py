@@ -43,7 +43,10 @@ def describe_memory(m: dict[str, Any]) -> str:
             f"{m['copies']} made" + (f", newest of step {m['newest']}" if m["newest"] is not None
                                      else "")]
     if m["failed"]:
-        told.append(f"{m['failed']} failed (the journal's memory_copy_failed says why)")
+        first = m.get("first_failure") or {}
+        told.append(f"{m['failed']} failed (the first, rank {first.get('rank')}'s of step "
+                    f"{first.get('step')}: {first.get('error')})" if first else
+                    f"{m['failed']} failed (the journal's memory_copy_failed says why)")
     return ", ".join(told)
 
 

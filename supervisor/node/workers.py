@@ -115,6 +115,10 @@ class NodeWorkers:
                 "paths": [str(p) for p in swept],
                 "summary": f"removed {len(swept)} folder(s) of shared memory that babysitters "
                            f"gone from this node left behind"}))
+        fallback = self.memory.fallback
+        if fallback is not None:  # said once: this node's folder is made once a run
+            self.standby_entries.append(("shared_memory_fallback", {
+                "path": str(self.memory.root), "summary": f"no shared memory: {fallback}"}))
 
     def telemetry(self) -> list[RankStep | protocol.WorkerEvent]:
         """Every report queued on the socket, then what the ranks' printed progress said since

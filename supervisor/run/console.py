@@ -48,7 +48,7 @@ class Console:
             self._out.flush()
 
     HEARS = ("just_in_time", "just_in_time_off", "resume", "launch", "memory_copy_plan",
-             "memory_copy_off")
+             "memory_copy_off", "memory_copy_failed", "shared_memory_fallback")
     """Journal entries a person watching should read of (``hear``)."""
 
     def hear(self, entry: Mapping[str, Any]) -> None:

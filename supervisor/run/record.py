@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from babysit.checkpoints.capacity import size
 from babysit.policies import decide as sm
 from babysit.policies.types import Finding, JobStep
 from babysit.supervisor.contract.protocol import WorkerEvent
@@ -51,6 +52,11 @@ class Record:
         self.world = world_size
         """The job's ranks, from the hellos (an SDC check waits for every rank's digests)."""
         self._memory_planned = False
+        self._memory_off = False
+        """Copies were off and the console said why: once a run (each attempt's rank 0 says it
+        again, its figures a little different)."""
+        self._memory_failed = 0
+        """Memory copies that failed: the first is said on the console, the rest counted."""
         self.newest_step = 0
         """The newest step any rank reported this attempt (ahead of the merged steps)."""
         self.job_step: int | None = None
@@ -150,10 +156,17 @@ class Record:
                 if not self._memory_planned else {}
             self._memory_planned = True  # the console says it once a run
             self.write(kind, rank=event.rank, data=data, **said)
-        elif kind == "memory_copy_off":
+        elif kind == "memory_copy_off":  # rank 0's, at each attempt's first copy: said once
             why = str(data.get("why", ""))
-            self.write(kind, rank=event.rank, why=why, summary=f"no memory copies: {why}")
-        elif kind in ("memory_copy_failed", "memory_copy_skipped"):
+            said = {"summary": f"no memory copies: {why}"} if not self._memory_off else {}
+            self._memory_off = True
+            self.write(kind, rank=event.rank, why=why, **said)
+        elif kind == "memory_copy_failed":  # the first said, the others counted
+            self._memory_failed += 1
+            said = {"summary": _memory_failed(event.rank, data)} \
+                if self._memory_failed == 1 else {}
+            self.write(kind, rank=event.rank, data=data, failed=self._memory_failed, **said)
+        elif kind == "memory_copy_skipped":
             self.write(kind, rank=event.rank, data=data)
         elif kind == "checkpoints_off":  # checkpoints asked for, but this run can take none
             why = str(data.get("why", ""))
@@ -194,15 +207,20 @@ def _memory_plan(data: dict[str, Any]) -> str:
     every = data.get("every")
     when = (f"from step {every} on, as often as the cost model chooses"
             if data.get("auto") else f"every {every} steps")
-    most = _size(max(held)) if held else "nothing"
+    most = size(max(held)) if held else "nothing"
     return (f"memory copies {when}: up to {most} of shared memory on a node "
             f"({data.get('copies')} copies of its ranks' state and of the replica it keeps "
             f"for its peer)")
 
 
-def _size(count: float) -> str:
-    """Bytes as a person reads them: 20 KiB, 3.5 MiB, 1.2 GiB."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{int(count)} bytes"
+def _memory_failed(rank: int, data: dict[str, Any]) -> str:
+    """The console's line for the first memory copy that failed: what failed, that training
+    goes on, where the later ones are counted, and what to change when shared memory was
+    full."""
+    error = str(data.get("error", ""))
+    full = "No space left on device" in error or "[Errno 28]" in error
+    hint = (" /dev/shm is full: give the node a larger one (docker run --shm-size), or set "
+            "checkpoints.memory_every_steps: 0." if full else "")
+    return (f"rank {rank}'s memory copy of step {data.get('step')} failed: {error}. Training "
+            f"goes on without it; later failures are counted in `babysit status`, not said "
+            f"here.{hint}")

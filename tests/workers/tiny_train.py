@@ -99,6 +99,9 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
                            sometimes does after a peer aborted) after the run closed cleanly
     --work-after-close S   rank 1 then computes for S seconds before it exits (a script saving
                            or uploading after ``run.close()``)
+    --width W              the hidden layer's width (default 32): a state of about 216 bytes
+                           a unit with Adam, so that a test can give the job a state that a
+                           small /dev/shm cannot hold
 
 On a GPU (the GPU suite): ``--device cuda`` puts the model, optimizer state and batches on
 ``cuda:LOCAL_RANK`` (modulo the GPUs present, so several ranks may share one GPU), and
@@ -345,6 +348,8 @@ def main() -> None:
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard)")
     p.add_argument("--ddp", action="store_true",
                    help="wrap the model in DistributedDataParallel (default: average by hand)")
+    p.add_argument("--width", type=int, default=32,
+                   help="the hidden layer's width")
     p.add_argument("--forward-work", type=int, default=0,
                    help="matrix products in each forward (Work): compute a CPU limit slows")
     args = p.parse_args()
@@ -360,8 +365,8 @@ def main() -> None:
         print(f"rank {rank} on {device} ({torch.cuda.get_device_name(device)}), "
               f"{dist.get_backend()}", flush=True)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                torch.nn.Linear(32, 1)).to(device)
+    model = torch.nn.Sequential(torch.nn.Linear(16, args.width), torch.nn.ReLU(),
+                                torch.nn.Dropout(0.2), torch.nn.Linear(args.width, 1)).to(device)
     layers = (model[0], model[3])
     if args.forward_work:  # first: under FSDP the others wait for it at the next all-gather
         model = torch.nn.Sequential(Work(args.forward_work), *model)
