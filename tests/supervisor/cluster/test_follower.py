@@ -11,6 +11,7 @@ runner's own process for every test after this one.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -238,8 +239,12 @@ def test_a_launch_starts_torchrun_as_told_and_a_stop_is_answered_with_stopped(
         assert flag in args
     assert "--node-rank" not in args  # c10d ignores it, and torchrun warns that it does
     attempt_dir = run.follower.workers.attempt_dir(2)
-    assert Directive.from_json(json.loads((attempt_dir / "directive.json").read_text())) == \
+    written = Directive.from_json(json.loads((attempt_dir / "directive.json").read_text()))
+    # As told, plus where this node's ranks keep state (checkpoints.every_steps: auto, the
+    # default): their marks and memory copies in this node's own folder.
+    assert dataclasses.replace(written, just_in_time={}, memory={}) == \
         Directive(attempt=2, lr_scale=0.5)
+    assert "-n1" in written.just_in_time["marks"]
     [stop] = run.journal("stop_workers")
     assert stop["reason"] == "a hang on node 2" and pids[0] in stop["pids"]
     assert run.journal("follower_finished")[0]["exit_code"] == 0
