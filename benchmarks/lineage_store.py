@@ -6,7 +6,8 @@ and the time to choose a state with many on record.
 On a real checkpoint folder in a temporary directory (states committed by the real commit
 path, one small file each, so that the figures are the bookkeeping's, not the bytes'), with
 ``--states`` states spread over timelines that a rollback forked every 50 steps (those a
-rollback abandoned stay on record, fenced), it prints the medians of ``--repeats`` runs, side by side:
+rollback abandoned stay on record, fenced), it prints the medians of ``--repeats`` runs, side
+by side:
 
     choose      ``Catalog.choose_for_rollback(None, allow_pending=True)``: list every state,
                 read the lineage, judge each live or fenced, verify the one chosen (CRC-32)
@@ -33,15 +34,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from babysit.checkpoints import Catalog, lineage, step_dir  # noqa: E402
-from babysit.checkpoints.layout import rank_state_name  # noqa: E402
-from babysit.checkpoints.save import commit, hash_part  # noqa: E402
+from babysit.checkpoints import Catalog, lineage, step_dir
+from babysit.checkpoints.layout import rank_state_name
+from babysit.checkpoints.save import commit, hash_part
 
 
 def build(root: Path, states: int) -> None:
-    """``states`` committed states, one every 2 steps; every 100 steps trained a rollback goes back 50
-    and the new timeline saves at the other parity, so the abandoned states stay on record
-    (fenced) beside the live ones."""
+    """``states`` committed states, one every 2 steps; every 100 steps trained a rollback goes
+    back 50 and the new timeline saves at the other parity, so the abandoned states stay on
+    record (fenced) beside the live ones."""
     history = lineage.begin(root, None, 0, 0)
     step, made, parity, fork_at = 0, 0, 0, 100
     while made < states:
