@@ -35,11 +35,23 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
+_expected: tuple[int, Any] | None = None
+"""The digest the streams should have at the next step's first training forward after the
+last restore (``expected_at_forward``), and torch's CPU state as restored."""
+
+
 def restore_rng(state: dict[str, Any]) -> None:
-    """Set this process's RNG streams to ``state`` (from ``capture_rng`` on the same rank)."""
+    """Set this process's RNG streams to ``state`` (from ``capture_rng`` on the same rank, or a
+    mark's: ``checkpoints.mark``). Where ``state`` says what they were as the next step's first
+    training forward began (``forward``, a ``Streams.digest``), that is kept for the resumed
+    loop to check (``expected_at_forward``)."""
     import torch
 
+    global _expected
     torch.set_rng_state(state["torch"])
+    forward = state.get("forward")
+    _expected = (forward, torch.get_rng_state()) if isinstance(forward, int) and forward \
+        else None
     random.setstate(state["python"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -47,3 +59,17 @@ def restore_rng(state: dict[str, Any]) -> None:
         import numpy as np
 
         np.random.set_state(state["numpy"])
+
+
+def expected_at_forward() -> int | None:
+    """What the last ``restore_rng`` said the streams would be as the next step's first
+    training forward begins (a ``checkpoints.mark.Streams.digest``), once, right after the
+    restore (``attach()``): None after the first call, where the restored state did not say,
+    or where torch's stream moved since (a restore whose loop never asked, long ago)."""
+    import torch
+
+    global _expected
+    expected, _expected = _expected, None
+    if expected is None or not torch.equal(torch.get_rng_state(), expected[1]):
+        return None
+    return expected[0]

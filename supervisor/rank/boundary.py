@@ -12,10 +12,9 @@ script gives anyway:
   (``run.step()`` before ``opt.step()``, as the worker-API page shows, or after it, as
   torchtitan reports its metrics), or at a ``run.step()`` that said to skip the update (it
   returned False: no ``opt.step()`` follows). The optimizer's step post-hook says when the update
-  is done. There the keeper marks the next step's start (the random streams as they are now:
-  in a loop that draws its batch at the top of the step, nothing draws between ``opt.step()``
-  and the next batch), and the cadence decides whether the step is saved (the streams taken
-  now if so).
+  is done. There the keeper marks the next step's start, and the cadence decides whether the
+  step is saved, both with the random streams as they stood when the step's last training
+  forward ended (below).
 - **The next step starts** at the first of: the model's forward in training mode with autograd
   on (a forward pre-hook ahead of the model's others, FSDP2's all-gather among them), the
   optimizer's step pre-hook, or ``run.step()``. The script's ``sched.step()`` has run by then,
@@ -35,11 +34,32 @@ that found infinite gradients skips ``opt.step()`` while ``run.step()`` said kee
 here: it is neither marked nor saved, and the keeper's state stays that of the step before
 (not consistent once the scheduler stepped).
 
+**Which random streams the next step starts from.** A resume runs the script again from its
+top: what it draws before its loop, and in the loop before the step's first forward, it draws
+again from the streams restored. A loop that draws each step's batch at its top (the
+worker-API page's ``while`` loop) draws nothing between a step's last forward and its
+``opt.step()``; nanoGPT's ``train.py`` draws the next step's batch right there, inside the last
+micro-step of its gradient accumulation (``X, Y = get_batch('train')`` after the forward,
+before the backward), and on a resume draws it once more before its loop. So the streams kept
+are those as the step's last training forward ended (a forward post-hook takes them, about
+4 us a forward; the step's end copies them into the mark), before any draw made after it: a
+batch prefetched there is drawn again, the same, by the resumed script, and a loop that draws
+at the top is unchanged (nothing drew in between). A loop that draws after its last forward
+for the step itself (noise, sampling) and not again on a resume cannot be resumed exactly from
+either point; babysit cannot tell the two apart as it trains, so the resume checks: as each
+step's first training forward begins, a digest of the streams joins the keeper's mark and the
+checkpoint saved there (``Streams.digest``), and a resumed attempt compares its own first
+training forward's streams with it (``checkpoints.rng.expected_at_forward``). Where they differ,
+the rank says so once, on its console, with the change that makes it exact. Under
+``run.batches()`` the top of its loop is the point between steps: the streams are taken there.
+
 ``StepEnds`` is the bookkeeping (pure); ``Between`` installs the hooks and acts.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -122,12 +142,33 @@ class Between:
         self._due: Due | None = None
         self._rng: dict[str, Any] | None = None
         """This rank's random streams at the end of the step ``_due`` saves."""
+        self._forward_done_hook: Any = None
+        from babysit.checkpoints.mark import Streams
+
+        self._keeps_streams = keeper is not None or checkpointer.enabled
+        """Marks or checkpoints keep the streams (not the SDC check alone)."""
+        self._held = Streams()
+        """The streams as the last training forward ended."""
+        self._fresh = False
+        """``_held`` was taken in the step in progress (since the last step's end)."""
+        self._probe = Streams()
+        """Where the streams' digest at a step's first training forward is taken."""
+        self._note = False
+        """The next training forward is the first since the keeper's newest mark: its streams'
+        digest joins the mark (``Keeper.note_forward``)."""
+        self._expect: int | None = None
+        """The streams' digest the attempt's first training forward should see (a resume's)."""
         import torch
 
         self._grad_enabled = torch.is_grad_enabled
 
     def install(self) -> None:
-        """Hook the optimizer and the model."""
+        """Hook the optimizer and the model. After ``attach()``'s restore: the digest a resume
+        expects at its first training forward is taken from it."""
+        from babysit.checkpoints.rng import expected_at_forward
+
+        self._expect = expected_at_forward()
+        self._note = self.keeper is not None  # attach() marks the attempt's first step next
         self._hooks.append(self.optimizer.register_step_pre_hook(self._optimizer_starts))
         self._hooks.append(self.optimizer.register_step_post_hook(self._optimizer_done))
         register = getattr(self.model, "register_forward_pre_hook", None)
@@ -138,6 +179,8 @@ class Between:
             eager: Any = torch.compiler.disable
             self._forward_hook = register(eager(self._forward), prepend=True)
             self._hooks.append(self._forward_hook)
+            self._forward_done_hook = self.model.register_forward_hook(eager(self._forward_done))
+            self._hooks.append(self._forward_done_hook)
 
     def by_loader(self) -> None:
         """``run.batches()`` took over (its first call, between steps): a checkpoint owed of
@@ -145,13 +188,17 @@ class Between:
         marks where something drew since the step's end (``Keeper.holds``), and the hooks
         here only mark each step's end, so a fault in the loop's tail (between the step's end
         and the next batch: the script's logging, eval or own checkpoint, a ``next()`` not
-        reached yet) still finds the step it completed. The model's hook comes off."""
+        reached yet) still finds the step it completed. The model's hooks come off: the
+        streams are taken at the top of its loop."""
         self.starting()
         self.saves = False
-        if self._forward_hook is not None:
-            self._forward_hook.remove()
-            self._hooks.remove(self._forward_hook)
-            self._forward_hook = None
+        self._note = False
+        self._expect = None
+        for hook in (self._forward_hook, self._forward_done_hook):
+            if hook is not None:
+                hook.remove()
+                self._hooks.remove(hook)
+        self._forward_hook = self._forward_done_hook = None
 
     def remove(self) -> None:
         """The hooks off. Idempotent."""
@@ -161,12 +208,15 @@ class Between:
 
     def reported(self, keep: bool) -> None:
         """``run.step()`` reported the step (after counting it), ``keep`` its answer."""
+        self._note = False  # the step is under way: a forward now is not its first
+        self._expect = None
         if self.ends.report(keep):
             self._ended()
 
-    def starting(self) -> None:
+    def starting(self, forward: int | None = None) -> None:
         """A sign that a step starts: at the first after a step ended, the scheduler's epoch
-        settled, the owed checkpoint saved, the SDC digests sent."""
+        settled, the owed checkpoint saved, the SDC digests sent. ``forward``: the streams'
+        digest, where the sign is the step's first training forward (saved with them)."""
         if not self.ends.start():
             return
         if self.keeper is not None:
@@ -176,6 +226,8 @@ class Between:
         due, rng = self._due, self._rng
         if due is not None:
             self._due = self._rng = None
+            if rng is not None and forward is not None:
+                rng = {**rng, "forward": forward}
             self.checkpointer.save(due, self._lr_scale, self._phase, rng=rng)
         self._check(self._step)
 
@@ -188,17 +240,23 @@ class Between:
     def _ended(self) -> None:
         step, cursor, samples, lr_scale = self._where()
         self._step, self._lr_scale = step, lr_scale
+        # The streams as the step's last training forward ended (none seen: those of now).
+        held = self._held if self.saves and self._fresh else None
+        self._fresh = False
         if self.keeper is not None:
-            self.keeper.mark(step, cursor, samples, lr_scale, settled=False)
+            self.keeper.mark(step, cursor, samples, lr_scale, settled=False, streams=held)
+            self._note = self.saves
         if not self.saves:
             return
         self._due = self.checkpointer.due(step, cursor)
         if self._due is not None:
             from babysit.checkpoints.rng import capture_rng
 
-            self._rng = capture_rng()
+            self._rng = held.rng() if held is not None else capture_rng()
 
     def _optimizer_starts(self, *args: Any) -> None:
+        self._note = False
+        self._expect = None
         self.starting()
 
     def _optimizer_done(self, *args: Any) -> None:
@@ -206,8 +264,48 @@ class Between:
             self._ended()
 
     def _forward(self, module: Any, args: Any) -> None:
-        if self.ends.open and module.training and self._grad_enabled():
-            self.starting()
+        if not (module.training and self._grad_enabled()):
+            return
+        starts = self.ends.open
+        if not (starts or self._note or self._expect is not None):
+            return  # a later micro-step's forward: nothing to do
+        digest = None
+        if self._note or self._expect is not None or (starts and self._due is not None):
+            digest = self._probe.digest()
+        if self._expect is not None:
+            expected, self._expect = self._expect, None
+            if digest != expected:
+                _inexact(self._where()[0])
+        if self._note and self.keeper is not None and digest is not None:
+            self.keeper.note_forward(digest)
+        self._note = False
+        if starts:
+            self.starting(digest)
+
+    def _forward_done(self, module: Any, args: Any, output: Any) -> None:
+        if self.saves and self._keeps_streams and module.training and self._grad_enabled():
+            self._held.take()
+            self._fresh = True
+
+
+def _inexact(step: int) -> None:
+    """Say, on the rank's console, that its streams at the resumed attempt's first training
+    forward are not the run's there before it stopped, and what makes them so: once per
+    attempt, by the first rank of each node (the loop is the same code on every rank)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    rank = os.environ.get("RANK", "0")
+    print(f"babysit: [warning] rank {rank}'s resume at step {step} is not exact: the random "
+          "streams its first training forward began with are not those the run had there "
+          "before it stopped. babysit restores each rank's streams as they stood when the "
+          "step's last training forward ended, so that a batch drawn after it for the next "
+          "step (nanoGPT's get_batch inside its gradient accumulation) is drawn again, the "
+          "same, by the script's first draw; this loop draws something else between a step's "
+          "last forward and the next step's first that it does not draw again after a resume. "
+          "To resume exactly, draw each step's batch at its top (after opt.step()) or right "
+          "after the previous step's last forward, and anything else a step draws (noise, "
+          "sampling) before its last forward or from a torch.Generator of your own.",
+          file=sys.stderr, flush=True)
 
 
 def why_no_checkpoints(*, wanted: bool, model: bool, optimizer: bool, by_loader: bool,

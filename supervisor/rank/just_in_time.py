@@ -8,8 +8,11 @@ written, ``node/just_in_time.py`` who asks):
 - **marks** (``mark``, at the first top of ``Run.batches()`` after each step, or, in a loop
   without it, at each step's end found by the optimizer's hooks: ``rank.boundary``): the step,
   the data cursor and the LR scale the next step starts from, the rank's random streams into
-  its mark file (``checkpoints.mark``: about 15 us), the optimizer-step count and the
-  scheduler's epoch; on a GPU, a CUDA event after the step's last kernels.
+  its mark file (``checkpoints.mark``: about 15 us; in a loop without ``run.batches()``, as
+  they stood when the step's last training forward ended), the optimizer-step count and the
+  scheduler's epoch; on a GPU, a CUDA event after the step's last kernels. As the next step's
+  first training forward begins, a digest of the streams joins the mark (``note_forward``), for
+  a resume from it to check its own first forward against.
 - **knows** whether the state is still that of the mark: the optimizer's own hooks say whether
   ``optimizer.step()`` is running or ran since (then no), and the scheduler's epoch whether it
   stepped since. A mark at a step's end comes before the script's ``sched.step()``: its epoch
@@ -55,6 +58,7 @@ Emit = Callable[..., None]
 
 if typing.TYPE_CHECKING:
     from babysit.checkpoints.just_in_time import Format
+    from babysit.checkpoints.mark import Streams
 
 
 class PartWriter(typing.Protocol):
@@ -147,19 +151,26 @@ class Keeper:
         self._take_sigterm()
 
     def mark(self, step: int, cursor: int, samples: int | None, lr_scale: float,
-             settled: bool = True) -> None:
+             settled: bool = True, streams: Streams | None = None) -> None:
         """The step after ``step`` starts here (the data at ``cursor``): record what it starts
         from. Call once per step, between steps, before its batch is drawn, after
         ``optimizer.step()`` returned. ``settled``: the scheduler has stepped for ``step``
         already (the top of ``run.batches()``); False at a step's end found by the optimizer's
-        hook, which ``settle`` completes at the next step's start."""
-        self._marks.write(step, cursor, samples, lr_scale)
+        hook, which ``settle`` completes at the next step's start. ``streams``: the random
+        streams the next step starts from, taken earlier (``rank.boundary``: as the step's last
+        training forward ended), where not those of now."""
+        self._marks.write(step, cursor, samples, lr_scale, streams)
         scheduler = self.scheduler
         self._marked = _Marked(step, cursor, samples, lr_scale, self._optimizer_steps,
                                getattr(scheduler, "last_epoch", None), settled)
         self._forward_moved = False
         if self._event is not None:
             self._event.record()
+
+    def note_forward(self, digest: int) -> None:
+        """The next step's first training forward begins, the streams' digest ``digest``
+        (``checkpoints.mark.Streams.digest``): kept with the mark."""
+        self._marks.note(digest)
 
     def holds(self, step: int, cursor: int, samples: int | None, lr_scale: float) -> bool:
         """The mark is of ``step`` with these values, and no random stream moved nor forward

@@ -276,9 +276,9 @@ def test_under_run_batches_a_step_is_marked_at_its_end_and_at_the_top_only_after
     marks: list[tuple[int, bool]] = []
     mark = keeper.mark
 
-    def counted(step: int, *args: Any, settled: bool = True) -> None:
+    def counted(step: int, *args: Any, settled: bool = True, **kw: Any) -> None:
         marks.append((step, settled))
-        mark(step, *args, settled=settled)
+        mark(step, *args, settled=settled, **kw)
 
     keeper.mark = counted
     tails = []
