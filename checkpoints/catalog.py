@@ -47,8 +47,9 @@ from babysit.checkpoints.layout import (
     VERDICTS_NAME,
     parse_step_dir,
 )
-from babysit.checkpoints.manifest import Manifest, read_manifest, verify_manifest
-from babysit.checkpoints.memory import Place, unavailable, verify_local
+from babysit.checkpoints.manifest import Manifest, read_manifest
+from babysit.checkpoints.memory import Place
+from babysit.checkpoints.tiers import DISK, MEMORY, tier_of
 
 _VERDICTS_FORMAT = 2
 """Keyed by a state's id (format 1 was keyed by its step; it is read and converted)."""
@@ -261,7 +262,7 @@ class Catalog:
         return self._choose([c for c in self.live()
                              if c.verdict in wanted
                              and (onset_step is None or c.step < onset_step)
-                             and (jit or not c.manifest.is_just_in_time)], verify)
+                             and (jit or not tier_of(c.manifest).relaunch_only)], verify)
 
     def choose_trained_on(self, after_step: int, before_step: int, upto_cursor: int, reason: str,
                           *, verify: bool = True) -> RollbackChoice:
@@ -283,15 +284,12 @@ class Catalog:
         out of reach is passed over, unmarked."""
         refused = []
         for ckpt in reversed(candidates):
-            if ckpt.manifest.is_memory:
-                why = unavailable(ckpt.manifest, self.memory)
-                if why is not None:
-                    refused.append(Refusal(ckpt.step, ckpt.path, (why,)))
-                    continue
-                assert self.memory is not None
-                problems = verify_local(ckpt.manifest, self.memory) if verify else []
-            else:
-                problems = verify_manifest(ckpt.manifest, ckpt.path, full=True) if verify else []
+            tier = tier_of(ckpt.manifest)
+            why = tier.unavailable(ckpt.manifest, self.memory)
+            if why is not None:
+                refused.append(Refusal(ckpt.step, ckpt.path, (why,)))
+                continue
+            problems = tier.verify(ckpt.manifest, ckpt.path, self.memory) if verify else []
             if problems:
                 self._set([ckpt], Verdict.CORRUPT, "; ".join(problems))
                 refused.append(Refusal(ckpt.step, ckpt.path, tuple(problems)))
@@ -325,8 +323,8 @@ class Catalog:
             raise ValueError(f"keep_last must be >= 0, got {keep_last}")
         all_ckpts = [c for c in self.checkpoints() if not c.foreign]
         usable = [c for c in all_ckpts if c.verdict is not Verdict.CORRUPT and not c.fenced]
-        disk = [c for c in usable if not c.manifest.is_memory]
-        memory = [c for c in usable if c.manifest.is_memory]
+        disk = [c for c in usable if tier_of(c.manifest).pool == DISK]
+        memory = [c for c in usable if tier_of(c.manifest).pool == MEMORY]
         keep = {c.id for c in disk[max(0, len(disk) - keep_last):]} if keep_last else set()
         keep |= {c.id for c in memory[-self.MEMORY_KEEP:]}
         good = [c for c in disk if c.verdict is Verdict.GOOD]

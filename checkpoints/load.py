@@ -9,9 +9,10 @@ from typing import Any
 from babysit.checkpoints import just_in_time, mark
 from babysit.checkpoints.errors import CheckpointError
 from babysit.checkpoints.layout import rank_state_name
-from babysit.checkpoints.manifest import KIND_DCP, read_manifest, verify_manifest
+from babysit.checkpoints.manifest import KIND_DCP, read_manifest
 from babysit.checkpoints.rng import restore_rng
 from babysit.checkpoints.save import rank_and_world
+from babysit.checkpoints.tiers import tier_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +84,12 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
             "checkpoint saved at this world size."
         )
     data = Path(memory) if memory is not None else manifest.data_dir(path)
-    if manifest.is_memory and memory is None:
+    tier = tier_of(manifest)
+    if not tier.on_disk and memory is None:
         raise CheckpointError(
             f"{path} (step {manifest.step}) is a memory copy: its files are in the nodes' shared "
             "memory, and load needs this node's folder of it (memory=...).")
-    problems = [] if manifest.is_memory else verify_manifest(manifest, path, full=False)
+    problems = tier.verify_at_load(manifest, path)
     if problems:
         raise CheckpointError(
             f"{path} (step {manifest.step}) is damaged: {'; '.join(problems)}. Rank {rank} "
@@ -99,10 +101,10 @@ def load(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = N
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-    if manifest.is_memory:
+    if not tier.on_disk:
         _fetch_memory(data, manifest, state, rank, checked)
     try:
-        if manifest.is_just_in_time or manifest.is_memory:  # the writers' metadata, merged
+        if tier.writers_layout:  # the writers' metadata, merged
             dcp_load(state, storage_reader=just_in_time.reader(data))
         else:
             dcp_load(state, checkpoint_id=str(path))
@@ -170,7 +172,7 @@ def _rank_state(path: Path, manifest: Any, rank: int) -> tuple[dict[str, Any], A
 
     names = {f.name for f in manifest.files}
     source = rank if rank < manifest.world_size else 0
-    if manifest.is_just_in_time and rank_state_name(source) not in names:
+    if tier_of(manifest).streams_from_marks and rank_state_name(source) not in names:
         written = sorted(f.name for f in manifest.files if f.name.startswith("rank_"))
         if not written:
             raise CheckpointError(f"{path} (step {manifest.step}) holds no rank's state file")

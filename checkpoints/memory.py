@@ -32,7 +32,6 @@ This module is torch-free (the supervisor's side); the ranks' side is ``memory_c
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,7 +46,6 @@ from babysit.checkpoints.manifest import (
     FileEntry,
     Manifest,
     merge_entries,
-    verify_manifest,
     write_manifest,
 )
 
@@ -157,28 +155,6 @@ class Place:
     node: int
     folder: Path
     live: Callable[[], Collection[int]]
-
-
-def unavailable(manifest: Manifest, place: Place | None) -> str | None:
-    """Why a memory copy cannot be loaded now (None: it can): no node alive holds one of its
-    files, or the run keeps no memory copies here."""
-    if place is None:
-        return "this run keeps no memory copies"
-    gone = missing(manifest, place.live())
-    if gone:
-        return (f"no live node holds {', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''} "
-                f"(their node and its peer are gone)")
-    return None
-
-
-def verify_local(manifest: Manifest, place: Place) -> list[str]:
-    """The problems of the files of a memory copy that this node holds, checked byte for byte
-    against their CRC-32 (the other nodes' files are checked by their ranks as they load)."""
-    held = (manifest.memory or {}).get("holders", {})
-    mine = [e for e in manifest.files if place.node in held.get(e.name, ())]
-    local = dataclasses.replace(manifest, files=tuple(mine), external_path=None)
-    return verify_manifest(local, copy_dir(place.folder, manifest.step, manifest.timeline),
-                           full=True)
 
 
 def commit(root: str | Path, step: int, parts: Mapping[int, Part], world_size: int,

@@ -20,7 +20,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from babysit.checkpoints import Catalog, Checkpoint, RollbackChoice, Verdict, lineage, memory
+from babysit.checkpoints import (
+    Catalog,
+    Checkpoint,
+    RollbackChoice,
+    Verdict,
+    lineage,
+    memory,
+    tiers,
+)
+from babysit.checkpoints.tiers import tier_of
 from babysit.policies import rollback
 from babysit.policies.rollback import Saved, Shelf
 from babysit.policies.types import Action, Finding, Remedy
@@ -199,7 +208,7 @@ class Recovery:
         except OSError:
             listed = []
         return Shelf(tuple(Saved(c.step, c.cursor, c.verdict is Verdict.GOOD,
-                                 c.manifest.is_just_in_time) for c in listed),
+                                 tier_of(c.manifest).relaunch_only) for c in listed),
                      self.probation_steps)
 
     def resume_for(self, remedy: Remedy | None, replayed: tuple[int, int] | None = None,
@@ -333,7 +342,7 @@ class Recovery:
                                    "cursor": chosen.cursor, "verdict": verdict.value,
                                    "before_step": before, **(extra or {}), **jit,
                                    **({"samples": samples} if samples is not None else {})}))
-        if chosen.manifest.is_memory:
+        if not tier_of(chosen.manifest).on_disk:
             place = self.catalog.memory
             return Resume(path=str(chosen.path), step=chosen.step, cursor=chosen.cursor,
                           samples=samples, memory=chosen.manifest.external_path,
@@ -349,12 +358,12 @@ def _just_in_time(chosen: Checkpoint, reached: int | None,
     """A just-in-time resume's own fields (what it was, who wrote it, what it spared: the steps
     from it to ``reached`` lost, null when ``reached`` is unknown, and the newest periodic
     checkpoint) and its one-line ``summary``; {} for another."""
-    if not chosen.manifest.is_just_in_time:
+    if tier_of(chosen.manifest) is not tiers.JUST_IN_TIME:
         return {}
     story = chosen.manifest.just_in_time or {}
     writers = [int(r) for r in story.get("writers", [])]
-    periodic = max((c.step for c in listed if not c.manifest.is_just_in_time
-                    and not c.manifest.is_memory and c.step < chosen.step), default=None)
+    periodic = max((c.step for c in listed if tier_of(c.manifest).lasting
+                    and c.step < chosen.step), default=None)
     lost = max(0, reached - chosen.step) if reached is not None else None
     newest = f"the newest checkpoint was of step {periodic}" if periodic is not None \
         else "no checkpoint before it"
@@ -376,10 +385,10 @@ def _memory(chosen: Checkpoint, reached: int | None,
     """A memory copy's resume's own fields (what it spared: the steps from it to ``reached``
     lost, null when unknown, and the newest checkpoint on disk) and its one-line ``summary``;
     {} for another."""
-    if not chosen.manifest.is_memory:
+    if tier_of(chosen.manifest) is not tiers.IN_MEMORY:
         return {}
-    on_disk = max((c.step for c in listed if not c.manifest.is_memory
-                   and not c.manifest.is_just_in_time and c.step < chosen.step), default=None)
+    on_disk = max((c.step for c in listed if tier_of(c.manifest).lasting
+                   and c.step < chosen.step), default=None)
     lost = max(0, reached - chosen.step) if reached is not None else None
     newest = f"the newest checkpoint on disk was of step {on_disk}" if on_disk is not None \
         else "no checkpoint on disk before it"
