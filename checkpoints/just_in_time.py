@@ -16,7 +16,7 @@ a just-in-time checkpoint, and how it is read back:
 - **No collectives.** A writer saves with ``torch.distributed.checkpoint`` in DCP's own
   uncoordinated layout (``use_collectives=False``): ``__<rank>_0.distcp`` and
   ``__<rank>.metadata``, one pair per writer, from a thread of its own while its main thread
-  may sit in a collective that will never finish (``rank/just_in_time.py``).
+  may sit in a collective that will never finish (``rank/keeper.py``).
 - **Read back** by ``load`` like any checkpoint (``read_metadata`` below merges the writers'
   metadata into one), so DCP reshards it to whatever world size the relaunch has.
 - **Committed** like any checkpoint: a manifest with every file's CRC-32, written last by the

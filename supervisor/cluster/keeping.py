@@ -31,7 +31,7 @@ from babysit.supervisor.cluster.messages import (
     KeepWrite,
     KeepWritten,
 )
-from babysit.supervisor.node.just_in_time import Gathered, Keepers, Written
+from babysit.supervisor.node.last_step import Gathered, Keepers, Written
 
 TICK_S = 0.02
 """How often the leader looks for the nodes' answers while it waits for them."""

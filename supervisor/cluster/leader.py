@@ -59,7 +59,7 @@ from babysit.supervisor.contract.protocol import WorkerEvent, mfu_inputs
 from babysit.supervisor.node import ahead, standby
 from babysit.supervisor.node.aggregate import with_rates
 from babysit.supervisor.node.gpu_watch import GpuWatch
-from babysit.supervisor.node.just_in_time import Outcome
+from babysit.supervisor.node.last_step import Outcome
 from babysit.supervisor.node.launcher import Placement
 from babysit.supervisor.node.sketch import StepSummary, SummaryRecord
 from babysit.supervisor.node.tick import OwnNode

@@ -163,7 +163,7 @@ class Directive:
     it to commit: a rerun's, where the data's remedy would skip from (``policies/rerun.py``),
     so that remedy need not train the same steps a third time."""
     just_in_time: dict[str, Any] = field(default_factory=dict)
-    """Keep the last completed step for a just-in-time checkpoint (``rank/just_in_time.py``):
+    """Keep the last completed step for a just-in-time checkpoint (``rank/keeper.py``):
     ``marks``, the folder of the ranks' mark files, and ``hold_s``, how long a rank that is
     ending waits for its node; empty: off."""
     memory: dict[str, Any] = field(default_factory=dict)

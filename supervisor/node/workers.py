@@ -28,7 +28,7 @@ from babysit.supervisor.contract.directive import Directive
 from babysit.supervisor.node import (
     ahead,
     flight_recorder,
-    just_in_time,
+    last_step,
     launcher,
     reports,
     shield,
@@ -87,11 +87,11 @@ class NodeWorkers:
         self.memory = shm.NodeMemory.of(plan.shared_dir, plan.node_rank)
         """This node's folder in shared memory: the ranks' marks and memory copies
         (``node.shm``), removed when the run ends here."""
-        self.keepers = just_in_time.Keepers(self.token.hex(), self.memory.marks) \
+        self.keepers = last_step.Keepers(self.token.hex(), self.memory.marks) \
             if saving.just_in_time and saving.every_steps > 0 else None
         """The ranks' keepers of their last completed step (``node.just_in_time``), when the
         run keeps one: babysit saves its checkpoints and ``checkpoints.just_in_time`` is on."""
-        self.budget = just_in_time.Budget(saving.just_in_time_timeout_s)
+        self.budget = last_step.Budget(saving.just_in_time_timeout_s)
         self.attempt = -1
         self.resumed_step = 0
         """The step the running attempt resumed from (0: from scratch)."""
@@ -318,20 +318,20 @@ class NodeWorkers:
             return directive
         return replace(directive, just_in_time=self.keepers.settings(attempt, self.budget))
 
-    def keep_last_step(self, fault: str, others: just_in_time.Part | None = None,
-                       world_size: int | None = None) -> just_in_time.Outcome | None:
+    def keep_last_step(self, fault: str, others: last_step.Part | None = None,
+                       world_size: int | None = None) -> last_step.Outcome | None:
         """After ``fault``, before anything is stopped: the just-in-time save of the last
-        completed step (``node.just_in_time.save``) from this node's ranks and, on a
+        completed step (``node.last_step.save``) from this node's ranks and, on a
         multi-node leader, the ``others`` nodes' (``world_size``: the whole job's ranks).
         None when the run keeps none, no rank here attached, or this attempt's was made."""
         if self.keepers is None or self._kept == self.attempt or \
                 not any(self.keeping.get(r) for r in self.rank_pids):
             return None
         self._kept = self.attempt
-        parts: list[just_in_time.Part] = [just_in_time.OwnRanks(self.keepers, self.rank_pids)]
+        parts: list[last_step.Part] = [last_step.OwnRanks(self.keepers, self.rank_pids)]
         if others is not None:
             parts.append(others)
-        return just_in_time.save(
+        return last_step.save(
             parts, self.attempt, root=Path(self.plan.checkpoint_dir),
             world_size=world_size or self.world_size or len(self.rank_pids),
             since_step=self.resumed_step, fault=fault,

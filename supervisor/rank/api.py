@@ -64,7 +64,7 @@ from babysit.supervisor.rank.forward_clock import forward_clock
 from babysit.supervisor.rank.saving import Checkpointer
 
 if TYPE_CHECKING:
-    from babysit.supervisor.rank.just_in_time import Keeper, PartWriter
+    from babysit.supervisor.rank.keeper import Keeper, PartWriter
 
 T = TypeVar("T")
 
@@ -771,7 +771,7 @@ def _keeper(run: Run, directive: Directive, token_hex: str, model: Any, optimize
     settings = directive.just_in_time
     if not settings or model is None or run._sock is None:
         return None
-    from babysit.supervisor.rank.just_in_time import Keeper
+    from babysit.supervisor.rank.keeper import Keeper
 
     keeper = Keeper(rank=run.rank, attempt=directive.attempt, token_hex=token_hex,
                     marks=Path(settings["marks"]), hold_s=float(settings["hold_s"]), model=model,

@@ -147,6 +147,7 @@ class LiveCadence:
         tau, _ = estimate_tau(self.advisor.observed_s, self.advisor.interruption_count,
                               self.advisor.mtbf_prior_s)
         advice = memory_advice(stall, tau, step_s, self.advisor.every_steps)
+        # The ranks switch together at a copy they agree on (``memory_copy.Copier``).
         start = self._newest_step() + 1
         self.memory_every = advice.every_steps
         self._request(memory_every=advice.every_steps, memory_from_step=start)

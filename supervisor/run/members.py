@@ -24,7 +24,7 @@ from babysit.supervisor.contract.protocol import WorkerEvent, mfu_inputs
 from babysit.supervisor.node import ahead, launcher, standby
 from babysit.supervisor.node.aggregate import StepAggregator, metrics_row
 from babysit.supervisor.node.gpu_watch import GpuWatch
-from babysit.supervisor.node.just_in_time import Outcome
+from babysit.supervisor.node.last_step import Outcome
 from babysit.supervisor.node.printed import SOURCE
 from babysit.supervisor.node.stacks import Diagnosis
 from babysit.supervisor.node.tick import NodeTick, OwnNode

@@ -24,7 +24,7 @@ from typing import Any
 
 from babysit.checkpoints import Catalog, Verdict
 from babysit.supervisor.config.schema import CheckpointConfig
-from babysit.supervisor.node.just_in_time import Outcome
+from babysit.supervisor.node.last_step import Outcome
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
 """The Trainer's own checkpoint as babysit's just-in-time state: a ``checkpoint-N`` folder's
-files, written by a rank's keeper (``rank/just_in_time.py``) from its own thread, without any
+files, written by a rank's keeper (``rank/keeper.py``) from its own thread, without any
 collective, which ``trainer.train(resume_from_checkpoint=...)`` resumes from like any of the
 Trainer's own checkpoints.
 

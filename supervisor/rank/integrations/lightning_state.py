@@ -1,5 +1,5 @@
 """Lightning's own checkpoint as babysit's just-in-time state: a ``.ckpt`` written by a rank's
-keeper (``rank/just_in_time.py``) from its own thread, without any collective, which
+keeper (``rank/keeper.py``) from its own thread, without any collective, which
 ``trainer.fit(model, ckpt_path=...)`` resumes from like any of Lightning's own checkpoints.
 
 It is what ``trainer.save_checkpoint`` would have written from a callback's

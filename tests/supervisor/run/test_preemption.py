@@ -10,7 +10,7 @@ from typing import Any
 
 from babysit.checkpoints import Catalog
 from babysit.supervisor.config.schema import CheckpointConfig
-from babysit.supervisor.node.just_in_time import Outcome
+from babysit.supervisor.node.last_step import Outcome
 from babysit.supervisor.run.preemption import Preemption
 
 

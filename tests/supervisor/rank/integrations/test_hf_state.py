@@ -28,9 +28,9 @@ from transformers import (  # noqa: E402
 
 from babysit.checkpoints import just_in_time, mark, read_manifest, verify_manifest  # noqa: E402
 from babysit.checkpoints.manifest import FileEntry  # noqa: E402
-from babysit.supervisor.contract import just_in_time as contract  # noqa: E402
+from babysit.supervisor.contract import keeper as contract  # noqa: E402
 from babysit.supervisor.rank.integrations import hf_state  # noqa: E402
-from babysit.supervisor.rank.just_in_time import Keeper  # noqa: E402
+from babysit.supervisor.rank.keeper import Keeper  # noqa: E402
 
 TOKEN = "cd" * 16
 LENGTH, VOCAB = 16, 64

@@ -18,9 +18,9 @@ pl = pytest.importorskip("lightning.pytorch", reason="needs the lightning extra"
 
 from babysit.checkpoints import just_in_time, read_manifest, verify_manifest  # noqa: E402
 from babysit.checkpoints.manifest import FileEntry  # noqa: E402
-from babysit.supervisor.contract import just_in_time as contract  # noqa: E402
+from babysit.supervisor.contract import keeper as contract  # noqa: E402
 from babysit.supervisor.rank.integrations import lightning_state  # noqa: E402
-from babysit.supervisor.rank.just_in_time import Keeper  # noqa: E402
+from babysit.supervisor.rank.keeper import Keeper  # noqa: E402
 
 TOKEN = "ef" * 16
 

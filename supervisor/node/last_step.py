@@ -1,7 +1,7 @@
 """A just-in-time save of the last completed step, over every node's ranks: one path for a job
 of one node or many.
 
-Each attached rank's keeper (``rank/just_in_time.py``) answers on a socket of its own. After a
+Each attached rank's keeper (``rank/keeper.py``) answers on a socket of its own. After a
 hang, a crash or a lost node, and before anything is stopped, ``save`` asks every rank of the
 job that is alive and not stopped what it holds, chooses the writers from all the views
 (``checkpoints.just_in_time.plan``), has them write, has every node copy the marks of its other
@@ -33,7 +33,7 @@ from babysit.checkpoints.layout import step_dir
 from babysit.checkpoints.manifest import FileEntry, hash_file
 from babysit.checkpoints.mark import MarkError
 from babysit.checkpoints.mark import read as read_mark
-from babysit.supervisor.contract import just_in_time as contract
+from babysit.supervisor.contract import keeper as contract
 
 Entry = tuple[str, dict[str, Any]]
 

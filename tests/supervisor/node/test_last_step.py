@@ -1,4 +1,4 @@
-"""A node's part of a just-in-time save (``node/just_in_time.py``) that is pure: what its
+"""A node's part of a just-in-time save (``node/last_step.py``) that is pure: what its
 writers' answers come to. The save itself, against real faults in real torchrun jobs, is the
 end-to-end tests' (``tests/e2e/test_just_in_time.py``, ``tests/e2e/test_integrations.py``)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from babysit.checkpoints.just_in_time import Format
-from babysit.supervisor.node.just_in_time import Written
+from babysit.supervisor.node.last_step import Written
 
 FILE = {"name": "model.safetensors", "size": 4, "crc32": 7}
 

@@ -2,7 +2,7 @@
 
 Each attached rank serves a few requests on a Unix socket of its own, from a thread, so it
 answers while its main thread sits in a collective that will never finish
-(``rank/just_in_time.py``). The node asks (``node/just_in_time.py``). Plain HTTP/1.0 with JSON
+(``rank/keeper.py``). The node asks (``node/last_step.py``). Plain HTTP/1.0 with JSON
 bodies, the standard library's server on one side and ``http.client`` on the other, as torch's
 own control-plane worker server does (``torch.distributed.elastic.control_plane``: the same
 idea, but a private API that logs two C++ warnings per rank and starts only when the script is

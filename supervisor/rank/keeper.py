@@ -3,7 +3,7 @@ is still that step's, writes it on its node's request, and keeps the rank alive 
 
 After a fault the ranks that live usually still hold the model and optimizer of the last
 completed step. The keeper makes that usable (``checkpoints/just_in_time.py`` says what is
-written, ``node/just_in_time.py`` who asks):
+written, ``node/last_step.py`` who asks):
 
 - **marks** (``mark``, at the first top of ``Run.batches()`` after each step, or, in a loop
   without it, at each step's end found by the optimizer's hooks: ``rank.boundary``): the step,
@@ -19,7 +19,7 @@ written, ``node/just_in_time.py`` who asks):
   is settled at the next step's start (``settle``), and until then the state is the step's
   only once the scheduler moved as far as it did after the step before (a fault between
   ``opt.step()`` and ``sched.step()`` keeps nothing).
-- **answers** its node from a thread of its own (``contract/just_in_time.py``), so it writes while
+- **answers** its node from a thread of its own (``contract/keeper.py``), so it writes while
   the main thread sits in a collective that will never finish; on a GPU it copies from a side
   stream once the mark's event completed, never waiting behind the kernel that is stuck.
 - **writes** babysit's own format (``checkpoints.just_in_time.write_part``), or, where a
@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from babysit.checkpoints.just_in_time import shard_of
-from babysit.supervisor.contract import just_in_time as contract
+from babysit.supervisor.contract import keeper as contract
 
 Emit = Callable[..., None]
 

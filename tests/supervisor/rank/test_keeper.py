@@ -1,4 +1,4 @@
-"""A rank's keeper of its last completed step (``rank/just_in_time.py``), in one process: when its
+"""A rank's keeper of its last completed step (``rank/keeper.py``), in one process: when its
 state is still the mark's, its socket and token, the part it writes and how it loads back, and
 a forked child (a DataLoader worker) that dies by SIGTERM as it would have. The keeper meeting a
 real fault in real torchrun jobs is ``tests/e2e/test_just_in_time.py``'s."""
@@ -17,8 +17,8 @@ import torch
 
 from babysit.checkpoints import just_in_time, load
 from babysit.checkpoints.manifest import FileEntry
-from babysit.supervisor.contract import just_in_time as contract
-from babysit.supervisor.rank.just_in_time import Keeper
+from babysit.supervisor.contract import keeper as contract
+from babysit.supervisor.rank.keeper import Keeper
 
 TOKEN = "ab" * 16
 
@@ -152,7 +152,7 @@ HOLDS_THROUGH_SIGTERM = """
 import json, signal, sys
 import torch
 from pathlib import Path
-from babysit.supervisor.rank.just_in_time import Keeper
+from babysit.supervisor.rank.keeper import Keeper
 
 signal.signal(signal.SIGTERM, lambda *a: None)  # a framework's own handler (Lightning's)
 model = torch.nn.Linear(2, 1)
