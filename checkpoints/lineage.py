@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -87,11 +86,6 @@ class Lineage:
     def known(self, timeline: str | None) -> bool:
         """Whether ``timeline`` is this run's (a state of an unknown one is another run's)."""
         return timeline is None or not self.timelines or self.get(timeline) is not None
-
-    def high_water(self, steps: Iterable[tuple[str | None, int]]) -> int | None:
-        """The newest step among ``steps`` ((timeline, step) pairs) that is live."""
-        chain = self.chain()
-        return max((s for t, s in steps if live(chain, t, s)), default=None)
 
     def begin(self, parent: str | None, fork_step: int, attempt: int) -> Lineage:
         """A new timeline, forked from ``parent`` at ``fork_step``, made current."""
@@ -150,12 +144,3 @@ def begin(root: str | Path, parent: str | None, fork_step: int, attempt: int) ->
 def current(root: str | Path | None) -> str | None:
     """The current timeline recorded under ``root`` (None: none recorded)."""
     return None if root is None else read(root).current
-
-
-def chain_from_json(raw: Iterable[Iterable[object]] | None) -> Chain:
-    """A chain as a directive carries it (lists of ``[timeline, limit]``)."""
-    out: list[tuple[str, int | None]] = []
-    for link in raw or ():
-        tid, limit = list(link)
-        out.append((str(tid), None if limit is None else int(str(limit))))
-    return tuple(out)

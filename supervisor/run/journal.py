@@ -153,9 +153,11 @@ class PriorRun:
     """A ``finding`` entry whose rollback or relaunch was decided but never launched: the
     supervisor died in between, and the remedy must not be lost."""
     last_step: int = 0
-    """The newest step it journaled (observed) in its last attempt's timeline, the high-water
-    mark of the run as it now goes (not of a timeline a rollback abandoned): workers that
-    trained on after it died did so unwatched."""
+    """Where its last attempt's timeline began (the step it resumed from): the journal alone
+    knows no newer step of it, since its entries' step stamps still carry the attempt before's
+    until the attempt's first step. ``takeover.high_water`` makes it the newest step observed
+    in that timeline, from ``metrics.jsonl``: workers that trained on after it died did so
+    unwatched."""
     streams: tuple[dict[str, Any], ...] = ()
     """Where the data stream was (its ``worker_stream`` entries, oldest first), so an
     inherited rollback's skip still goes out in samples."""
@@ -191,8 +193,8 @@ def prior_run(entries: list[dict[str, Any]]) -> PriorRun | None:
     pending = [e for e in since_launch if e.get("event") == "finding"
                and e.get("remedy", {}).get("action") in ("rollback", "relaunch")]
     resumed = ((directive or {}).get("resume") or {}).get("step")
-    last_step = max((e["step"] for e in since_launch if isinstance(e.get("step"), int)),
-                    default=resumed if isinstance(resumed, int) else 0)
+    last_step = resumed if isinstance(resumed, int) else 0 if launch else \
+        max((e["step"] for e in entries if isinstance(e.get("step"), int)), default=0)
     streams = tuple(e["data"] for e in entries if e.get("event") == "worker_stream"
                     and isinstance(e.get("data"), dict))
     return PriorRun(last_attempt, unfinished, directive, tuple(p for p in pids if p > 0),

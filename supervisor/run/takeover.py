@@ -8,6 +8,9 @@ says so and retrains nothing. ``take_over`` does all of it once, before the firs
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,10 +57,35 @@ def begin(prior: PriorRun | None, plan: RunPlan, watch: Watch, journal: Callable
     fresh or finished run."""
     if prior is None or not prior.unfinished:
         return None
+    prior = dataclasses.replace(prior, last_step=high_water(plan.run_dir, prior))
     taken = take_over(prior, plan.run_dir, plan.config.launch.stop_grace_s, watch)
     journal("supervisor_takeover", **taken.fields)
     log(taken.describe())
     return taken
+
+
+def high_water(run_dir: Path, prior: PriorRun, tail_bytes: int = 1 << 16) -> int:
+    """The newest step the dead supervisor observed in its last attempt, the high-water mark
+    of the timeline that ran (``checkpoints/lineage.py``): that attempt's newest row in
+    ``metrics.jsonl`` (steps only grow within an attempt, so the file's tail has it); none yet,
+    the step it resumed from (``prior.last_step``). Not the journal's step stamps: until an
+    attempt's first step they still carry the step of the one before, which after a rollback
+    is the abandoned timeline's."""
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().splitlines()
+    except OSError:
+        return prior.last_step
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # torn, or the tail's first, partial line
+        if isinstance(row, dict) and row.get("attempt") == prior.last_attempt \
+                and isinstance(row.get("step"), int):
+            return int(row["step"])
+    return prior.last_step
 
 
 def take_over(prior: PriorRun, run_dir: Path, stop_grace_s: float, watch: Watch) -> Takeover:

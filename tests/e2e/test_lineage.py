@@ -94,3 +94,79 @@ def test_a_config_without_checkpoints_keeps_state_and_a_crash_costs_its_step(
     assert "starting from scratch" not in out
     losses, expected = _losses(run_dir), _losses(clean_dir)
     assert all(losses[s] == expected[s] for s in expected)
+
+
+def test_a_takeover_after_a_rollback_resumes_the_new_timeline_and_its_high_water_mark(
+        tmp_path: Path) -> None:
+    """Attempt 0 trains past the spike at batches 50-52 and rolls back; babysit is SIGKILLed as
+    soon as attempt 1 trains (below attempt 0's high-water mark), and its ranks go on unwatched
+    to step 70, where they hold until a second ``babysit run`` has taken the run over. The
+    takeover must stop them, resume from the newest state of attempt 1's timeline, and say it
+    watched up to attempt 1's steps, not attempt 0's."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import babysit_env
+
+    run_dir, config, taken_over = tmp_path / "run", tmp_path / "run.yaml", tmp_path / "taken"
+    args = ["--steps", "80", "--step-sleep", "0.1", "--spike", "50:53", "--hold-at", "70",
+            "--hold-until", str(taken_over)]
+    config.write_text(
+        f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
+        f"  args: {json.dumps(args)}\n  warm_standby: false\nrun_dir: {run_dir}\n"
+        "checkpoints: {every_steps: 10, probation_steps: 5, async_save: false}\n"
+        f"policy: {POLICY}\n")
+    events = run_dir / "events.jsonl"
+
+    def entries() -> list[dict]:
+        return read_jsonl(events) if events.exists() else []
+
+    first = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
+                             cwd=tmp_path, env=babysit_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(
+                e["event"] == "worker_hello" and e["attempt"] == 1 for e in entries()):
+            time.sleep(0.05)
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    before = entries()
+    launches = [i for i, e in enumerate(before) if e["event"] == "launch"]
+    assert len(launches) == 2, "attempt 1 never launched"
+    high_water_0 = max(e["step"] for e in before[:launches[1]] if isinstance(e.get("step"), int))
+    rows = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl") if m["attempt"] == 1]
+    watched = max(rows, default=None)
+    timeline_1 = next(e["timeline"] for e in before if e["event"] == "timeline"
+                      and e["attempt"] == 1)
+
+    second = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
+                              cwd=tmp_path, env=babysit_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and second.poll() is None and not any(
+                e["event"] == "supervisor_takeover" for e in entries()):
+            time.sleep(0.1)
+        taken_over.touch()  # the ranks go on past step 69
+        out, _ = second.communicate(timeout=180)
+    finally:
+        if second.poll() is None:
+            second.kill()
+    assert second.returncode == 0, out[-6000:]
+    journal = entries()
+    [takeover] = [e for e in journal if e["event"] == "supervisor_takeover"]
+    # The high-water mark of the timeline that ran, not of the one the rollback abandoned.
+    resumed_at = before[launches[1]]["directive"]["resume"]["step"]
+    assert takeover["watched_until_step"] == (watched if watched is not None else resumed_at)
+    assert takeover["watched_until_step"] < high_water_0
+    after = journal[journal.index(takeover):]
+    resume = next(e for e in after if e["event"] == "resume" and e.get("from"))
+    assert resume["timeline"] == timeline_1 and resume["checkpoint_step"] >= 50
+    assert journal[-1]["event"] == "run_finished" and journal[-1]["state"] == "succeeded"
+    assert max(m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")) == 80
