@@ -170,3 +170,22 @@ def test_a_takeover_after_a_rollback_resumes_the_new_timeline_and_its_high_water
     assert resume["timeline"] == timeline_1 and resume["checkpoint_step"] >= 50
     assert journal[-1]["event"] == "run_finished" and journal[-1]["state"] == "succeeded"
     assert max(m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")) == 80
+
+
+def test_a_config_without_checkpoints_keeps_an_fsdp2_shard_a_dead_rank_held(
+        tmp_path: Path) -> None:
+    """FSDP2: the dead rank held the only copy of its shard, so the live ranks cannot write the
+    step; what babysit kept unasked (``auto``'s memory copies, the first at step 10) resumes the
+    run, not step 1."""
+    run_dir, config = tmp_path / "run", tmp_path / "run.yaml"
+    args = ["--fsdp", "--steps", "40", "--step-sleep", "0.02", "--at", "0:1:30:SIGSEGV"]
+    config.write_text(f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n"
+                      f"  nproc-per-node: 2\n  args: {json.dumps(args)}\n"
+                      f"run_dir: {run_dir}\npolicy: {{name: {FAST_POLICY}}}\n")
+    done = run_babysit("run", str(config), cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [kept] = journal(run_dir, "just_in_time")
+    assert kept["outcome"] == "none"  # rank 1 took its shard with it
+    [resumed] = [e for e in journal(run_dir, "resume") if e.get("from")]
+    assert resumed["origin"] == "memory" and 10 <= resumed["checkpoint_step"] < 30, resumed
+    assert "starting from scratch" not in done.stdout
