@@ -70,27 +70,41 @@ def test_spike_rollback_then_a_dead_fsdp2_rank_resumes_from_the_new_timelines_co
 
 def test_a_config_without_checkpoints_keeps_state_and_a_crash_costs_its_step(
         tmp_path: Path) -> None:
+    """As a user writes a config (no checkpoints section), a rank segfaults at step 40; then,
+    as the relaunch's ranks load that step's state, a rank dies inside the load. The next
+    attempt loads the same state again (a load that never finished made no state of its own),
+    and the run ends bit for bit as the clean one."""
     def run(name: str, *faults: str) -> tuple[str, Path]:
         run_dir = tmp_path / name
         config = tmp_path / f"{name}.yaml"
         args = ["--ddp", "--steps", "60", "--step-sleep", "0.02", *faults]
+        launch = "  warm_standby: false\n"  # the directive a rank reads is its attempt's
         # As a user writes it: no checkpoints section at all.
         config.write_text(f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n"
-                          f"  nproc-per-node: 2\n  args: {json.dumps(args)}\n"
+                          f"  nproc-per-node: 2\n  args: {json.dumps(args)}\n{launch}"
                           f"run_dir: {run_dir}\npolicy: {{name: {FAST_POLICY}}}\n")
         done = run_babysit("run", str(config), cwd=tmp_path, timeout=240)
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout, run_dir
 
     clean_out, clean_dir = run("clean")
-    out, run_dir = run("crash", "--at", "0:1:40:SIGSEGV")
+    out, run_dir = run("crash", "--at", "0:1:40:SIGSEGV", "--die-in-load", "1:1")
     # Said at the start, in one plain line.
     for console in (clean_out, out):
         assert console.count("babysit: keeping a checkpoint every 100 steps, then as this "
                              "run's costs advise, the last completed step after a fault") == 1
-    # The rank died before step 40: the survivors wrote step 39, and the run went on from it.
-    [resumed] = [e for e in journal(run_dir, "resume") if e.get("from")]
-    assert resumed["origin"] == "just_in_time" and resumed["checkpoint_step"] == 39
+    # The rank died before step 40: the survivors wrote step 39, and the run went on from it,
+    # twice: the first relaunch died as it loaded, and the second took the same state.
+    resumes = [e for e in journal(run_dir, "resume") if e.get("from")]
+    assert [(e["attempt"], e["origin"], e["checkpoint_step"]) for e in resumes] == [
+        (1, "just_in_time", 39), (2, "just_in_time", 39)]
+    timelines = {e["attempt"]: e for e in journal(run_dir, "timeline")}
+    assert timelines[2]["parent"] == timelines[0]["timeline"] == resumes[1]["timeline"]
+    assert "dies while its resume loads" in out
+    crashes = [e for e in journal(run_dir, "finding") if e["finding"]["incident"] == "crash"]
+    assert [e["attempt"] for e in crashes] == [0, 1]
+    # A rank that died loading trained no batch: nothing is skipped.
+    assert all(e["directive"]["skip"] == [] for e in journal(run_dir, "launch"))
     assert "starting from scratch" not in out
     losses, expected = _losses(run_dir), _losses(clean_dir)
     assert all(losses[s] == expected[s] for s in expected)

@@ -53,6 +53,9 @@ Faults, at a rank and step (``run.step_count``, the steps completed) or at a dat
                            per step to DIR/<rank>
     --raise-sample I       with --elastic-data: reading sample I raises ValueError, in every
                            attempt, on whichever rank draws it (a corrupt file in the data set)
+    --die-in-load ATTEMPT:RANK  that rank SIGKILLs itself inside DCP's load of the attempt's
+                           resume (the others wait in its collectives): a crash while a resume
+                           loads
     --reinit-after-attach  on a resume, re-initialise the model right after attach() restored
                            it: a "load pretrained" line placed after attach()
     --slow-data RANK:SEC[:START:END]  that rank waits SEC seconds for every batch (a slow
@@ -110,6 +113,7 @@ tensors.
 """
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -145,6 +149,24 @@ def strike(what: str, rank: int, step: int, run: Any = None) -> None:
             sum(i * i for i in range(1000))
     else:
         os.kill(os.getpid(), getattr(signal, what))
+
+
+def die_in_load(attempt: int, victim: int, rank: int) -> None:
+    """On ``attempt``, rank ``victim`` dies (SIGKILL) inside DCP's load of its resume: torch's
+    loader, wrapped before ``attach()`` imports it."""
+    import torch.distributed.checkpoint.state_dict_loader as loader
+
+    real = loader.load
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        directive = os.environ.get("BABYSIT_DIRECTIVE")
+        told = json.loads(Path(directive).read_text()) if directive else {}
+        if told.get("attempt") == attempt and rank == victim:
+            print(f"rank {rank}: dies while its resume loads", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+
+    loader.load = load
 
 
 def flip_memory_copy(run: Any, rank: int) -> None:
@@ -329,6 +351,7 @@ def main() -> None:
     p.add_argument("--index-log")
     p.add_argument("--raise-sample", type=int)
     p.add_argument("--reinit-after-attach", action="store_true")
+    p.add_argument("--die-in-load", type=pair)
     p.add_argument("--slow-data", type=lambda t: [float(x) if "." in x else int(x)
                                                   for x in t.split(":")])
     p.add_argument("--loss-every", type=int, default=0)
@@ -385,6 +408,8 @@ def main() -> None:
         net = model  # data parallel by hand: average_gradients() after each backward
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+    if args.die_in_load:
+        die_in_load(*args.die_in_load, rank)
     run = attach(model=model, optimizer=opt, scheduler=sched,
                  flops_per_token=args.flops_per_token, peak_flops=args.peak_flops)
     if args.reinit_after_attach and run.step_count > 0:
