@@ -741,3 +741,41 @@ def test_a_node_slowed_by_a_cpu_limit_is_named_and_evicted_for_a_spare_when_it_p
     # The relaunch on 0, 1 and the spare ends clean on every node (node 2's torchrun and its
     # slow teardown are gone with its eviction).
     assert run.aborted_in_teardown() or run.ending_noise() == [], run.logs()
+
+
+def test_a_lost_node_then_a_spike_rolls_the_smaller_job_back_on_its_own_timeline(
+        tmp_path: Path) -> None:
+    """Faults in sequence on several nodes: node 2 is lost (the job goes on with 2 ranks from
+    the state the others kept), then the data spikes at batches 28-30 and the 2-rank job rolls
+    back. The rollback's state is on the run's live history (``checkpoints/lineage.py``):
+    the 2-rank attempt's, or the 3-rank attempt's from before that attempt forked; what the
+    2-rank attempt kept past it is fenced."""
+    run = Nodes(tmp_path, "--global-batch", "12", "--spike", "28:31", nnodes="2:3", steps=40,
+                nproc=1, overrides="{rollback: {rerun_max_steps: 0}}")
+    for node in range(3):
+        run.start(node)
+    run.until("step 12", lambda: _step(run) >= 12)
+    run.kill(2)
+    codes = run.wait()
+    assert codes[0] == 0 and codes[1] == 0, run.logs()
+    launches = run.events("launch")
+    assert [e["nodes"] for e in launches] == [[0, 1, 2], [0, 1], [0, 1]], run.logs()
+    [spike] = [e for e in run.events("finding") if e["remedy"]["action"] == "rollback"]
+    assert spike["attempt"] == 1
+    timelines = {e["attempt"]: e for e in run.events("timeline")}
+    resumes = {e["attempt"]: e for e in run.events("resume") if e.get("from")}
+    back = resumes[2]
+    assert back["checkpoint_step"] < spike["finding"]["onset_step"]
+    # On the live history: the 2-rank attempt's own state, or the 3-rank one's at most up to
+    # where the 2-rank attempt forked from it.
+    assert back["timeline"] == timelines[1]["timeline"] or (
+        back["timeline"] == timelines[0]["timeline"]
+        and back["checkpoint_step"] <= timelines[1]["fork_step"]), (back, timelines)
+    assert timelines[2]["parent"] == back["timeline"]
+    assert timelines[2]["fork_step"] == back["checkpoint_step"]
+    saved_1 = [e["checkpoint_step"] for e in run.events("checkpoint_saved") if e["attempt"] == 1]
+    assert set(timelines[2]["fenced_steps"]) == {s for s in saved_1
+                                                  if s > back["checkpoint_step"]}
+    worlds = {e["attempt"]: e["data"]["world_size"] for e in run.events("worker_hello")}
+    assert worlds[2] == 2
+    assert run.events("run_finished")[-1]["state"] == "succeeded"
