@@ -311,19 +311,23 @@ def checkpoints(h: History) -> list[dict[str, Any]]:
     """Committed checkpoints and verdicts under the run's checkpoint root, oldest first.
 
     Falls back to the journal's checkpoint_saved/checkpoint_verdict events when the root is gone
-    (another machine, retention); an unreadable root is reported, never raised.
+    (another machine, retention) or holds none (stdout mode's copies of the script's own are
+    elsewhere; the root may hold only the run's lineage); an unreadable root is reported,
+    never raised.
     """
     root = h.checkpoint_root
     if root.is_dir():
         from babysit.checkpoints.catalog import Catalog
 
         try:
-            return [{"step": c.step, "cursor": c.cursor, "verdict": c.verdict.value,
-                     "reason": c.reason, "path": str(c.path), "origin": c.manifest.origin}
-                    for c in Catalog(root).checkpoints()]
+            listed = [{"step": c.step, "cursor": c.cursor, "verdict": c.verdict.value,
+                       "reason": c.reason, "path": str(c.path), "origin": c.manifest.origin}
+                      for c in Catalog(root).checkpoints()]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return [{"step": None, "cursor": None, "verdict": "unreadable",
                      "reason": f"{type(exc).__name__}: {exc}", "path": str(root)}]
+        if listed:
+            return listed
     found: dict[int, dict[str, Any]] = {}
     for e in h.events:
         data = _dict(e.get("data"))
