@@ -56,7 +56,9 @@ def test_a_killed_supervisor_is_taken_over_and_the_run_resumes(tmp_path: Path) -
     before = read_jsonl(run_dir / "events.jsonl")
     workers = [e["data"]["pid"] for e in before if e["event"] == "worker_hello"]
     assert all(psutil.pid_exists(p) for p in workers)  # orphans, still training unwatched
-    watched = max(e["step"] for e in before if isinstance(e.get("step"), int))
+    # The newest step it observed: the attempt's newest row in metrics.jsonl (the journal's
+    # step stamps may lag it by a step).
+    watched = max(m["step"] for m in read_jsonl(run_dir / "metrics.jsonl"))
     # Let them write two checkpoints nobody watches before taking over (35 the last: they
     # hold before step 36).
     deadline = time.monotonic() + 30
