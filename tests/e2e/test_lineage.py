@@ -117,8 +117,8 @@ def test_a_takeover_after_a_rollback_resumes_the_new_timeline_and_its_high_water
     unwatched to step 70, where they hold until a second ``babysit run`` has taken the run
     over. The
     takeover must stop them, resume from the newest state of attempt 1's timeline, and say it
-    watched up to attempt 1's steps, not attempt 0's. (Whether the orphans trained on before
-    the takeover varies here: some runs they saved 50 and 60, some none.)"""
+    watched up to attempt 1's steps, not attempt 0's. (Whether the orphans saved 50 before
+    the takeover stopped them, first thing, depends on how soon the second babysit started.)"""
     import signal
     import subprocess
     import sys
