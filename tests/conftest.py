@@ -169,6 +169,27 @@ def console_noise(console: str, journal: list[dict[str, Any]], ranks: list[int],
     return noise("\n".join(kept), alerts=alerts)
 
 
+def take_over(config: Path, run_dir: Path, release: Path) -> tuple[int, str]:
+    """Run ``babysit run config`` again on a run whose supervisor was killed: once it journals
+    ``supervisor_takeover``, make ``release`` (the file the orphaned ranks hold on,
+    ``tiny_train --hold-until``) so they go on. Returns its exit code and its output."""
+    second = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
+                              cwd=config.parent, env=babysit_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    events = run_dir / "events.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and second.poll() is None and not any(
+                e["event"] == "supervisor_takeover" for e in read_jsonl(events)):
+            time.sleep(0.1)
+        release.touch()
+        out, _ = second.communicate(timeout=180)
+    finally:
+        if second.poll() is None:
+            second.kill()
+    return second.returncode, out
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

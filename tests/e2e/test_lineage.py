@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST_POLICY, WORKERS, babysat, journal, read_jsonl, run_babysit
+from tests.conftest import (
+    FAST_POLICY,
+    WORKERS,
+    babysat,
+    journal,
+    read_jsonl,
+    run_babysit,
+    take_over,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -162,20 +170,8 @@ def test_a_takeover_after_a_rollback_resumes_the_new_timeline_and_its_high_water
     timeline_1 = next(e["timeline"] for e in before if e["event"] == "timeline"
                       and e["attempt"] == 1)
 
-    second = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
-                              cwd=tmp_path, env=babysit_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and second.poll() is None and not any(
-                e["event"] == "supervisor_takeover" for e in entries()):
-            time.sleep(0.1)
-        taken_over.touch()  # the ranks go on past step 69
-        out, _ = second.communicate(timeout=180)
-    finally:
-        if second.poll() is None:
-            second.kill()
-    assert second.returncode == 0, out[-6000:]
+    code, out = take_over(config, run_dir, taken_over)  # the ranks go on past step 69
+    assert code == 0, out[-6000:]
     journal = entries()
     [takeover] = [e for e in journal if e["event"] == "supervisor_takeover"]
     # The high-water mark of the timeline that ran, not of the one the rollback abandoned.

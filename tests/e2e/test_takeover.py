@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from babysit.checkpoints import Catalog
-from tests.conftest import WORKERS, babysit_env, read_jsonl, run_babysit
+from tests.conftest import WORKERS, babysit_env, read_jsonl, run_babysit, take_over
 from tests.journal_text import problems
 
 pytestmark = pytest.mark.e2e
@@ -66,20 +66,8 @@ def test_a_killed_supervisor_is_taken_over_and_the_run_resumes(tmp_path: Path) -
             run_dir / "checkpoints" / f"step_{min((watched // 5 + 2) * 5, 35):08d}").exists():
         time.sleep(0.1)
 
-    second = subprocess.Popen([sys.executable, "-m", "babysit", "run", str(config)],
-                              cwd=tmp_path, env=babysit_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and second.poll() is None and not any(
-                e["event"] == "supervisor_takeover" for e in read_jsonl(run_dir / "events.jsonl")):
-            time.sleep(0.1)
-        taken_over.touch()  # the ranks of the run go on past step 35
-        out, _ = second.communicate(timeout=180)
-    finally:
-        if second.poll() is None:
-            second.kill()
-    assert second.returncode == 0, out[-6000:]
+    code, out = take_over(config, run_dir, taken_over)  # the ranks go on past step 35
+    assert code == 0, out[-6000:]
     journal = read_jsonl(run_dir / "events.jsonl")
     (takeover,) = [e for e in journal if e["event"] == "supervisor_takeover"]
     assert set(workers) <= set(takeover["stopped_pids"])
