@@ -32,19 +32,8 @@ def test_a_dev_shm_too_small_for_the_copies_is_said_once_with_what_to_change(
         tmp_path: Path) -> None:
     if subprocess.run([*SHM_64M, "true"], capture_output=True).returncode:
         pytest.skip("no mount namespace with a tmpfs of its own here (needs root)")
-    run_dir = tmp_path / "run"
-    config = tmp_path / "run.yaml"
-    args = ["--fsdp", "--width", str(WIDTH), "--steps", "6", "--step-sleep", "0"]
-    config.write_text(
-        f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
-        f"  args: {json.dumps(args)}\n  warm_standby: false\n"
-        f"run_dir: {run_dir}\n"
-        "checkpoints: {every_steps: 100, memory_every_steps: 2, async_save: false}\n"
-        f"policy: {{name: {FAST_POLICY}}}\n")
-    done = subprocess.run([*SHM_64M, sys.executable, "-m", "babysit", "run", str(config)],
-                          cwd=tmp_path, env=babysit_env(), capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done, run_dir = _run_under(SHM_64M, tmp_path, "--fsdp", "--width", str(WIDTH),
+                               "--steps", "6")
 
     [off] = journal(run_dir, "memory_copy_off")
     why = off["why"]
@@ -67,18 +56,7 @@ def test_a_node_without_a_writable_dev_shm_says_where_its_folder_went_instead(
                  "shm-ro"]
     if subprocess.run([*read_only, "true"], capture_output=True).returncode:
         pytest.skip("no mount namespace with a tmpfs of its own here (needs root)")
-    run_dir = tmp_path / "run"
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
-        f"  args: {json.dumps(['--steps', '4', '--step-sleep', '0'])}\n"
-        f"  warm_standby: false\nrun_dir: {run_dir}\n"
-        "checkpoints: {every_steps: 100, memory_every_steps: 2, async_save: false}\n"
-        f"policy: {{name: {FAST_POLICY}}}\n")
-    done = subprocess.run([*read_only, sys.executable, "-m", "babysit", "run", str(config)],
-                          cwd=tmp_path, env=babysit_env(), capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done, run_dir = _run_under(read_only, tmp_path, "--steps", "4")
     [fallback] = journal(run_dir, "shared_memory_fallback")
     folder = Path(fallback["path"])
     assert folder.parent == Path(tempfile.gettempdir()) and not folder.exists()
@@ -86,3 +64,22 @@ def test_a_node_without_a_writable_dev_shm_says_where_its_folder_went_instead(
     assert (f"babysit: no shared memory: /dev/shm is not writable: memory copies and step "
             f"marks go to {folder.parent} instead, on disk (give the node a writable "
             f"/dev/shm)") in done.stdout
+
+
+def _run_under(prefix: list[str], tmp_path: Path, *args: str
+               ) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``babysit run`` of two ranks of ``tiny_train.py args`` (no pause between steps, memory
+    copies every 2 steps), started under ``prefix`` (a /dev/shm of its own); it must succeed.
+    Returns the finished process and the run directory."""
+    run_dir, config = tmp_path / "run", tmp_path / "run.yaml"
+    config.write_text(
+        f"launch:\n  script: {WORKERS / 'tiny_train.py'}\n  nproc-per-node: 2\n"
+        f"  args: {json.dumps([*args, '--step-sleep', '0'])}\n  warm_standby: false\n"
+        f"run_dir: {run_dir}\n"
+        "checkpoints: {every_steps: 100, memory_every_steps: 2, async_save: false}\n"
+        f"policy: {{name: {FAST_POLICY}}}\n")
+    done = subprocess.run([*prefix, sys.executable, "-m", "babysit", "run", str(config)],
+                          cwd=tmp_path, env=babysit_env(), capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done, run_dir
